@@ -1,0 +1,42 @@
+# Quickstart: `make demo` then `make test`. Everything runs from the local .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch goes in first and explicitly: an unpinned torch pulls a multi-GB CUDA build. Where there
+# is no GPU we take the pinned (CPU) build; override TORCH_SPEC / TORCH_PIP_ARGS for other wheels,
+# e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
+ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
+TORCH_SPEC ?= torch==2.13.0
+else
+TORCH_SPEC ?= torch>=2.4
+endif
+TORCH_PIP_ARGS ?=
+CORPUS := data/raw/shakespeare
+
+.PHONY: install demo corpus test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+corpus: install
+	$(BIN)/python data_pipelines/shakespeare.py --out $(CORPUS)
+
+demo: corpus
+	$(BIN)/scaletrain prepare configs/gpt_tiny.yaml
+	$(BIN)/scaletrain train configs/gpt_tiny.yaml
+	$(BIN)/scaletrain generate runs/gpt_tiny --prompt "ROMEO:" --max-new-tokens 80
+
+test: install
+	$(BIN)/python -m pytest tests
+
+lint: install
+	$(BIN)/ruff check scaletrain tests data_pipelines benchmarks
+
+clean:
+	rm -rf $(VENV) runs data .cache wandb

@@ -1,0 +1,379 @@
+"""Typed run configuration: YAML files + dotted CLI overrides, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value a user must fix; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gpt"
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 4
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size, as in GPT-2/3
+    seq_length: int = 128
+    # Megatron pads the vocabulary so every tensor-parallel shard has equal rows; we pad to a
+    # multiple that does not depend on the layout, so all layouts build identical weights.
+    vocab_divisible_by: int = 128
+    dropout: float = 0.0
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/gpt_tiny"  # tokenizer + shards + manifest
+    raw: list[str] = field(default_factory=list)  # text files, directories or globs for `prepare`
+    vocab_size: int = 8192  # sentencepiece pieces + sentinels
+    num_sentinels: int = 100  # T5 <extra_id_i>, appended at the end of the vocabulary
+    val_fraction: float = 0.05
+    max_tokens_per_shard: int = 1 << 22
+    prepare_workers: int = 2
+    loader_workers: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int | None = None  # None: derived as world_size / (tensor * pipeline)
+    zero_stage: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # length of the LR schedule and of the run
+    exit_after: int | None = None  # stop after this many steps in this invocation (checkpointing first)
+    seed: int = 1234
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    # Megatron-style alternative to grad_accum: fix the global batch and derive grad_accum from
+    # the data-parallel size at launch, so the same config trains the same way at any scale.
+    global_batch_size: int | None = None
+    resume: str = "auto"  # auto | never | path to a checkpoint directory
+    eval_every: int = 50  # 0 disables periodic validation
+    eval_samples: int = 64  # validation sequences per evaluation
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    activation_checkpointing: bool = False
+    log_every: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    keep_last: int = 2
+
+
+@dataclass
+class TrackingConfig:
+    wandb: str = "offline"  # offline | online | disabled
+    project: str = "scaletrain"
+    name: str | None = None
+    peak_tflops: float | None = None  # per-device peak for MFU where the device is not recognised
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/gpt_tiny"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.model.vocab_divisible_by
+        return math.ceil(self.data.vocab_size / multiple) * multiple
+
+    def global_batch_size(self, data_parallel_size: int) -> int:
+        return self.train.micro_batch_size * self.train.grad_accum * data_parallel_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (following `base:` includes), apply `a.b=value` overrides, validate."""
+    raw = _read_yaml_with_bases(Path(path), seen=())
+    for override in overrides:
+        _apply_override(raw, override)
+    config = config_from_dict(raw, source=str(path))
+    validate(config)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    return _build_dataclass(Config, raw, prefix="", source=source)
+
+
+def save_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def _read_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a YAML file such as configs/gpt_tiny.yaml")
+    if path.resolve() in seen:
+        raise ConfigError(f"config {path} includes itself through `base:`; remove the cycle")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    parent = _read_yaml_with_bases(path.parent / base, seen + (path.resolve(),))
+    return _deep_merge(parent, raw)
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key or "." not in key:
+        raise ConfigError(f"override {override!r} must look like section.key=value, e.g. train.lr=3e-4")
+    *sections, leaf = key.split(".")
+    node = raw
+    for section in sections:
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {section} is not a section")
+    node[leaf] = yaml.safe_load(text) if text != "" else None
+
+
+def _build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key {prefix}{unknown[0]}; valid keys under "
+            f"{prefix.rstrip('.') or 'the top level'} are: {', '.join(sorted(names))}"
+        )
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build_dataclass(hint, value, f"{prefix}{name}.", source)
+        else:
+            values[name] = _coerce(value, hint, f"{prefix}{name}", source)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    """Check a YAML value against a field's type; ints are accepted where floats are expected."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{source}: {key} must be set (got null)")
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option in (str, bool) and isinstance(value, option):
+            return value
+        if typing.get_origin(option) is list and isinstance(value, list):
+            return [str(item) for item in value]
+        if option is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    expected = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    raise ConfigError(f"{source}: {key} must be {expected}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: every rule lives here, so a bad config fails at load time with one message.
+
+SUPPORTED_FAMILIES = ("gpt",)
+
+
+def validate(config: Config) -> None:
+    _validate_model(config)
+    _validate_parallel(config)
+    _validate_train(config)
+    _validate_data(config)
+    if config.checkpoint.every < 1 or config.checkpoint.keep_last < 1:
+        raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
+    if config.tracking.wandb not in ("offline", "online", "disabled"):
+        raise ConfigError(f"tracking.wandb={config.tracking.wandb!r}; use offline, online or disabled")
+
+
+def _validate_model(config: Config) -> None:
+    model, tensor = config.model, config.parallel.tensor
+    if model.family not in SUPPORTED_FAMILIES:
+        raise ConfigError(f"model.family={model.family!r} is not supported; use one of {SUPPORTED_FAMILIES}")
+    for key in ("num_layers", "hidden_size", "num_heads", "seq_length"):
+        if getattr(model, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(model, key)} must be >= 1")
+    if model.hidden_size % model.num_heads:
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}; "
+            f"use a head count from {_divisors(model.hidden_size)}"
+        )
+    if model.num_heads % tensor:
+        raise ConfigError(
+            f"parallel.tensor={tensor} does not divide model.num_heads={model.num_heads}; "
+            f"use {_or_list(_divisors(model.num_heads))}"
+        )
+    if model.ffn_size % tensor:
+        raise ConfigError(f"parallel.tensor={tensor} does not divide the FFN size {model.ffn_size}")
+    if model.vocab_divisible_by % tensor:
+        raise ConfigError(
+            f"model.vocab_divisible_by={model.vocab_divisible_by} is not a multiple of parallel.tensor={tensor}; "
+            "use a multiple such as 128"
+        )
+    if not 0.0 <= model.dropout < 1.0:
+        raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
+
+
+def _validate_parallel(config: Config) -> None:
+    parallel = config.parallel
+    for key in ("tensor", "pipeline"):
+        if getattr(parallel, key) < 1:
+            raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
+    if parallel.data is not None and parallel.data < 1:
+        raise ConfigError(f"parallel.data={parallel.data} must be >= 1 (or omitted to derive it)")
+    if parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}; use 0, 1, 2 or 3")
+    if parallel.pipeline > 1 and parallel.zero_stage > 1:
+        raise ConfigError(
+            f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
+            "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
+        )
+    if parallel.pipeline > 1:
+        raise ConfigError(
+            f"parallel.pipeline={parallel.pipeline}: pipeline parallelism is not available in this release; "
+            "use parallel.pipeline=1 with tensor and data parallelism"
+        )
+
+
+def _validate_train(config: Config) -> None:
+    train = config.train
+    positive = ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_samples")
+    if train.global_batch_size is not None and train.global_batch_size < 1:
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be >= 1")
+    for key in positive:
+        if getattr(train, key) < 1:
+            raise ConfigError(f"train.{key}={getattr(train, key)} must be >= 1")
+    if train.exit_after is not None and train.exit_after < 1:
+        raise ConfigError(f"train.exit_after={train.exit_after} must be >= 1 (or null for no early exit)")
+    if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
+        raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} need 0 <= min_lr <= lr, lr > 0")
+    if not 0 <= train.warmup_steps < train.steps:
+        raise ConfigError(f"train.warmup_steps={train.warmup_steps} must be in [0, train.steps={train.steps})")
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={train.eval_every} must be >= 0 (0 disables validation)")
+    if train.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.precision={train.precision!r}; use auto, fp32 or bf16")
+    if train.global_batch_size is not None and train.grad_accum != 1:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} and train.grad_accum={train.grad_accum} are both "
+            "set; set one (grad_accum is derived from the global batch at launch)"
+        )
+    if train.grad_clip < 0:
+        raise ConfigError(f"train.grad_clip={train.grad_clip} must be >= 0 (0 disables clipping)")
+
+
+def _validate_data(config: Config) -> None:
+    data = config.data
+    reserved = 7 + data.num_sentinels  # pad, unk, bos, eos, [MASK], [CLS], [SEP] + sentinels
+    if data.vocab_size <= reserved + 64:
+        raise ConfigError(
+            f"data.vocab_size={data.vocab_size} leaves too few learned pieces after {reserved} special tokens; "
+            f"use at least {reserved + 256}"
+        )
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={data.val_fraction} must be in [0, 1)")
+    if data.loader_workers < 0 or data.prepare_workers < 1:
+        raise ConfigError("data.loader_workers must be >= 0 and data.prepare_workers >= 1")
+
+
+def resolve_for_world(config: Config, world_size: int) -> Config:
+    """The config with parallel.data and train.grad_accum fixed for this world size.
+
+    DP is derived from the world size, or checked against it when the config sets it.
+    """
+    model_parallel = config.parallel.tensor * config.parallel.pipeline
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
+            f"{config.parallel.tensor} x {config.parallel.pipeline}; launch a multiple of {model_parallel} processes"
+        )
+    data_parallel = world_size // model_parallel
+    if config.parallel.data is not None and config.parallel.data != data_parallel:
+        raise ConfigError(
+            f"world size {world_size} != parallel.tensor x parallel.pipeline x parallel.data = "
+            f"{config.parallel.tensor} x {config.parallel.pipeline} x {config.parallel.data}; "
+            f"launch {model_parallel * config.parallel.data} processes or set parallel.data={data_parallel}"
+        )
+    grad_accum = config.train.grad_accum
+    if config.train.global_batch_size is not None:
+        per_step = config.train.micro_batch_size * data_parallel
+        if config.train.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={config.train.global_batch_size} is not divisible by "
+                f"train.micro_batch_size x data-parallel size = {config.train.micro_batch_size} x {data_parallel}; "
+                "change the micro-batch size or the number of processes"
+            )
+        grad_accum = config.train.global_batch_size // per_step
+    return dataclasses.replace(
+        config,
+        parallel=dataclasses.replace(config.parallel, data=data_parallel),
+        train=dataclasses.replace(config.train, grad_accum=grad_accum, global_batch_size=None),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _or_list(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])

@@ -1,0 +1,13 @@
+"""Data: tokenizer training, webdataset shards + manifest, packed-sequence loader and collators.
+
+Modules, one concern each:
+  tokenizer   sentencepiece BPE with the fixed special-id layout BERT/T5 rely on
+  documents   raw input files -> named documents, deterministic train/val split
+  shards      webdataset tar shards and the byte-offset index for zero-copy reads
+  manifest    manifest.json: what was prepared, with checksums; loading + checks
+  prepare     `prepare_dataset`: all of the above, published atomically
+  dataset     packed next-token sequences read straight from the shards
+  sampler     sample order as a function of (seed, global index); DP rank slicing
+  loader      DataLoaders for training and evaluation
+  objectives  collators per training objective
+"""

@@ -1,0 +1,33 @@
+"""Model families built on megatron-core tensor-parallel primitives."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+
+from scaletrain.config import Config
+from scaletrain.model.gpt import GPT
+
+
+def model_parallel_config(config: Config) -> ModelParallelConfig:
+    """CPU initialisation always: it builds each full master weight, which is what makes the
+    initial model identical in every layout (see model/init.py)."""
+    return ModelParallelConfig(
+        tensor_model_parallel_size=config.parallel.tensor,
+        pipeline_model_parallel_size=config.parallel.pipeline,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32 if config.parallel.pipeline > 1 else None,
+    )
+
+
+def build_model(config: Config) -> nn.Module:
+    return GPT(
+        config.model,
+        vocab_size=config.padded_vocab_size,
+        mp_config=model_parallel_config(config),
+        seed=config.train.seed,
+        activation_checkpointing=config.train.activation_checkpointing,
+    )

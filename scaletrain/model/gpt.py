@@ -1,0 +1,85 @@
+"""GPT decoder (Radford et al. 2018/2019, Brown et al. 2020) on tensor-parallel layers."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.init import normal_init, residual_std
+from scaletrain.model.layers import ParallelMLP, ParallelSelfAttention, PreLayerNormBlock, parallel_lm_logits
+
+
+class GPTEmbedding(nn.Module):
+    """Vocab-parallel token embedding + learned absolute positions; output [seq, batch, hidden]."""
+
+    def __init__(self, config: ModelConfig, vocab_size: int, mp_config: ModelParallelConfig, seed: int) -> None:
+        super().__init__()
+        self.word = tensor_parallel.VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=normal_init(config.init_std, seed, "embedding.word"),
+            config=mp_config,
+        )
+        self.position = nn.Embedding(config.seq_length, config.hidden_size)
+        with torch.no_grad():
+            normal_init(config.init_std, seed, "embedding.position")(self.position.weight)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        embedded = self.word(tokens) + self.position(positions)
+        return self.dropout(embedded.transpose(0, 1).contiguous())
+
+
+class GPT(nn.Module):
+    """Causal LM: embedding, pre-LN blocks, final LayerNorm, tied vocab-parallel output layer."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        vocab_size: int,
+        mp_config: ModelParallelConfig,
+        seed: int,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.activation_checkpointing = activation_checkpointing
+        self.embedding = GPTEmbedding(config, vocab_size, mp_config, seed)
+        self.blocks = nn.ModuleList(
+            _build_block(config, mp_config, seed, layer) for layer in range(config.num_layers)
+        )
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> mean next-token loss if labels are given, else vocab-parallel logits."""
+        hidden = self.embedding(tokens)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training:
+                hidden = checkpoint(block, hidden, use_reentrant=False)
+            else:
+                hidden = block(hidden)
+        logits = parallel_lm_logits(self.final_norm(hidden), self.embedding.word.weight)
+        if labels is None:
+            return logits.transpose(0, 1)  # [batch, seq, vocab / tensor_parallel_size]
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+        return losses.mean()
+
+
+def _build_block(config: ModelConfig, mp_config: ModelParallelConfig, seed: int, layer: int) -> PreLayerNormBlock:
+    prefix = f"blocks.{layer}"
+    output_std = residual_std(config.init_std, config.num_layers)
+    attention = ParallelSelfAttention(
+        config.hidden_size, config.num_heads, mp_config,
+        init_method=normal_init(config.init_std, seed, f"{prefix}.attention.qkv"),
+        output_init_method=normal_init(output_std, seed, f"{prefix}.attention.output"),
+        causal=True, attention_dropout=config.dropout,
+    )
+    mlp = ParallelMLP(
+        config.hidden_size, config.ffn_size, mp_config,
+        init_method=normal_init(config.init_std, seed, f"{prefix}.mlp.fc"),
+        output_init_method=normal_init(output_std, seed, f"{prefix}.mlp.proj"),
+    )
+    return PreLayerNormBlock(attention, mlp, config.hidden_size, config.layernorm_eps, config.dropout)

@@ -1,0 +1,125 @@
+"""Tensor-parallel transformer layers on megatron-core primitives.
+
+Activations are [sequence, batch, hidden], megatron's layout, so sequence parallelism can
+split dimension 0. Attention heads and FFN columns are split across tensor-parallel ranks:
+column-parallel in, row-parallel out, one all-reduce per sub-layer (Shoeybi et al. 2019, sec. 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+
+from scaletrain.model.init import InitMethod
+
+
+class ParallelSelfAttention(nn.Module):
+    """Multi-head self-attention with heads split across tensor-parallel ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        mp_config: ModelParallelConfig,
+        init_method: InitMethod,
+        output_init_method: InitMethod,
+        causal: bool,
+        attention_dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        tensor_parallel_size = mp_config.tensor_model_parallel_size
+        self.heads_per_rank = num_heads // tensor_parallel_size
+        self.head_dim = hidden_size // num_heads
+        self.causal = causal
+        self.attention_dropout = attention_dropout
+        # The master weight is [Q; K; V] (GPT-2's c_attn layout); stride=3 hands each rank its
+        # own heads' rows of all three, so the local output splits cleanly into q, k, v.
+        self.qkv = tensor_parallel.ColumnParallelLinear(
+            hidden_size, 3 * hidden_size, config=mp_config, init_method=init_method,
+            bias=True, gather_output=False, stride=3,
+        )
+        self.output = tensor_parallel.RowParallelLinear(
+            hidden_size, hidden_size, config=mp_config, init_method=output_init_method,
+            bias=True, input_is_parallel=True, skip_bias_add=False,
+        )
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        seq_length, batch_size, _ = hidden.shape
+        qkv, _ = self.qkv(hidden)
+        query, key, value = (
+            part.reshape(seq_length, batch_size, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
+            for part in qkv.chunk(3, dim=-1)
+        )
+        # SDPA dispatches to flash / memory-efficient kernels on GPU and a fused CPU kernel here.
+        context = F.scaled_dot_product_attention(
+            query, key, value,
+            attn_mask=attention_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=self.causal and attention_mask is None,
+        )
+        context = context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1)
+        output, _ = self.output(context)
+        return output
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        mp_config: ModelParallelConfig,
+        init_method: InitMethod,
+        output_init_method: InitMethod,
+    ) -> None:
+        super().__init__()
+        self.fc = tensor_parallel.ColumnParallelLinear(
+            hidden_size, ffn_hidden_size, config=mp_config, init_method=init_method,
+            bias=True, gather_output=False,
+        )
+        self.proj = tensor_parallel.RowParallelLinear(
+            ffn_hidden_size, hidden_size, config=mp_config, init_method=output_init_method,
+            bias=True, input_is_parallel=True, skip_bias_add=False,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        intermediate, _ = self.fc(hidden)
+        # GPT-2's tanh approximation of GELU (Hendrycks & Gimpel 2016), kept for HF parity.
+        output, _ = self.proj(F.gelu(intermediate, approximate="tanh"))
+        return output
+
+
+class PreLayerNormBlock(nn.Module):
+    """GPT-2/3 block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(
+        self,
+        attention: ParallelSelfAttention,
+        mlp: ParallelMLP,
+        hidden_size: int,
+        layernorm_eps: float,
+        hidden_dropout: float,
+    ) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
+        self.attention = attention
+        self.mlp_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
+        self.mlp = mlp
+        self.dropout = nn.Dropout(hidden_dropout)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden)))
+        return hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
+
+
+def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+    """Logits for this rank's vocabulary shard with the tied input embedding.
+
+    The copy marks the replicated input so its gradient is all-reduced across TP ranks.
+    """
+    hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    return F.linear(hidden, word_embeddings)

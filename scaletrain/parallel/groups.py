@@ -1,0 +1,98 @@
+"""Process-group setup: torch.distributed, then megatron-core's TP/DP/PP groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from scaletrain.config import Config
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place in the TP x DP x PP grid (TP fastest, then DP, then PP)."""
+
+    world_size: int
+    rank: int
+    tensor_parallel_size: int
+    tensor_parallel_rank: int
+    data_parallel_size: int
+    data_parallel_rank: int
+    pipeline_parallel_size: int
+    pipeline_parallel_rank: int
+    device: torch.device
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(config: Config) -> Topology:
+    """Start torch.distributed (alone or under torchrun/SLURM) and build megatron's groups.
+
+    `config` must already be resolved for the world size (config.resolve_for_world).
+    """
+    _default_single_process_environment()
+    device = _select_device()
+    if not dist.is_initialized():
+        import deepspeed  # deferred: importing DeepSpeed picks an accelerator and prints banners
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
+    world_size = dist.get_world_size()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.parallel.tensor,
+            pipeline_model_parallel_size=config.parallel.pipeline,
+        )
+    return Topology(
+        world_size=world_size,
+        rank=dist.get_rank(),
+        tensor_parallel_size=config.parallel.tensor,
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        pipeline_parallel_size=config.parallel.pipeline,
+        pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size_from_environment() -> int:
+    """The launcher's world size (torchrun sets WORLD_SIZE); 1 when run directly."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _select_device() -> torch.device:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _default_single_process_environment() -> None:
+    """Let `scaletrain train` run without a launcher: a world of one on a free local port."""
+    if "RANK" in os.environ:  # torchrun (also under SLURM's srun, see launch/) set the world up
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

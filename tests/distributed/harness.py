@@ -1,0 +1,51 @@
+"""The one helper that runs a test function on several real gloo processes.
+
+`run_on_ranks(worker, world_size, *args)` spawns `world_size` processes, initialises
+torch.distributed on gloo, calls `worker(rank, world_size, *args)` in each and returns the
+per-rank results (anything torch.save can write). Workers must be module-level functions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    with tempfile.TemporaryDirectory() as results_dir:
+        mp.spawn(
+            _entry, args=(worker, world_size, _free_port(), results_dir, args), nprocs=world_size, join=True
+        )
+        return [torch.load(Path(results_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _entry(rank: int, worker: Callable[..., Any], world_size: int, port: int, results_dir: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save(result, Path(results_dir) / f"rank{rank}.pt")
+    finally:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

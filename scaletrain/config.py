@@ -217,6 +217,8 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
     for option in options:
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if option is float and isinstance(value, str) and _is_float(value):
+            return float(value)  # YAML 1.1 reads 3e-4 (no dot) as a string
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option in (str, bool) and isinstance(value, option):
@@ -369,6 +371,14 @@ def resolve_for_world(config: Config, world_size: int) -> Config:
         parallel=dataclasses.replace(config.parallel, data=data_parallel),
         train=dataclasses.replace(config.train, grad_accum=grad_accum, global_batch_size=None),
     )
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _divisors(n: int) -> list[int]:

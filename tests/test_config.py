@@ -1,0 +1,90 @@
+"""Config loading: YAML + base includes + dotted overrides, and one clear error per invalid case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import ConfigError, load_config, resolve_for_world
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "gpt_tiny.yaml"
+
+
+def test_demo_config_loads_with_overrides():
+    config = load_config(TINY, ["train.lr=3e-4", "parallel.tensor=2", "tracking.wandb=disabled"])
+    assert config.train.lr == 3e-4
+    assert config.parallel.tensor == 2
+    assert config.tracking.wandb == "disabled"
+    assert config.padded_vocab_size % 128 == 0 and config.padded_vocab_size >= config.data.vocab_size
+
+
+@pytest.mark.parametrize("name", ["125m", "350m", "760m", "1.3b", "2.7b", "6.7b", "13b", "175b"])
+def test_gpt3_size_configs_load(name):
+    config = load_config(REPO / "configs" / f"gpt3_{name}.yaml")
+    assert config.model.seq_length == 2048
+    assert config.model.hidden_size % config.model.num_heads == 0
+
+
+def test_gpt3_175b_shape_and_batch():
+    config = load_config(REPO / "configs" / "gpt3_175b.yaml")
+    assert (config.model.num_layers, config.model.hidden_size, config.model.num_heads) == (96, 12288, 96)
+    resolved = resolve_for_world(load_config(REPO / "configs" / "gpt3_175b.yaml", ["parallel.tensor=8"]), 1024)
+    assert resolved.parallel.data == 128
+    assert resolved.global_batch_size(resolved.parallel.data) == 1536
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["parallel.tensor=3"], "parallel.tensor=3 does not divide model.num_heads=4"),
+        (["model.num_heads=3"], "model.hidden_size=256 is not divisible by model.num_heads=3"),
+        (["parallel.zero_stage=4"], "parallel.zero_stage=4"),
+        (["parallel.pipeline=2", "parallel.zero_stage=2"], "DeepSpeed pipelines support ZeRO-0/1 only"),
+        (["train.lr=-1"], "train.lr=-1.0"),
+        (["train.steps=0"], "train.steps=0 must be >= 1"),
+        (["train.warmup_steps=500"], "train.warmup_steps=500"),
+        (["train.micro_batch_size=two"], "train.micro_batch_size must be int, got 'two'"),
+        (["train.global_batch_size=64", "train.grad_accum=2"], "set one"),
+        (["tracking.wandb=cloud"], "tracking.wandb='cloud'"),
+        (["train.precision=fp16"], "train.precision='fp16'"),
+        (["model.family=rnn"], "model.family='rnn' is not supported"),
+        (["train.typo=1"], "unknown key train.typo"),
+        (["trainlr=1"], "must look like section.key=value"),
+        (["data.vocab_size=100"], "data.vocab_size=100 leaves too few learned pieces"),
+    ],
+)
+def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
+    with pytest.raises(ConfigError) as error:
+        load_config(TINY, overrides)
+    assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, fragment",
+    [
+        (["parallel.tensor=2"], 3, "world size 3 is not divisible by parallel.tensor x parallel.pipeline = 2 x 1"),
+        (["parallel.tensor=2", "parallel.data=2"], 2, "world size 2 != parallel.tensor x parallel.pipeline x"),
+        (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size=10 is not divisible"),
+    ],
+)
+def test_world_size_mismatches_fail_with_the_fix(overrides, world_size, fragment):
+    with pytest.raises(ConfigError) as error:
+        resolve_for_world(load_config(TINY, overrides), world_size)
+    assert fragment in str(error.value)
+
+
+def test_global_batch_size_derives_grad_accum():
+    config = load_config(TINY, ["train.global_batch_size=64", "train.micro_batch_size=8"])
+    assert resolve_for_world(config, 2).train.grad_accum == 4
+    assert resolve_for_world(config, 4).train.grad_accum == 2
+
+
+def test_base_include_and_missing_file(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {TINY}\ntrain:\n  lr: 0.001\n")
+    config = load_config(child)
+    assert config.train.lr == 0.001 and config.model.num_layers == 4
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")

@@ -78,7 +78,7 @@ class TrainConfig:
     eval_every: int = 50  # 0 disables periodic validation
     eval_samples: int = 64  # validation sequences per evaluation
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    activation_checkpointing: bool = False
+    activation_checkpoint_interval: int = 0  # recompute activations of every chunk of k layers; 0 = off
     log_every: int = 1
 
 
@@ -311,6 +311,11 @@ def _validate_train(config: Config) -> None:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} need 0 <= min_lr <= lr, lr > 0")
     if not 0 <= train.warmup_steps < train.steps:
         raise ConfigError(f"train.warmup_steps={train.warmup_steps} must be in [0, train.steps={train.steps})")
+    if not 0 <= train.activation_checkpoint_interval <= config.model.num_layers:
+        raise ConfigError(
+            f"train.activation_checkpoint_interval={train.activation_checkpoint_interval} must be in "
+            f"[0, model.num_layers={config.model.num_layers}] (0 disables recomputation)"
+        )
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every={train.eval_every} must be >= 0 (0 disables validation)")
     if train.precision not in ("auto", "fp32", "bf16"):

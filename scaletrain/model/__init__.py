@@ -29,5 +29,5 @@ def build_model(config: Config) -> nn.Module:
         vocab_size=config.padded_vocab_size,
         mp_config=model_parallel_config(config),
         seed=config.train.seed,
-        activation_checkpointing=config.train.activation_checkpointing,
+        checkpoint_interval=config.train.activation_checkpoint_interval,
     )

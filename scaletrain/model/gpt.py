@@ -42,33 +42,48 @@ class GPT(nn.Module):
         vocab_size: int,
         mp_config: ModelParallelConfig,
         seed: int,
-        activation_checkpointing: bool = False,
+        checkpoint_interval: int = 0,
     ) -> None:
         super().__init__()
         self.config = config
-        self.activation_checkpointing = activation_checkpointing
+        self.checkpoint_interval = checkpoint_interval
         self.embedding = GPTEmbedding(config, vocab_size, mp_config, seed)
         self.blocks = nn.ModuleList(
-            _build_block(config, mp_config, seed, layer) for layer in range(config.num_layers)
+            build_block(config, mp_config, seed, layer) for layer in range(config.num_layers)
         )
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> mean next-token loss if labels are given, else vocab-parallel logits."""
         hidden = self.embedding(tokens)
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                hidden = checkpoint(block, hidden, use_reentrant=False)
+        interval = self.checkpoint_interval if self.training else 0
+        for start in range(0, len(self.blocks), interval or len(self.blocks)):
+            chunk = self.blocks[start:start + (interval or len(self.blocks))]
+            if interval:
+                # Keep only each chunk's input; recompute its activations in backward
+                # (Chen et al. 2016; Megatron's "uniform" recomputation).
+                hidden = checkpoint(_run_blocks, chunk, hidden, use_reentrant=False)
             else:
-                hidden = block(hidden)
+                hidden = _run_blocks(chunk, hidden)
         logits = parallel_lm_logits(self.final_norm(hidden), self.embedding.word.weight)
         if labels is None:
             return logits.transpose(0, 1)  # [batch, seq, vocab / tensor_parallel_size]
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
-        return losses.mean()
+        return causal_lm_loss(logits, labels)
 
 
-def _build_block(config: ModelConfig, mp_config: ModelParallelConfig, seed: int, layer: int) -> PreLayerNormBlock:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq]."""
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
+    return losses.mean()
+
+
+def _run_blocks(blocks: nn.ModuleList, hidden: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        hidden = block(hidden)
+    return hidden
+
+
+def build_block(config: ModelConfig, mp_config: ModelParallelConfig, seed: int, layer: int) -> PreLayerNormBlock:
     prefix = f"blocks.{layer}"
     output_std = residual_std(config.init_std, config.num_layers)
     attention = ParallelSelfAttention(

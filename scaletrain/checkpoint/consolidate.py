@@ -1,0 +1,83 @@
+"""Full (unsharded) model weights from a sharded DeepSpeed checkpoint, for generation and export."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scaletrain.checkpoint.manager import DEEPSPEED_TAG, CheckpointError, read_meta
+from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
+
+
+def consolidated_state_dict(checkpoint_dir: Path, reference: nn.Module) -> dict[str, torch.Tensor]:
+    """Merge every tensor-parallel rank's weights into the state dict of a TP=1 `reference` model."""
+    meta = read_meta(checkpoint_dir)
+    tensor_parallel_size = meta.layout["tensor"]
+    state_dir = checkpoint_dir / DEEPSPEED_TAG
+    if meta.layout["pipeline"] > 1:
+        num_layers = reference.config.num_layers
+        per_rank = [_pipeline_rank_weights(state_dir, rank, num_layers) for rank in range(tensor_parallel_size)]
+    else:
+        per_rank = [_rank_weights(state_dir, rank, meta.layout["zero_stage"]) for rank in range(tensor_parallel_size)]
+    merged = {}
+    for name, param in reference.named_parameters():
+        if name not in per_rank[0]:
+            raise CheckpointError(f"checkpoint {checkpoint_dir} has no weight {name}; it holds a different model")
+        shards = [weights[name] for weights in per_rank]
+        if is_tensor_parallel(param) and tensor_parallel_size > 1:
+            merged[name] = merge_shards(shards, param.partition_dim, param.partition_stride)
+        else:
+            merged[name] = shards[0]
+    return merged
+
+
+def _rank_weights(state_dir: Path, tensor_rank: int, zero_stage: int) -> dict[str, torch.Tensor]:
+    if zero_stage < 3:
+        path = state_dir / f"mp_rank_{tensor_rank:02d}_model_states.pt"
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+        return _float_tensors(torch.load(path, map_location="cpu", weights_only=False)["module"])
+    return _zero3_rank_weights(state_dir, tensor_rank)
+
+
+def _pipeline_rank_weights(state_dir: Path, tensor_rank: int, num_layers: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed's pipeline engine saves one file per layer and tensor rank:
+    layer_XX-model_YY-model_states.pt, with names local to the layer."""
+    from scaletrain.parallel.pipeline import gpt_parameter_name
+
+    weights = {}
+    for path in sorted(state_dir.glob(f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
+        layer_index = int(path.name.split("-")[0].removeprefix("layer_"))
+        for name, tensor in _float_tensors(torch.load(path, map_location="cpu", weights_only=False)).items():
+            full_name = gpt_parameter_name(layer_index, name, num_layers)
+            if full_name is not None:
+                weights[full_name] = tensor
+    if not weights:
+        raise CheckpointError(f"checkpoint {state_dir} has no pipeline layer files for tensor rank {tensor_rank}")
+    return weights
+
+
+def _zero3_rank_weights(state_dir: Path, tensor_rank: int) -> dict[str, torch.Tensor]:
+    """ZeRO-3 keeps fp32 weights only as flat partitions; DeepSpeed's zero_to_fp32 reassembles
+    them but reads tensor rank 0's files, so present each rank's files to it under that name."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{tensor_rank:02d}"
+    files = sorted(state_dir.glob(f"*{suffix}_*.pt"))
+    if not files:
+        raise CheckpointError(f"checkpoint {state_dir} has no ZeRO-3 files for tensor rank {tensor_rank}")
+    with tempfile.TemporaryDirectory() as staging:
+        tag_dir = Path(staging) / DEEPSPEED_TAG
+        tag_dir.mkdir()
+        for file in files:
+            (tag_dir / file.name.replace(suffix, "mp_rank_00")).symlink_to(file.resolve())
+        state = get_fp32_state_dict_from_zero_checkpoint(staging, tag=DEEPSPEED_TAG)
+    return _float_tensors(state)
+
+
+def _float_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """Weights as fp32; megatron's `_extra_state` entries (None) are dropped."""
+    return {name: value.float() for name, value in state.items() if isinstance(value, torch.Tensor)}

@@ -1,0 +1,161 @@
+"""Sharded checkpoints through DeepSpeed, published atomically, with keep-last-k and resume.
+
+Layout of RUN_DIR/checkpoints:
+    step_00000100/state/...        DeepSpeed's sharded model + optimizer files (its "tag" dir)
+    step_00000100/rng/rank_*.pt    per-rank RNG states
+    step_00000100/meta.json        step, consumed samples, layout; written last
+    step_00000100/config.yaml      the full run config
+    latest                         name of the newest complete checkpoint
+Every rank writes into `.staging-step_...`; after a barrier rank 0 renames it into place, so
+a crash mid-save never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import Config, save_config
+from scaletrain.parallel.groups import Topology
+
+DEEPSPEED_TAG = "state"
+META_FILE = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names it and what to do."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    step: int
+    consumed_samples: int
+    layout: dict[str, int]
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def layout_of(config: Config, topology: Topology) -> dict[str, int]:
+    return {
+        "tensor": topology.tensor_parallel_size,
+        "pipeline": topology.pipeline_parallel_size,
+        "data": topology.data_parallel_size,
+        "zero_stage": config.parallel.zero_stage,
+    }
+
+
+def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int) -> Path:
+    root = checkpoint_root(Path(config.run.dir))
+    name = f"step_{step:08d}"
+    staging, final = root / f".staging-{name}", root / name
+    if topology.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "rng").mkdir(parents=True)
+    dist.barrier()
+    engine.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, save_latest=False)
+    torch.save(_rng_state(), staging / "rng" / f"rank_{topology.rank:05d}.pt")
+    dist.barrier()
+    if topology.rank == 0:
+        save_config(config, staging / "config.yaml")
+        meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology)}
+        (staging / META_FILE).write_text(json.dumps(meta, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        _write_atomically(root / "latest", name)
+        _prune(root, config.checkpoint.keep_last)
+    dist.barrier()
+    return final
+
+
+def resolve_resume(config: Config) -> Path | None:
+    """train.resume: `never` -> None; `auto` -> the latest checkpoint if any; else a path that must exist."""
+    setting = config.train.resume
+    if setting == "never":
+        return None
+    if setting == "auto":
+        return latest_checkpoint(Path(config.run.dir))
+    path = Path(setting)
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(
+            f"train.resume={setting}: no complete checkpoint there (missing {META_FILE}); "
+            f"use train.resume=auto or a directory under {checkpoint_root(Path(config.run.dir))}"
+        )
+    return path
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = checkpoint_root(run_dir)
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / META_FILE).is_file():
+            return candidate
+    complete = sorted(p for p in root.glob("step_*") if (p / META_FILE).is_file())
+    return complete[-1] if complete else None
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    try:
+        raw = json.loads((path / META_FILE).read_text())
+        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]))
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"
+        ) from None
+
+
+def load_checkpoint(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:
+    meta = read_meta(path)
+    expected = layout_of(config, topology)
+    if meta.layout != expected:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with layout {meta.layout} but this run uses {expected}; "
+            "resume with the same parallel.* settings and world size"
+        )
+    try:
+        loaded_path, _ = engine.load_checkpoint(
+            str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    except (OSError, RuntimeError, KeyError) as error:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {error}") from error
+    if loaded_path is None:
+        raise CheckpointError(f"checkpoint {path} has no DeepSpeed state under {DEEPSPEED_TAG}/")
+    rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
+    if not rng_file.is_file():
+        raise CheckpointError(f"checkpoint {path} lacks {rng_file.name}; it was not written by this layout")
+    _restore_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = sorted(p for p in root.glob("step_*") if (p / META_FILE).is_file())
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old)

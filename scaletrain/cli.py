@@ -1,0 +1,84 @@
+"""Command line: `scaletrain prepare|train|generate` (also `python -m scaletrain ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scaletrain.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        # User-facing errors (config, data, checkpoint) are ValueErrors with a message that
+        # names the culprit and the fix; show that, not a traceback.
+        print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scaletrain", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    prepare = commands.add_parser("prepare", help="train the tokenizer and write token shards")
+    prepare.add_argument("config", type=Path)
+    prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.vocab_size=4096")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if data.dir is already prepared")
+    prepare.set_defaults(handler=_prepare)
+
+    train = commands.add_parser("train", help="train a model (run under torchrun for several ranks)")
+    train.add_argument("config", type=Path)
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tensor=2")
+    train.set_defaults(handler=_train)
+
+    generate = commands.add_parser("generate", help="sample text from a run's latest checkpoint")
+    generate.add_argument("run_dir", type=Path)
+    generate.add_argument("--prompt", default="")
+    generate.add_argument("--max-new-tokens", type=int, default=100)
+    generate.add_argument("--temperature", type=float, default=0.8)
+    generate.add_argument("--top-k", type=int, default=50)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(handler=_generate)
+    return parser
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from scaletrain.data.manifest import MANIFEST_NAME
+    from scaletrain.data.prepare import prepare_dataset
+
+    config = load_config(args.config, args.overrides)
+    data_dir = Path(config.data.dir)
+    if (data_dir / MANIFEST_NAME).is_file() and not args.force:
+        print(f"{data_dir} is already prepared; pass --force to rebuild it")
+        return
+    manifest = prepare_dataset(
+        config.data.raw, data_dir, vocab_size=config.data.vocab_size, num_sentinels=config.data.num_sentinels,
+        val_fraction=config.data.val_fraction, max_tokens_per_shard=config.data.max_tokens_per_shard,
+        num_workers=config.data.prepare_workers, seed=config.train.seed, overwrite=args.force,
+    )
+    totals = ", ".join(f"{name}: {split.num_docs} documents, {split.num_tokens} tokens in {len(split.shards)} shards"
+                       for name, split in manifest.splits.items())
+    print(f"prepared {data_dir} ({totals})")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from scaletrain.parallel.groups import destroy_distributed
+    from scaletrain.train.loop import train
+
+    config = load_config(args.config, args.overrides)
+    try:
+        train(config)
+    finally:
+        destroy_distributed()
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from scaletrain.generate import generate_text
+
+    print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))

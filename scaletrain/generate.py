@@ -1,0 +1,56 @@
+"""`scaletrain generate`: sample from a run's latest checkpoint, whatever layout trained it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from scaletrain.checkpoint.consolidate import consolidated_state_dict
+from scaletrain.checkpoint.manager import CheckpointError, latest_checkpoint
+from scaletrain.config import Config, ParallelConfig, load_config, resolve_for_world
+from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.model import build_model
+from scaletrain.model.sampling import sample_tokens
+from scaletrain.parallel.groups import destroy_distributed, init_distributed
+
+
+def generate_text(
+    run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+) -> str:
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
+    config = single_process_config(load_config(checkpoint / "config.yaml"))
+    init_distributed(config)
+    try:
+        model = load_model(config, checkpoint)
+        tokenizer = Tokenizer.load(Path(config.data.dir))
+        # Training packs documents behind an eos separator, so a prompt starts after one.
+        prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+        new_ids = sample_tokens(
+            model, prompt_ids, max_new_tokens, config.model.seq_length, tokenizer.vocab_size,
+            temperature, top_k, torch.Generator().manual_seed(seed), stop_token=tokenizer.eos_id,
+        )
+    finally:
+        destroy_distributed()
+    return prompt + tokenizer.decode([token for token in new_ids if token != tokenizer.eos_id])
+
+
+def single_process_config(config: Config) -> Config:
+    """The run's model in one process: TP=PP=DP=1, whatever layout trained it."""
+    single = dataclasses.replace(config, parallel=ParallelConfig(tensor=1, pipeline=1, data=None, zero_stage=0))
+    return resolve_for_world(single, world_size=1)
+
+
+def load_model(config: Config, checkpoint: Path) -> torch.nn.Module:
+    model = build_model(config)
+    missing, unexpected = model.load_state_dict(consolidated_state_dict(checkpoint, reference=model), strict=False)
+    # megatron's linear layers keep an empty `_extra_state` entry that checkpoints need not carry.
+    missing = [name for name in missing if not name.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} does not match the model: missing {missing}, extra {unexpected}"
+        )
+    return model.eval()

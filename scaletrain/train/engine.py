@@ -1,0 +1,84 @@
+"""DeepSpeed engine setup: the ZeRO/precision config, AdamW groups and the LR schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.config import Config
+from scaletrain.model import build_model
+from scaletrain.parallel.groups import Topology
+from scaletrain.parallel.mpu import MegatronMPU
+from scaletrain.train.schedule import learning_rate
+
+
+def resolve_precision(config: Config, device: torch.device) -> str:
+    if config.train.precision != "auto":
+        return config.train.precision
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def deepspeed_config(config: Config, precision: str) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": config.train.micro_batch_size,
+        "gradient_accumulation_steps": config.train.grad_accum,
+        "gradient_clipping": config.train.grad_clip,
+        "zero_optimization": {"stage": config.parallel.zero_stage},
+        # Our optimizer is torch's AdamW (fused on GPU); DeepSpeed only wraps it for ZeRO.
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 1 << 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with decay on matrices only; biases and LayerNorm gains are not decayed (GPT-3)."""
+    decayed = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    not_decayed = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decayed, "weight_decay": config.train.weight_decay},
+        {"params": not_decayed, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups,
+        lr=config.train.lr,
+        betas=(config.train.beta1, config.train.beta2),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
+
+
+def build_training_model(config: Config, topology: Topology) -> nn.Module:
+    """The plain GPT, or its DeepSpeed pipeline form when the layout has pipeline stages."""
+    if topology.pipeline_parallel_size > 1:
+        from scaletrain.parallel.pipeline import GPTPipeline
+
+        return GPTPipeline(config, topology)
+    return build_model(config)
+
+
+def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
+    """Wrap the model in a DeepSpeed engine; the LR schedule is a LambdaLR so its state is checkpointed.
+
+    Without pipeline stages DeepSpeed learns megatron's groups from the mpu adapter; with them the
+    PipelineModule's topology is the grid, and DeepSpeed wants no mpu.
+    """
+    import deepspeed
+
+    precision = resolve_precision(config, topology.device)
+    model.to(topology.device)
+    optimizer = build_optimizer(model, config, topology.device)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: learning_rate(step, config.train) / config.train.lr
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=schedule,
+        config=deepspeed_config(config, precision),
+        mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
+    )
+    return engine

@@ -1,0 +1,67 @@
+"""One optimizer step: micro-batches, backward, DeepSpeed's boundary step, and the step's metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int) -> dict[str, float]:
+    """One optimizer step over grad_accum micro-batches; DeepSpeed scales each loss by 1/grad_accum
+    and all-reduces gradients across data-parallel ranks at the boundary."""
+    lr = engine.get_lr()[0]
+    if is_pipeline(engine):
+        # The pipeline engine runs the 1F1B schedule over grad_accum micro-batches itself and
+        # returns the loss averaged over them and over data-parallel ranks.
+        loss = float(engine.train_batch(data_iter=pipeline_inputs(batches)))
+        return _with_grad_norm(engine, {"loss": loss, "lr": lr})
+    losses = []
+    for _ in range(grad_accum):
+        batch = next(batches)
+        loss = engine(batch["tokens"], batch["labels"])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    return _with_grad_norm(engine, {"loss": data_parallel_mean(torch.stack(losses).mean()), "lr": lr})
+
+
+def evaluation_loss(engine: Any, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Mean loss over this rank's evaluation micro-batches, averaged over data-parallel ranks."""
+    if is_pipeline(engine):
+        loss = engine.eval_batch(pipeline_inputs(iter(batches)), num_micro_batches=len(batches))
+        return data_parallel_mean(loss.detach().float())
+    engine.eval()
+    with torch.no_grad():
+        losses = [engine(batch["tokens"], batch["labels"]).float() for batch in batches]
+    engine.train()
+    return data_parallel_mean(torch.stack(losses).mean())
+
+
+def is_pipeline(engine: Any) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def pipeline_inputs(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """DeepSpeed's pipeline feeds `inputs` to the first stage and `labels` to the loss on the last."""
+    for batch in batches:
+        yield batch["tokens"], batch["labels"]
+
+
+def _with_grad_norm(engine: Any, record: dict[str, float]) -> dict[str, float]:
+    grad_norm = engine.get_global_grad_norm()
+    if grad_norm is not None:
+        record["grad_norm"] = float(grad_norm)
+    return record
+
+
+def data_parallel_mean(value: torch.Tensor) -> float:
+    group = parallel_state.get_data_parallel_group()
+    value = value.clone()
+    dist.all_reduce(value, group=group)
+    return float(value) / dist.get_world_size(group)

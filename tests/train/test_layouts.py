@@ -1,0 +1,85 @@
+"""Every layout trains the single-rank model and resumes exactly.
+
+Each layout runs twice from the same seed and global batch: 20 steps straight, and 10 steps
+(`train.exit_after=10`) + `train.resume=auto` + 10 more. The resumed run must reproduce the
+straight one bit for bit (CPU, fp32), and the straight run must match a single-rank reference
+(relative difference <= 1e-4 per step: only the reduction order differs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs import DEMO_CONFIG, read_metrics, run_scaletrain, tiny_overrides
+
+STEPS = 20
+
+# name -> (processes, overrides)
+LAYOUTS = {
+    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
+    "tp2": (2, ["parallel.tensor=2"]),
+    "dp2_zero2": (2, ["parallel.zero_stage=2"]),
+    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
+}
+
+
+@dataclass(frozen=True)
+class LayoutRuns:
+    straight: Path
+    resumed: Path
+
+
+def train_twice(data_dir: Path, root: Path, nproc: int, overrides: list[str]) -> LayoutRuns:
+    straight, resumed = root / "straight", root / "resumed"
+    common = [*tiny_overrides(data_dir, straight), f"train.steps={STEPS}", "train.eval_every=10", *overrides]
+    run_scaletrain("train", [str(DEMO_CONFIG), *common], nproc)
+    common = [*tiny_overrides(data_dir, resumed), f"train.steps={STEPS}", "train.eval_every=10", *overrides]
+    run_scaletrain("train", [str(DEMO_CONFIG), *common, "train.exit_after=10"], nproc)
+    run_scaletrain("train", [str(DEMO_CONFIG), *common, "train.resume=auto"], nproc)
+    return LayoutRuns(straight, resumed)
+
+
+@pytest.fixture(scope="module")
+def reference_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
+    return train_twice(small_dataset, tmp_path_factory.mktemp("single_rank"), 1, [])
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout_run(request, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
+    nproc, overrides = LAYOUTS[request.param]
+    return train_twice(small_dataset, tmp_path_factory.mktemp(request.param), nproc, overrides)
+
+
+def assert_resume_is_exact(runs: LayoutRuns) -> None:
+    straight, straight_val = read_metrics(runs.straight)
+    resumed, resumed_val = read_metrics(runs.resumed)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert resumed[step]["loss"] == straight[step]["loss"], f"step {step} loss differs after resume"
+        assert resumed[step]["lr"] == straight[step]["lr"]
+    assert resumed_val == straight_val
+
+
+@pytest.mark.slow
+def test_single_rank_resume_is_bit_identical(reference_run: LayoutRuns):
+    assert_resume_is_exact(reference_run)
+
+
+@pytest.mark.slow
+def test_layout_resume_is_bit_identical(layout_run: LayoutRuns):
+    assert_resume_is_exact(layout_run)
+
+
+@pytest.mark.slow
+def test_layout_matches_single_rank(layout_run: LayoutRuns, reference_run: LayoutRuns):
+    reference, reference_val = read_metrics(reference_run.straight)
+    ours, ours_val = read_metrics(layout_run.straight)
+    for step in range(1, STEPS + 1):
+        relative = abs(ours[step]["loss"] - reference[step]["loss"]) / reference[step]["loss"]
+        assert relative <= 1e-4, f"step {step}: {ours[step]['loss']} vs single rank {reference[step]['loss']}"
+    for step, value in reference_val.items():
+        assert abs(ours_val[step] - value) / value <= 1e-4
+    assert reference[STEPS]["loss"] < reference[1]["loss"] - 0.5, "the reference run did not learn"

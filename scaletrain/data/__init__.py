@@ -1,6 +1,7 @@
 """Data: tokenizer training, webdataset shards + manifest, packed-sequence loader and collators.
 
 Modules, one concern each:
+  errors      DataError, the one exception for data problems a user can fix
   tokenizer   sentencepiece BPE with the fixed special-id layout BERT/T5 rely on
   documents   raw input files -> named documents, deterministic train/val split
   shards      webdataset tar shards and the byte-offset index for zero-copy reads

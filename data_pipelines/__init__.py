@@ -1,0 +1,1 @@
+"""Per-corpus recipes that turn a public source into raw text files for `scaletrain prepare`."""

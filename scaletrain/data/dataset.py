@@ -1,0 +1,112 @@
+"""Packed next-token sequences read straight from memory-mapped shards, and their global-index view.
+
+A split's documents, in index order, are joined with an eos after each into
+one token stream; sample i is stream[i*S : i*S + S + 1], the +1 overlap giving
+next-token labels (as nanoGPT and Megatron's GPTDataset do).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch.utils.data
+
+from scaletrain.data.errors import DataError
+from scaletrain.data.manifest import load_manifest
+from scaletrain.data.sampler import GlobalSampleOrder
+from scaletrain.data.shards import SplitIndex, open_shard
+
+
+class PackedSequenceDataset:
+    """Sample i of a split's packed stream, reading only the documents that overlap it.
+
+    Shards are opened lazily, per process (memory maps made before a fork are
+    not reused after it), and checked against the manifest on first open.
+    """
+
+    def __init__(self, data_dir: Path, split: str, seq_length: int) -> None:
+        if seq_length < 1:
+            raise DataError(f"seq_length={seq_length} must be positive")
+        self.data_dir = Path(data_dir)
+        manifest = load_manifest(self.data_dir)
+        self.split, self.seq_length = split, seq_length
+        self._split_info = manifest.split(split)
+        self._dtype = np.dtype(manifest.token_dtype)
+        self.eos_id = manifest.eos_id
+        index = SplitIndex.load(self.data_dir / self._split_info.index_file)
+        self._shard_ids, self._byte_offsets, self._num_tokens = index.shard_ids, index.byte_offsets, index.num_tokens
+        # Stream position of each document's first token: the tokens before it plus one eos per earlier document.
+        self._doc_starts = index.cum_tokens[:-1] + np.arange(len(index.num_tokens), dtype=np.int64)
+        self.stream_length = int(index.cum_tokens[-1]) + len(index.num_tokens)
+        self.num_samples = (self.stream_length - 1) // seq_length
+        if self.num_samples == 0:
+            raise DataError(
+                f"the {split!r} split holds {self.stream_length} tokens, fewer than seq_length + 1 = {seq_length + 1}; "
+                "use a shorter seq_length, or more data (for val: a larger val_fraction)"
+            )
+        self._shards: dict[int, np.ndarray] = {}
+        self._shards_pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._num_tokens)
+
+    def sample(self, i: int) -> np.ndarray:
+        """Tokens stream[i*S : i*S + S + 1] as int64."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range [0, {self.num_samples}) of the {self.split!r} split")
+        begin, end = i * self.seq_length, (i + 1) * self.seq_length + 1
+        out = np.empty(end - begin, dtype=np.int64)
+        doc = int(np.searchsorted(self._doc_starts, begin, side="right")) - 1
+        position = begin
+        while position < end:
+            start, length = int(self._doc_starts[doc]), int(self._num_tokens[doc])
+            first, last = position - start, min(end - start, length + 1)  # document + its eos: [0, length]
+            if first < length:
+                out[position - begin:start + min(last, length) - begin] = self.document_tokens(doc)[first:last]
+            if last == length + 1:
+                out[start + length - begin] = self.eos_id
+            position, doc = start + last, doc + 1
+        return out
+
+    def document_tokens(self, doc: int) -> np.ndarray:
+        """Document `doc` of the split (index order) as a zero-copy view into its shard."""
+        shard = self._shard(int(self._shard_ids[doc]))
+        offset, count = int(self._byte_offsets[doc]), int(self._num_tokens[doc])
+        return shard[offset:offset + count * self._dtype.itemsize].view(self._dtype)
+
+    def _shard(self, shard_id: int) -> np.ndarray:
+        if self._shards_pid != os.getpid():
+            self._shards, self._shards_pid = {}, os.getpid()
+        if shard_id not in self._shards:
+            info = self._split_info.shards[shard_id]
+            self._shards[shard_id] = open_shard(self.data_dir / info.name, info)
+        return self._shards[shard_id]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_shards"] = {}
+        return state
+
+
+class GlobalIndexDataset(torch.utils.data.Dataset):
+    """Map-style dataset keyed by global sample index (epochs concatenated), not by sample id.
+
+    Keying by global index lets objectives seed per-sequence randomness (BERT
+    masks, T5 spans) from (seed, global_index): resuming reproduces them exactly,
+    and a sequence seen again in a later epoch gets fresh noise.
+    """
+
+    def __init__(self, packed: PackedSequenceDataset, order: GlobalSampleOrder) -> None:
+        if order.num_samples != packed.num_samples:
+            raise DataError(f"order covers {order.num_samples} samples but the dataset has {packed.num_samples}")
+        self.packed, self.order = packed, order
+
+    def __getitem__(self, global_index: int) -> dict:
+        sample_id = self.order.sample_id(global_index)
+        return {"global_index": global_index, "sample_id": sample_id, "tokens": self.packed.sample(sample_id)}

@@ -1,0 +1,158 @@
+"""Collators per training objective: turn a list of GlobalIndexDataset items into model inputs.
+
+Each collator receives items carrying `global_index`, so objectives with
+their own noise (BERT masking, T5 span corruption) can seed it from
+(seed, global_index) and stay exactly resumable.
+
+Here: causal LM and prefix LM, plus what every objective's collator shares
+(`sequence_rng`, `TokenizerInfo`). BERT's lives in `masking`, T5's in
+`span_corruption`, NSP/SOP pairs in `sentence_pairs`. Collators are top-level
+classes, so DataLoader workers can pickle them; each one exposes
+`packed_seq_length`, the seq_length to build the loader with.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from scaletrain.data.errors import DataError
+from scaletrain.data.tokenizer import Tokenizer
+
+IGNORE_INDEX = -100  # labels to skip: torch.nn.functional.cross_entropy's default ignore_index
+
+
+def causal_lm_collate(items: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """Next-token prediction: tokens = sample[:-1], labels = sample[1:] (samples hold S + 1 tokens)."""
+    samples = torch.from_numpy(np.stack([item["tokens"] for item in items]))
+    return {
+        "tokens": samples[:, :-1].contiguous(),
+        "labels": samples[:, 1:].contiguous(),
+        "global_index": torch.tensor([item["global_index"] for item in items], dtype=torch.long),
+    }
+
+
+class NoiseTag(enum.IntEnum):
+    """Third word of each per-sequence seed, so objectives sharing (seed, global_index) draw independent noise."""
+
+    MLM = 1
+    SENTENCE_PAIRS = 2
+    SPAN_CORRUPTION = 3
+    PREFIX_LM = 4
+
+
+def sequence_rng(seed: int, global_index: int, tag: NoiseTag) -> np.random.Generator:
+    """The generator for one sequence's noise: a function of (seed, global index, objective) alone.
+
+    Resuming from consumed_samples therefore redraws exactly the same noise, and a
+    sample seen again in a later epoch (a new global index) gets fresh noise,
+    RoBERTa's dynamic masking (Liu et al. 2019, sec. 4.1).
+    """
+    return np.random.default_rng([int(seed), int(global_index), int(tag)])
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What collators need from the tokenizer, small and picklable (no sentencepiece in DataLoader workers).
+
+    `starts_word[id]`: the piece begins a word (it decodes with leading whitespace,
+    sentencepiece's "▁"). `ends_word[id]`: the next piece begins a new word even
+    without "▁" (the piece ends in a line break or tab: after a newline byte,
+    sentencepiece writes the next word with no "▁"). Both feed whole-word masking.
+    """
+
+    vocab_size: int
+    pad_id: int
+    eos_id: int
+    mask_id: int
+    cls_id: int
+    sep_id: int
+    newline_id: int
+    special_ids: tuple[int, ...]
+    sentinel_ids: tuple[int, ...]
+    starts_word: np.ndarray = field(compare=False, repr=False)
+    ends_word: np.ndarray = field(compare=False, repr=False)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenizerInfo:
+        starts_word, ends_word = _word_boundary_tables(tokenizer)
+        newline = tokenizer.encode("\n")[-1]
+        if tokenizer.decode([newline]) != "\n":
+            raise DataError(f"the tokenizer encodes '\\n' as {tokenizer.encode(chr(10))}, not as one newline piece; "
+                            "sentence splitting needs byte fallback for '\\n' (train it with train_tokenizer)")
+        return cls(
+            vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id,
+            mask_id=tokenizer.mask_id, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, newline_id=newline,
+            special_ids=tuple(sorted(tokenizer.special_ids)),
+            sentinel_ids=tuple(tokenizer.sentinel_id(i) for i in range(tokenizer.num_sentinels)),
+            starts_word=starts_word, ends_word=ends_word,
+        )
+
+    def is_special(self, tokens: np.ndarray) -> np.ndarray:
+        """Elementwise: is the token a special id (pad..sep or a sentinel), never ordinary text."""
+        return np.isin(tokens, self.special_ids)
+
+    def ordinary_ids(self) -> np.ndarray:
+        """Every id that is ordinary text: BERT's random replacements are drawn from these."""
+        return np.setdiff1d(np.arange(self.vocab_size), self.special_ids)
+
+
+def _word_boundary_tables(tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Per-id word-boundary flags, read from how each piece decodes after a letter.
+
+    Decoding the piece alone would drop a leading "▁" (sentencepiece strips it
+    at the start of a text), so each piece is decoded after the pieces of "a".
+    """
+    prefix = tokenizer.encode("a")
+    prefix_length = len(tokenizer.decode(prefix))
+    starts_word = np.zeros(tokenizer.vocab_size, dtype=bool)
+    ends_word = np.zeros(tokenizer.vocab_size, dtype=bool)
+    for token in range(tokenizer.vocab_size):
+        if token in tokenizer.special_ids:
+            continue
+        text = tokenizer.decode([*prefix, token])[prefix_length:]
+        starts_word[token] = text[:1].isspace()
+        ends_word[token] = text[-1:].isspace() and text[-1:] != " "
+    starts_word.setflags(write=False)
+    ends_word.setflags(write=False)
+    return starts_word, ends_word
+
+
+class PrefixLMCollator:
+    """Prefix LM (Raffel et al. 2020, sec. 3.2.3) for decoder-only models: tokens, labels, prefix_lengths.
+
+    Each sequence splits at P, uniform over [1, S - 1]: positions [0, P) form the
+    prefix, which the model attends bidirectionally; the loss covers the rest.
+    tokens = item[:-1] and labels = item[1:] as for causal LM (the loader's
+    seq_length is S), with labels[t] = -100 for t < P - 1: those predict prefix
+    tokens, which the prefix's bidirectional attention lets position t see.
+    Position P - 1 keeps its label, the first target token, still unseen there.
+    """
+
+    def __init__(self, seed: int, seq_length: int) -> None:
+        if seq_length < 2:
+            raise DataError(f"seq_length={seq_length} leaves no split point for a prefix LM; use >= 2")
+        self.seed, self.seq_length, self.packed_seq_length = seed, seq_length, seq_length
+
+    def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
+        batch = causal_lm_collate(items)
+        if batch["tokens"].shape[1] != self.seq_length:
+            raise DataError(f"prefix LM with seq_length={self.seq_length} got items of {batch['tokens'].shape[1] + 1} "
+                            f"tokens; build the loader with seq_length={self.seq_length}")
+        prefix_lengths = torch.tensor([
+            int(sequence_rng(self.seed, item["global_index"], NoiseTag.PREFIX_LM).integers(1, self.seq_length))
+            for item in items
+        ], dtype=torch.long)
+        positions = torch.arange(self.seq_length)
+        batch["labels"] = batch["labels"].masked_fill(positions[None, :] < prefix_lengths[:, None] - 1, IGNORE_INDEX)
+        batch["prefix_lengths"] = prefix_lengths
+        return batch
+
+
+def prefix_lm_collator(seed: int, seq_length: int) -> PrefixLMCollator:
+    """The prefix-LM collator; `.packed_seq_length` is the loader's seq_length (equal to seq_length)."""
+    return PrefixLMCollator(seed, seq_length)

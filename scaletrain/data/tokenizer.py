@@ -1,0 +1,253 @@
+"""Sentencepiece BPE tokenizer with the fixed special-id layout that GPT, BERT and T5 share.
+
+Layout (ids):
+  0 <pad>, 1 <unk>, 2 <s> (bos), 3 </s> (eos), 4 [MASK], 5 [CLS], 6 [SEP],
+  then sentencepiece's 256 byte pieces and the learned BPE merges, then the
+  T5 sentinels `<extra_id_i>` appended after the sentencepiece vocabulary,
+  counting down from the end: sentinel i has id vocab_size - 1 - i (as Hugging
+  Face's T5Tokenizer does), so <extra_id_0> is the last id.
+
+Text round-trips exactly: identity normalization (no NFKC, no whitespace
+collapsing) and byte fallback for every character the merges do not cover,
+newline included (training sees lines, so "\\n" is always the byte <0x0A>).
+`[MASK]`, `[CLS]`, `[SEP]` written literally in text encode to their ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from scaletrain.data.documents import Document, iter_texts, list_documents
+from scaletrain.data.errors import DataError
+
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
+USER_SYMBOLS = ("[MASK]", "[CLS]", "[SEP]")
+SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3, "mask": 4, "cls": 5, "sep": 6}
+LAYOUT_SUFFIX = ".layout.json"
+LAYOUT_VERSION = 1
+# sentencepiece drops longer training lines; we cut them instead (bytes, UTF-8 <= 4 per char).
+MAX_TRAINING_LINE_CHARS = 4096
+
+
+def train_tokenizer(
+    text_files: Sequence[Path],
+    output_prefix: Path,
+    vocab_size: int,
+    num_sentinels: int = 100,
+    seed: int = 0,
+    max_sentences: int = 2_000_000,
+) -> Path:
+    """Train a BPE model on the lines of `text_files`; write `<prefix>.model` and `<prefix>.layout.json`.
+
+    sentencepiece learns `vocab_size - num_sentinels` pieces; the sentinels take
+    the last `num_sentinels` ids. Deterministic: lines are subsampled (if there
+    are more than `max_sentences`) by our own seeded generator, and training runs
+    on one thread (thread count is recorded in the model file, and BPE on a few
+    MB takes about a second anyway). Returns the `.model` path.
+    """
+    num_pieces = vocab_size - num_sentinels
+    minimum = len(SPECIAL_IDS) + 256 + 1
+    if num_sentinels < 0 or num_pieces < minimum:
+        raise DataError(
+            f"vocab_size={vocab_size} with num_sentinels={num_sentinels} leaves {num_pieces} sentencepiece pieces; "
+            f"need at least {minimum} (7 special ids + 256 byte pieces + merges): raise vocab_size."
+        )
+    lines = _training_lines(text_files, max_sentences, seed)
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=num_pieces,
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=PAD, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
+            user_defined_symbols=list(USER_SYMBOLS), byte_fallback=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
+            input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=4 * MAX_TRAINING_LINE_CHARS,
+            num_threads=1, minloglevel=2,
+        )
+    except RuntimeError as error:
+        raise DataError(
+            f"sentencepiece could not train vocab_size={vocab_size} (num_sentinels={num_sentinels}) on "
+            f"{len(text_files)} files: {error}. Lower vocab_size or add text."
+        ) from error
+    return _write_tokenizer(Path(output_prefix), model.getvalue(), num_sentinels)
+
+
+def _training_lines(text_files: Sequence[Path], max_sentences: int, seed: int) -> list[str]:
+    """Non-blank lines of the files; past `max_sentences`, a seeded subset chosen in a second pass
+    so that only the chosen lines, never the whole corpus, are held in memory."""
+    documents = list_documents([Path(path) for path in text_files])
+    total = sum(1 for _ in _lines(documents))
+    if total == 0:
+        raise DataError(f"no text to train the tokenizer on in {len(text_files)} files, e.g. {text_files[:3]}")
+    if total <= max_sentences:
+        return list(_lines(documents))
+    chosen = np.zeros(total, dtype=bool)
+    chosen[np.random.default_rng(seed).choice(total, size=max_sentences, replace=False)] = True
+    return [line for number, line in enumerate(_lines(documents)) if chosen[number]]
+
+
+def _lines(documents: Sequence[Document]) -> Iterator[str]:
+    for text in iter_texts(documents):
+        yield from (line[:MAX_TRAINING_LINE_CHARS] for line in text.split("\n") if line.strip())
+
+
+def _write_tokenizer(prefix: Path, model_bytes: bytes, num_sentinels: int) -> Path:
+    model_path = prefix.with_name(prefix.name + ".model")
+    processor = spm.SentencePieceProcessor(model_proto=model_bytes)
+    layout = {
+        "layout_version": LAYOUT_VERSION,
+        "model_file": model_path.name,
+        "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
+        "sentencepiece_size": processor.get_piece_size(),
+        "num_sentinels": num_sentinels,
+        "vocab_size": processor.get_piece_size() + num_sentinels,
+        "special_ids": SPECIAL_IDS,
+    }
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(model_path, model_bytes)
+    _write_atomic(_layout_path(prefix), (json.dumps(layout, indent=1) + "\n").encode())
+    return model_path
+
+
+def _write_atomic(path: Path, payload: bytes) -> None:
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_bytes(payload)
+    os.replace(partial, path)
+
+
+def _prefix_of(path: Path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        layouts = sorted(path.glob("*" + LAYOUT_SUFFIX))
+        if len(layouts) != 1:
+            found = "none" if not layouts else ", ".join(p.name for p in layouts)
+            raise DataError(
+                f"{path} should hold exactly one tokenizer (*{LAYOUT_SUFFIX}), found {found}; "
+                "run `scaletrain prepare CONFIG`, or pass the tokenizer's .model path"
+            )
+        path = layouts[0]
+    for suffix in (".model", LAYOUT_SUFFIX):
+        if path.name.endswith(suffix):
+            return path.with_name(path.name[: -len(suffix)])
+    return path
+
+
+def _layout_path(prefix: Path) -> Path:
+    return prefix.with_name(prefix.name + LAYOUT_SUFFIX)
+
+
+class Tokenizer:
+    """Encode/decode with the scaletrain id layout; sentinels live outside sentencepiece."""
+
+    def __init__(self, processor: spm.SentencePieceProcessor, num_sentinels: int) -> None:
+        self._processor = processor
+        self._num_pieces = processor.get_piece_size()
+        self._num_sentinels = num_sentinels
+
+    @classmethod
+    def load(cls, path: Path) -> Tokenizer:
+        """Load from a prepared data dir, or the prefix / `.model` / `.layout.json` that `train_tokenizer` wrote."""
+        prefix = _prefix_of(path)
+        layout_path = _layout_path(prefix)
+        if not layout_path.exists():
+            raise DataError(f"tokenizer layout {layout_path} not found; train the tokenizer with `scaletrain prepare`.")
+        layout = json.loads(layout_path.read_text())
+        model_path = layout_path.with_name(layout["model_file"])
+        if not model_path.exists():
+            raise DataError(
+                f"tokenizer model {model_path} (named in {layout_path}) not found; re-run `scaletrain prepare`"
+            )
+        model_bytes = model_path.read_bytes()
+        actual = hashlib.sha256(model_bytes).hexdigest()
+        if actual != layout["model_sha256"]:
+            raise DataError(
+                f"tokenizer model {model_path} has sha256 {actual} but {layout_path} expects {layout['model_sha256']}; "
+                "the two files come from different trainings: re-run `scaletrain prepare`."
+            )
+        tokenizer = cls(spm.SentencePieceProcessor(model_proto=model_bytes), layout["num_sentinels"])
+        tokenizer._check_layout(model_path)
+        return tokenizer
+
+    def _check_layout(self, model_path: Path) -> None:
+        expected = {0: PAD, 1: UNK, 2: BOS, 3: EOS, **{4 + i: s for i, s in enumerate(USER_SYMBOLS)}}
+        actual = {i: self._processor.id_to_piece(i) for i in expected}
+        if actual != expected:
+            raise DataError(
+                f"{model_path} has special pieces {actual}, expected {expected}; train it with train_tokenizer"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; sentinel ids render as `<extra_id_i>`, pad/bos/eos as nothing."""
+        parts: list[str] = []
+        run: list[int] = []
+        for token in (int(t) for t in ids):
+            if not 0 <= token < self.vocab_size:
+                raise DataError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
+            if token < self._num_pieces:
+                run.append(token)
+                continue
+            parts.append(self._processor.decode(run))
+            run = []
+            parts.append(f"<extra_id_{self.vocab_size - 1 - token}>")
+        parts.append(self._processor.decode(run))
+        return "".join(parts)
+
+    @property
+    def vocab_size(self) -> int:
+        """Sentencepiece pieces plus sentinels: the embedding table size."""
+        return self._num_pieces + self._num_sentinels
+
+    @property
+    def num_sentinels(self) -> int:
+        return self._num_sentinels
+
+    def sentinel_id(self, i: int) -> int:
+        """Id of `<extra_id_i>`, counting down from the end of the vocabulary (T5 convention)."""
+        if not 0 <= i < self._num_sentinels:
+            raise DataError(f"sentinel index {i} out of range; this tokenizer has {self._num_sentinels} sentinels")
+        return self.vocab_size - 1 - i
+
+    @property
+    def pad_id(self) -> int:
+        return SPECIAL_IDS["pad"]
+
+    @property
+    def unk_id(self) -> int:
+        return SPECIAL_IDS["unk"]
+
+    @property
+    def bos_id(self) -> int:
+        return SPECIAL_IDS["bos"]
+
+    @property
+    def eos_id(self) -> int:
+        return SPECIAL_IDS["eos"]
+
+    @property
+    def mask_id(self) -> int:
+        return SPECIAL_IDS["mask"]
+
+    @property
+    def cls_id(self) -> int:
+        return SPECIAL_IDS["cls"]
+
+    @property
+    def sep_id(self) -> int:
+        return SPECIAL_IDS["sep"]
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that are never ordinary text: pad..sep and every sentinel."""
+        sentinels = range(self._num_pieces, self.vocab_size)
+        return frozenset(SPECIAL_IDS.values()) | frozenset(sentinels)

@@ -1,0 +1,74 @@
+"""Damaged data is caught with an error that names the file: corrupt or truncated shards, bad checksums."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scaletrain.data.dataset import PackedSequenceDataset
+from scaletrain.data.errors import DataError
+from scaletrain.data.manifest import MANIFEST_NAME, load_manifest
+
+
+@pytest.fixture
+def dataset_copy(small_dataset: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(small_dataset, tmp_path / "data"))
+
+
+def read_every_sample(data_dir: Path) -> None:
+    dataset = PackedSequenceDataset(data_dir, "train", seq_length=512)
+    for i in range(len(dataset)):
+        dataset.sample(i)
+
+
+def test_flipped_bytes_in_a_shard_are_a_sha_mismatch_naming_it(dataset_copy: Path) -> None:
+    shard = dataset_copy / "train-00001.tar"
+    expected = next(s.sha256 for s in load_manifest(dataset_copy).splits["train"].shards if s.name == shard.name)
+    with open(shard, "r+b") as stream:
+        stream.seek(shard.stat().st_size // 2)
+        original = stream.read(8)
+        stream.seek(-8, os.SEEK_CUR)
+        stream.write(bytes(b ^ 0xFF for b in original))
+    with pytest.raises(DataError, match=f"shard {shard} is corrupt: sha256 mismatch, manifest expects {expected}, "
+                                        "file has [0-9a-f]{64}"):
+        read_every_sample(dataset_copy)
+
+
+def test_truncated_shard_names_the_file_and_the_fix(dataset_copy: Path) -> None:
+    shard = dataset_copy / "train-00000.tar"
+    os.truncate(shard, shard.stat().st_size - 1024)
+    with pytest.raises(DataError, match=f"shard {shard} is .* bytes, the manifest says .*truncated.*prepare"):
+        read_every_sample(dataset_copy)
+
+
+def test_shard_changed_after_first_check_is_checked_again(dataset_copy: Path) -> None:
+    read_every_sample(dataset_copy)  # verified and remembered in this process
+    shard = dataset_copy / "train-00000.tar"
+    payload = bytearray(shard.read_bytes())
+    payload[len(payload) // 2] ^= 0xFF
+    shard.write_bytes(bytes(payload))
+    os.utime(shard, ns=(0, 1))  # a rewrite moves mtime, which keys the per-process cache
+    with pytest.raises(DataError, match="sha256 mismatch"):
+        read_every_sample(dataset_copy)
+
+
+@pytest.mark.parametrize("name", ["train.index.npz", "tokenizer.model"])
+def test_manifest_checksum_mismatch_is_detected(dataset_copy: Path, name: str) -> None:
+    with open(dataset_copy / name, "ab") as stream:
+        stream.write(b"\0")
+    with pytest.raises(DataError, match=f"checksum mismatch for {dataset_copy / name}: manifest expects sha256"):
+        load_manifest(dataset_copy)
+
+
+def test_missing_files_are_clear_errors(dataset_copy: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=f"no manifest.json in {tmp_path}: .* run `scaletrain prepare CONFIG` first"):
+        load_manifest(tmp_path)
+    (dataset_copy / "val-00000.tar").unlink()
+    with pytest.raises(DataError, match="shard .*val-00000.tar is missing"):
+        PackedSequenceDataset(dataset_copy, "val", seq_length=64).sample(0)
+    (dataset_copy / MANIFEST_NAME).write_text("{ not json")
+    with pytest.raises(DataError, match="manifest.json is unreadable"):
+        load_manifest(dataset_copy)

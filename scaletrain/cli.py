@@ -1,4 +1,4 @@
-"""Command line: `scaletrain prepare|train|generate` (also `python -m scaletrain ...`)."""
+"""Command line: `scaletrain prepare|train|plan|generate` (also `python -m scaletrain ...`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError, load_config
+from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,10 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", type=Path)
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tensor=2")
     train.set_defaults(handler=_train)
+
+    plan = commands.add_parser("plan", help="rank the parallel layouts that fit a model on N GPUs")
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=_plan)
 
     generate = commands.add_parser("generate", help="sample text from a run's latest checkpoint")
     generate.add_argument("run_dir", type=Path)
@@ -76,6 +81,10 @@ def _train(args: argparse.Namespace) -> None:
         train(config)
     finally:
         destroy_distributed()
+
+
+def _plan(args: argparse.Namespace) -> None:
+    print(plan_from_args(args), end="")
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -1,0 +1,155 @@
+"""Activation memory of our GPT: bytes saved for backward, per block and per pipeline stage.
+
+Follows Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", sec. 4.1-4.2. Per block and micro-batch, with 16-bit activations and 1-byte dropout masks:
+    s*b*h*(34 + 5*a*s/h)                   no parallelism,
+    s*b*h*(10 + 24/t + 5*a*s/(h*t))        tensor parallelism t, no sequence parallelism,
+    s*b*h*(34 + 5*a*s/h) / t               tensor + sequence parallelism,
+    2*s*b*h                                full recomputation (only the block input is kept).
+We keep their grouping but count each tensor in its real dtype, which is what lets the formula
+be checked against a CPU fp32 run (tests/scaling/test_memory.py):
+- replicated (their 10 bytes): LayerNorm inputs and outputs, 4 tensors of s*b*h, plus the two
+  hidden dropout masks when dropout > 0;
+- split by TP (their 24 bytes): the QKV output (3h; the math kernel keeps copies of q, k and v
+  instead, the same size), the attention output = the output projection's input (h), the fc
+  output = GELU input (ffn) and the GELU output (ffn);
+- attention (their 5as/h): "math" attention keeps the s x s softmax, plus its dropout mask and
+  output when dropout > 0; "flash" (SDPA's flash / memory-efficient kernels, which our model uses
+  on GPU, and the CPU kernel when dropout = 0) keeps only a fp32 logsumexp per head and row;
+- LayerNorm mean and rstd (fp32, 2 per norm), which the paper omits as small.
+The attention output needs no copy of its own: SDPA returns it in the query's [s, b, heads, d]
+memory layout, so the reshape for the output projection is a view (measured on CPU; a kernel
+that returned another layout would add s*b*h/t per block).
+Hidden dropout masks are bool (1 byte) in CUDA's fused dropout but tensors of the activation
+dtype in the CPU fallback; `dropout_mask_bytes` says which. At dropout = 0 nothing is stored.
+
+Outside the blocks: the first stage keeps the token and position ids (and, at TP > 1, the
+vocab-parallel embedding's out-of-shard mask); the last stage keeps the final LayerNorm's input,
+statistics and output, and the vocab-parallel cross-entropy keeps exp(logits) in fp32, s*b*V/t.
+Sequence parallelism, which our model does not implement, is applied to the blocks only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.config import ModelConfig
+
+ATTENTION_KERNELS = ("flash", "math")
+INDEX_BYTES = 8  # token ids and targets are int64
+STATISTIC_BYTES = 4  # LayerNorm mean/rstd and attention logsumexp are fp32 even for bf16 inputs
+
+
+@dataclass(frozen=True)
+class ActivationSettings:
+    """What the kernels store: activation dtype, dropout mask dtype, attention kernel, SP."""
+
+    activation_bytes: int = 2
+    dropout_mask_bytes: int = 1
+    attention: str = "flash"
+    sequence_parallel: bool = False  # our model does not split the sequence; kept for the paper's case
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention kernel {self.attention!r} is unknown; use one of {ATTENTION_KERNELS}")
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Bytes one transformer block saves for backward for one micro-batch, grouped as in the paper."""
+
+    replicated: float
+    split: float
+    attention: float
+    norm_statistics: float
+
+    @property
+    def total(self) -> float:
+        return self.replicated + self.split + self.attention + self.norm_statistics
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    """Bytes one micro-batch keeps on one pipeline stage, and the extra working set of recomputation."""
+
+    stored: float
+    recompute_working_set: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return self.stored + self.recompute_working_set
+
+
+def block_activations(
+    model: ModelConfig, micro_batch: int, tensor_parallel: int, settings: ActivationSettings
+) -> BlockActivations:
+    """One block without recomputation (Korthikanti et al. 2022, sec. 4.1, eq. 1-2)."""
+    tokens = model.seq_length * micro_batch
+    hidden, act = model.hidden_size, settings.activation_bytes
+    sequence_split = tensor_parallel if settings.sequence_parallel else 1
+    masks = 2 * settings.dropout_mask_bytes if model.dropout > 0 else 0
+    heads = model.num_heads / tensor_parallel
+    if settings.attention == "flash":
+        attention = heads * tokens * STATISTIC_BYTES
+    else:
+        dropped = settings.dropout_mask_bytes + act if model.dropout > 0 else 0
+        attention = heads * model.seq_length * tokens * (act + dropped)
+    return BlockActivations(
+        replicated=tokens * hidden * (4 * act + masks) / sequence_split,
+        split=tokens * (4 * hidden + 2 * model.ffn_size) * act / tensor_parallel,
+        attention=attention,
+        norm_statistics=2 * 2 * tokens * STATISTIC_BYTES / sequence_split,
+    )
+
+
+def stage_activations(
+    model: ModelConfig,
+    vocab_size: int,
+    micro_batch: int,
+    tensor_parallel: int,
+    layers: int,
+    first_stage: bool,
+    last_stage: bool,
+    recompute: bool,
+    settings: ActivationSettings,
+) -> StageActivations:
+    """Activations of one micro-batch on a stage of `layers` blocks.
+
+    With full recomputation each block keeps only its input (Korthikanti sec. 4.2: 2sbh at
+    16 bits), and backward rebuilds one block at a time, so one block's activations are an
+    extra working set at the peak.
+    """
+    tokens = model.seq_length * micro_batch
+    sequence_split = tensor_parallel if settings.sequence_parallel else 1
+    block = block_activations(model, micro_batch, tensor_parallel, settings)
+    if recompute:
+        per_block = tokens * model.hidden_size * settings.activation_bytes / sequence_split
+        stored, working_set = layers * per_block, block.total
+    else:
+        stored, working_set = layers * block.total, 0.0
+    if first_stage:
+        stored += _embedding_activations(model, micro_batch, tensor_parallel, settings)
+    if last_stage:
+        stored += _output_activations(model, vocab_size, micro_batch, tensor_parallel, settings)
+    return StageActivations(stored=stored, recompute_working_set=working_set)
+
+
+def _embedding_activations(
+    model: ModelConfig, micro_batch: int, tensor_parallel: int, settings: ActivationSettings
+) -> float:
+    tokens = model.seq_length * micro_batch
+    stored = tokens * INDEX_BYTES + model.seq_length * INDEX_BYTES
+    if tensor_parallel > 1:
+        stored += tokens  # bool mask of ids outside this rank's vocabulary shard
+    if model.dropout > 0:
+        stored += tokens * model.hidden_size * settings.dropout_mask_bytes
+    return stored
+
+
+def _output_activations(
+    model: ModelConfig, vocab_size: int, micro_batch: int, tensor_parallel: int, settings: ActivationSettings
+) -> float:
+    tokens = model.seq_length * micro_batch
+    final_norm = 2 * model.hidden_size * settings.activation_bytes + 2 * STATISTIC_BYTES
+    cross_entropy = vocab_size // tensor_parallel * 4 + 1 + INDEX_BYTES  # fp32 exp(logits), mask, target
+    return tokens * (final_norm + cross_entropy)

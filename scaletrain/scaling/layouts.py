@@ -1,0 +1,72 @@
+"""Candidate parallel layouts (TP, PP, DP, ZeRO stage, micro-batch, recomputation) for a GPU count.
+
+The rules are the ones our stack imposes, not preferences:
+- TP divides the heads, the FFN size and model.vocab_divisible_by (config validation), and stays
+  within a node: TP all-reduces sit on the critical path twice per block and direction
+  (Shoeybi et al. 2019, sec. 3), which only NVLink bandwidth makes affordable;
+- PP divides the layers (stages hold equal numbers of blocks);
+- TP * PP * DP = GPUs, and the global batch is a whole number of micro-batches per DP rank;
+- DeepSpeed's pipeline engine supports ZeRO-0/1 only, so PP > 1 excludes ZeRO-2/3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from scaletrain.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int
+    pipeline: int
+    data: int
+    zero_stage: int
+    micro_batch: int
+    recompute: bool
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline
+
+    def micro_batches(self, global_batch: int) -> int:
+        """Micro-batches each pipeline (DP rank) runs per step: the m in the bubble (p-1)/m."""
+        return global_batch // (self.micro_batch * self.data)
+
+
+def planning_global_batch(config: Config) -> int:
+    """The global batch (sequences per step) all layouts are compared at."""
+    if config.train.global_batch_size is not None:
+        return config.train.global_batch_size
+    if config.parallel.data is not None:
+        return config.train.micro_batch_size * config.train.grad_accum * config.parallel.data
+    raise ConfigError(
+        "planning needs a fixed global batch, but train.global_batch_size is not set (and neither is "
+        "parallel.data); pass e.g. train.global_batch_size=512"
+    )
+
+
+def tensor_parallel_sizes(config: Config, gpus_per_node: int) -> list[int]:
+    model = config.model
+    return [
+        tp for tp in range(1, gpus_per_node + 1)
+        if model.num_heads % tp == 0 and model.ffn_size % tp == 0 and model.vocab_divisible_by % tp == 0
+    ]
+
+
+def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_batch: int) -> Iterator[Layout]:
+    """Every layout that satisfies the rules in the module docstring."""
+    global_batch = planning_global_batch(config)
+    for tp in tensor_parallel_sizes(config, gpus_per_node):
+        for pp in range(1, config.model.num_layers + 1):
+            if config.model.num_layers % pp or gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            zero_stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+            for micro_batch in range(1, max_micro_batch + 1):
+                if global_batch % (micro_batch * dp):
+                    continue
+                for zero_stage in zero_stages:
+                    for recompute in (False, True):
+                        yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute)

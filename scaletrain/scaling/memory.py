@@ -1,0 +1,144 @@
+"""Per-GPU training memory of a layout: weights, gradients, optimizer state, activations, pipeline buffers.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3.1 and 5): mixed-precision
+Adam keeps 2 bytes of bf16 weights, 2 of bf16 gradients and K = 12 of fp32 master weights and
+Adam moments per parameter; stage 1 partitions the K bytes over the DP ranks, stage 2 also the
+gradients, stage 3 also the weights. The byte counts are made exact for our DeepSpeed setup
+(train/engine.py), which the CPU tests check tensor by tensor:
+- DeepSpeed's ZeRO-1/2 flattens each AdamW group (matrices, vectors) and pads it to a multiple of
+  2 * DP elements before partitioning (`nccl_start_alignment_factor` in stage_1_and_2.py);
+- its fp32 master partition exists even for fp32 weights; only fp32 without ZeRO lets torch's
+  AdamW update the model's weights in place, with no master copy (K = 8);
+- torch's AdamW keeps a 4-byte `step` scalar per tensor it updates: per parameter without ZeRO
+  in fp32, per flat group otherwise;
+- with pipeline stages and no ZeRO, DeepSpeed wraps a bf16 model in its BF16_Optimizer
+  (`_do_optimizer_sanity_check` in runtime/engine.py), which partitions the master weights and
+  moments over DP as ZeRO-1 does but keeps full fp32 gradients (4 bytes per parameter) to
+  accumulate micro-batches in.
+Not modelled: DeepSpeed's communication buckets, the transient fp32 gradient partition it builds
+at the optimizer step (after activations are freed, so it does not raise the peak when
+activations are larger), and ZeRO-3's per-parameter partition padding; the planner's memory
+reserve covers these, the CUDA context and allocator fragmentation.
+
+Activations come from activations.py. Under the 1F1B schedule (Narayanan et al. 2021, sec.
+2.2.1) stage i holds min(PP - i, m) micro-batches in flight, so the first stage holds the
+most; the extra in-flight micro-batches, and the stage outputs kept for their backward (all
+but the last stage), are reported as pipeline buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scaletrain.config import Config
+from scaletrain.scaling.activations import ActivationSettings, stage_activations
+from scaletrain.scaling.layouts import Layout
+from scaletrain.scaling.params import ParameterCount, block_parameters, stage_parameters, word_embedding_parameters
+
+ADAM_MOMENT_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+MASTER_WEIGHT_BYTES = 4
+STEP_COUNTER_BYTES = 4
+ZERO_ALIGNMENT = 2  # DeepSpeed pads each flat group to a multiple of 2 * DP elements
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of the bf16/fp32 model states and activations."""
+
+    name: str
+    weight_bytes: int
+    grad_bytes: int
+    activation_bytes: int
+
+
+MIXED_BF16 = Precision("bf16", weight_bytes=2, grad_bytes=2, activation_bytes=2)
+FP32 = Precision("fp32", weight_bytes=4, grad_bytes=4, activation_bytes=4)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    pipeline_buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.pipeline_buffers
+
+
+def zero_partition_numel(group_numel: int, data_parallel: int) -> int:
+    """Elements of one DP rank's partition of a flat group, padding included (DeepSpeed ZeRO-1/2)."""
+    alignment = ZERO_ALIGNMENT * data_parallel
+    return math.ceil(group_numel / alignment) * alignment // data_parallel
+
+
+def optimizer_state_bytes(params: ParameterCount, zero_stage: int, data_parallel: int, precision: Precision) -> int:
+    """fp32 master weights (if any), Adam moments and step counters held by one GPU."""
+    if zero_stage == 0 and precision.weight_bytes == MASTER_WEIGHT_BYTES:
+        return ADAM_MOMENT_BYTES * params.total + STEP_COUNTER_BYTES * params.tensors
+    per_element = MASTER_WEIGHT_BYTES + ADAM_MOMENT_BYTES
+    groups = [n for n in (params.matrices, params.vectors) if n]
+    if zero_stage == 0:
+        return per_element * params.total + STEP_COUNTER_BYTES * len(groups)
+    return sum(per_element * zero_partition_numel(n, data_parallel) + STEP_COUNTER_BYTES for n in groups)
+
+
+def uses_pipeline_bf16_optimizer(layout: Layout, precision: Precision) -> bool:
+    return layout.pipeline > 1 and layout.zero_stage == 0 and precision.weight_bytes < MASTER_WEIGHT_BYTES
+
+
+def weight_bytes(config: Config, params: ParameterCount, layout: Layout, precision: Precision) -> float:
+    """Weights on one GPU; ZeRO-3 adds the gathered weights of the module computing and the one prefetched."""
+    if layout.zero_stage < 3:
+        return precision.weight_bytes * params.total
+    largest_module = max(
+        block_parameters(config.model, layout.tensor).total,
+        word_embedding_parameters(config.padded_vocab_size, config.model.hidden_size, layout.tensor).total,
+    )
+    return precision.weight_bytes * (math.ceil(params.total / layout.data) + 2 * largest_module)
+
+
+def gradient_bytes(params: ParameterCount, layout: Layout, precision: Precision) -> float:
+    if layout.zero_stage < 2:
+        return precision.grad_bytes * params.total
+    return precision.grad_bytes * math.ceil(params.total / layout.data)
+
+
+def stage_memory(
+    config: Config, layout: Layout, stage: int, micro_batches: int, precision: Precision, settings: ActivationSettings
+) -> MemoryBreakdown:
+    """Memory of one GPU of pipeline stage `stage` when each pipeline runs `micro_batches` per step."""
+    model, pp = config.model, layout.pipeline
+    params = stage_parameters(config, layout.tensor, pp, stage)
+    last = stage == pp - 1
+    activations = stage_activations(
+        model, config.padded_vocab_size, layout.micro_batch, layout.tensor, model.num_layers // pp,
+        first_stage=stage == 0, last_stage=last, recompute=layout.recompute, settings=settings,
+    )
+    in_flight = min(pp - stage, micro_batches)
+    sent_output = 0 if last else model.seq_length * layout.micro_batch * model.hidden_size * settings.activation_bytes
+    bf16_optimizer = uses_pipeline_bf16_optimizer(layout, precision)
+    fp32_gradients = MASTER_WEIGHT_BYTES * params.total if bf16_optimizer else 0
+    return MemoryBreakdown(
+        weights=weight_bytes(config, params, layout, precision),
+        gradients=gradient_bytes(params, layout, precision) + fp32_gradients,
+        optimizer=optimizer_state_bytes(params, 1 if bf16_optimizer else layout.zero_stage, layout.data, precision),
+        activations=activations.peak,
+        pipeline_buffers=(in_flight - 1) * activations.stored + in_flight * sent_output,
+    )
+
+
+def peak_memory(
+    config: Config, layout: Layout, micro_batches: int, precision: Precision, settings: ActivationSettings
+) -> tuple[int, MemoryBreakdown]:
+    """The stage with the most memory, and its breakdown: every stage must fit."""
+    stages = [
+        (stage, stage_memory(config, layout, stage, micro_batches, precision, settings))
+        for stage in range(layout.pipeline)
+    ]
+    return max(stages, key=lambda item: item[1].total)

@@ -1,0 +1,110 @@
+"""`scaletrain plan`: which parallel layouts fit a model on N GPUs, ranked by predicted step time.
+
+The pieces: params.py (exact parameter counts), memory.py + activations.py (per-GPU memory),
+flops.py + step_time.py (time), layouts.py (the candidates), search.py (evaluate them all),
+report.py (the printed report). This module is the command-line surface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from scaletrain.config import ConfigError, load_config
+from scaletrain.scaling.activations import ATTENTION_KERNELS
+from scaletrain.scaling.report import format_plan
+from scaletrain.scaling.search import DEFAULT_MAX_MICRO_BATCH, DEFAULT_MEMORY_RESERVE, plan
+from scaletrain.scaling.step_time import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_INTER_NODE_BANDWIDTH,
+    DEFAULT_INTRA_NODE_BANDWIDTH,
+    Hardware,
+)
+
+DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (tracking/flops.py)
+DEFAULT_TOP = 20
+MEMORY_UNITS = {
+    "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """'80GiB' -> bytes; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if not match or unit not in MEMORY_UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"--gpu-memory {text!r} is not a memory size; write e.g. 80GiB, 40GB or 141GB")
+    return int(float(match.group(1)) * MEMORY_UNITS[unit])
+
+
+def run_plan(
+    config_path: Path,
+    overrides: list[str],
+    gpus: int,
+    gpu_memory: str,
+    gpu_peak_tflops: float = DEFAULT_PEAK_TFLOPS,
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+    intra_node_gbps: float = DEFAULT_INTRA_NODE_BANDWIDTH / 1e9,
+    inter_node_gbps: float = DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+    attention: str = "flash",
+    max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH,
+    top: int = DEFAULT_TOP,
+) -> str:
+    """Load the config, evaluate every layout, and return the report to print."""
+    for name, value in (("--gpu-peak-tflops", gpu_peak_tflops), ("--intra-node-gbps", intra_node_gbps),
+                        ("--inter-node-gbps", inter_node_gbps)):
+        if value <= 0:
+            raise ConfigError(f"{name} {value} must be > 0")
+    if not 0 < compute_efficiency <= 1:
+        raise ConfigError(f"--compute-efficiency {compute_efficiency} must be in (0, 1], e.g. 0.5")
+    for name, value in (("--gpus-per-node", gpus_per_node), ("--max-micro-batch", max_micro_batch), ("--top", top)):
+        if value < 1:
+            raise ConfigError(f"{name} {value} must be >= 1")
+    if attention not in ATTENTION_KERNELS:
+        raise ConfigError(f"--attention {attention!r} is unknown; use one of {', '.join(ATTENTION_KERNELS)}")
+    config = load_config(config_path, overrides)
+    hardware = Hardware(
+        peak_flops=gpu_peak_tflops * 1e12, compute_efficiency=compute_efficiency,
+        intra_node_bandwidth=intra_node_gbps * 1e9, inter_node_bandwidth=inter_node_gbps * 1e9,
+        gpus_per_node=gpus_per_node,
+    )
+    result = plan(config, gpus, parse_memory_size(gpu_memory), hardware, memory_reserve, attention, max_micro_batch)
+    return format_plan(result, title=str(config_path), top=top)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `scaletrain plan` arguments; `plan_from_args` consumes them."""
+    parser.add_argument("config", type=Path)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.global_batch_size=512")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
+    parser.add_argument("--gpu-peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
+                        help="dense bf16 peak per GPU (H100 SXM: 989, A100: 312)")
+    parser.add_argument("--compute-efficiency", type=float, default=DEFAULT_COMPUTE_EFFICIENCY,
+                        help="achievable fraction of peak for the model's matmuls")
+    parser.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_BANDWIDTH / 1e9,
+                        help="NVLink GB/s per GPU and direction")
+    parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
+                        help="network GB/s per GPU and direction")
+    parser.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE)
+    parser.add_argument("--memory-reserve", type=float, default=DEFAULT_MEMORY_RESERVE,
+                        help="fraction of GPU memory kept free for what is not modelled")
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
+                        help="flash: SDPA flash kernels, no s x s tensors (default); math: keeps them")
+    parser.add_argument("--max-micro-batch", type=int, default=DEFAULT_MAX_MICRO_BATCH)
+    parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="how many layouts to list")
+
+
+def plan_from_args(args: argparse.Namespace) -> str:
+    return run_plan(
+        args.config, args.overrides, args.gpus, args.gpu_memory, args.gpu_peak_tflops,
+        compute_efficiency=args.compute_efficiency, intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
+        memory_reserve=args.memory_reserve, attention=args.attention,
+        max_micro_batch=args.max_micro_batch, top=args.top,
+    )

@@ -1,0 +1,149 @@
+"""The text report of `scaletrain plan`: model size, FLOPs, the formulas used, and the ranked layouts."""
+
+from __future__ import annotations
+
+from scaletrain.scaling.flops import hardware_flops_per_token
+from scaletrain.scaling.layouts import Layout
+from scaletrain.scaling.params import (
+    block_parameters,
+    layer_norm_parameters,
+    position_embedding_parameters,
+    stage_parameters,
+    total_parameters,
+    word_embedding_parameters,
+)
+from scaletrain.scaling.search import Plan, PlannedLayout, runnable_now
+from scaletrain.tracking.flops import model_flops_per_token
+
+GIB = 2**30
+
+
+def format_plan(plan: Plan, title: str, top: int) -> str:
+    sections = [_header(plan, title), _parameters(plan), _flops(plan), _memory_model(plan), _table(plan, top)]
+    return "\n\n".join(sections) + "\n"
+
+
+def _header(plan: Plan, title: str) -> str:
+    model, hw = plan.config.model, plan.hardware
+    return "\n".join([
+        f"scaletrain plan: {title}",
+        f"model: GPT, {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
+        f"ffn {model.ffn_size}, seq {model.seq_length}, vocab {plan.config.data.vocab_size} "
+        f"(padded to {plan.config.padded_vocab_size})",
+        f"cluster: {plan.gpus} GPUs x {plan.gpu_memory / GIB:.2f} GiB ({plan.memory_budget / GIB:.2f} GiB usable; "
+        "the rest is kept for the CUDA context, NCCL and DeepSpeed buffers and fragmentation), "
+        f"{hw.peak_flops / 1e12:.0f} TFLOP/s peak at {hw.compute_efficiency:.0%} achievable, "
+        f"NVLink {hw.intra_node_bandwidth / 1e9:.0f} GB/s within {hw.gpus_per_node}-GPU nodes, "
+        f"{hw.inter_node_bandwidth / 1e9:.0f} GB/s between nodes",
+        f"global batch: {plan.global_batch} sequences = {plan.global_batch * model.seq_length:,} tokens per step",
+    ])
+
+
+def _parameters(plan: Plan) -> str:
+    config = plan.config
+    model, vocab = config.model, config.padded_vocab_size
+    embedding = word_embedding_parameters(vocab, model.hidden_size, 1) + position_embedding_parameters(model)
+    lines = [
+        f"parameters: {total_parameters(config):,} ({total_parameters(config) / 1e9:.2f} B)",
+        f"  embedding {embedding.total:,} (word {vocab}x{model.hidden_size}, tied with the output layer; "
+        f"positions {model.seq_length}x{model.hidden_size}), per block {block_parameters(model, 1).total:,} "
+        f"x {model.num_layers}, final LayerNorm {layer_norm_parameters(model.hidden_size).total:,}",
+    ]
+    if plan.feasible:
+        best = plan.feasible[0].layout
+        lines.append(f"  per stage at the best layout's PP={best.pipeline} (whole stage; per GPU at TP={best.tensor}):")
+        for stage in sorted({0, best.pipeline // 2, best.pipeline - 1}):
+            whole = stage_parameters(config, 1, best.pipeline, stage).total
+            per_gpu = stage_parameters(config, best.tensor, best.pipeline, stage).total
+            contents = _stage_contents(stage, best, config.model.num_layers // best.pipeline)
+            lines.append(f"    stage {stage}: {whole:,} ({per_gpu:,} per GPU)  [{contents}]")
+    return "\n".join(lines)
+
+
+def _stage_contents(stage: int, layout: Layout, blocks: int) -> str:
+    parts = ["embedding"] if stage == 0 else []
+    parts.append(f"{blocks} blocks")
+    if stage == layout.pipeline - 1:
+        parts.append("final LayerNorm")
+        if layout.pipeline > 1:
+            parts.append("output layer's embedding copy (word table tied; its position table unused)")
+    return " + ".join(parts)
+
+
+def _flops(plan: Plan) -> str:
+    model, vocab = plan.config.model, plan.config.padded_vocab_size
+    tokens = plan.global_batch * model.seq_length
+    per_token = model_flops_per_token(model, vocab)
+    recomputed = hardware_flops_per_token(model, vocab, recompute=True)
+    return "\n".join([
+        f"FLOPs per token (model FLOPs, what MFU counts): {per_token / 1e12:.4f} TFLOP",
+        "  = 3 * (l*(8h^2 + 4h*ffn + 4hs) + 2hV) = 72*l*h^2*(1 + s/6h) + 6hV for ffn = 4h (Narayanan et al. 2021)",
+        "  = 6N + 12*l*h*s with N the matmul weights (Chowdhery et al. 2022, app. B)",
+        f"FLOPs per token with full recomputation (hardware FLOPs): {recomputed / 1e12:.4f} TFLOP",
+        "  = model FLOPs + one more forward of the blocks = 96*l*h^2*(1 + s/6h + V/16lh) for ffn = 4h",
+        f"FLOPs per step ({tokens:,} tokens): model {per_token * tokens:.4g}, "
+        f"with recomputation {recomputed * tokens:.4g}; the step-time model uses the hardware FLOPs of each layout",
+    ])
+
+
+def _memory_model(plan: Plan) -> str:
+    attention = {
+        "flash": "SDPA flash variant (our model on GPU): no s x s softmax/dropout tensors, only a fp32 "
+                 "logsumexp per head and row: Korthikanti's s*b*h*(10 + 24/t + 5as/(ht)) without the 5as/(ht) term "
+                 "(and 10 -> 8 without dropout masks)",
+        "math": "Korthikanti et al. 2022's s*b*h*(10 + 24/t + 5as/(ht)) with the s x s softmax/dropout tensors",
+    }[plan.activations.attention]
+    states = {
+        "bf16": "bf16 weights and gradients, fp32 master weights + Adam moments (K = 12, ZeRO paper)",
+        "fp32": "fp32 weights and gradients, Adam moments (K = 8) plus DeepSpeed's fp32 master copy under ZeRO",
+    }[plan.precision.name]
+    return "\n".join([
+        f"memory: {states}; ZeRO stage 1 partitions the optimizer state over DP, 2 also the gradients, "
+        "3 also the weights; ZeRO-0 with PP > 1 is DeepSpeed's BF16_Optimizer (optimizer state partitioned "
+        "as in ZeRO-1, plus full fp32 gradients)",
+        f"activations per block and micro-batch, ranked with the {attention}; dropout masks only when "
+        "model.dropout > 0",
+        "recomp yes = full recomputation (train.activation_checkpoint_interval=1): 2sbh per block kept, plus one "
+        "block's activations rebuilt at a time in backward",
+        "pipeline buffers: 1F1B keeps min(PP - stage, m) micro-batches in flight (Narayanan et al. 2021), plus "
+        "the outputs sent downstream; stages hold equal block counts (parallel.pipeline_partition=blocks); "
+        "the fullest stage is reported",
+    ])
+
+
+def _table(plan: Plan, top: int) -> str:
+    feasible = plan.feasible
+    shown = feasible[:top] if feasible else plan.layouts[:top]
+    heading = "feasible layouts, fastest first" if feasible else "no layout fits; the smallest ones"
+    header = (
+        f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>5} {'ZeRO':>4} {'mb':>3} {'recomp':>6} | {'weights':>7} {'grads':>6} "
+        f"{'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB {'stage':>5} | "
+        f"{'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6} {'MFU':>4}"
+    )
+    reasons: list[str] = []
+    rows = []
+    for rank, planned in enumerate(shown, 1):
+        reason = runnable_now(plan.config, planned.layout)
+        if reason is not None and reason not in reasons:
+            reasons.append(reason)
+        mark = f" [{reasons.index(reason) + 1}]" if reason is not None else ""
+        rows.append(_row(rank, planned) + mark)
+    notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
+    summary = (
+        f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
+        f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*PP*DP = {plan.gpus}, the global batch divides "
+        f"into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
+        f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
+    )
+    return "\n".join([f"{heading}:", header, *rows, *notes, summary])
+
+
+def _row(rank: int, planned: PlannedLayout) -> str:
+    layout, memory, time = planned.layout, planned.memory, planned.step_time
+    return (
+        f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>5} {layout.zero_stage:>4} "
+        f"{layout.micro_batch:>3} {'yes' if layout.recompute else 'no':>6} | {memory.weights / GIB:>7.2f} "
+        f"{memory.gradients / GIB:>6.2f} {memory.optimizer / GIB:>6.2f} {memory.activations / GIB:>6.2f} "
+        f"{memory.pipeline_buffers / GIB:>6.2f} {memory.total / GIB:>6.2f}     {planned.peak_stage:>5} | "
+        f"{time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} {time.communication:>6.2f} {planned.mfu:>4.0%}"
+    )

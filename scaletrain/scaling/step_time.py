@@ -1,0 +1,120 @@
+"""A simple step-time model for ranking layouts: compute, pipeline bubble, TP/PP/DP communication.
+
+Assumptions (deliberately simple; the ranking, not the absolute time, is the product):
+- Compute: hardware FLOPs (flops.py; recomputation adds a forward of the blocks) at a fixed
+  fraction of peak, `compute_efficiency`. Default 0.5: Narayanan et al. 2021 (Table 1) sustain
+  44-52% of A100 peak end to end for 1-1000B GPTs. Small GEMMs (small micro-batch or large
+  TP) are not penalised, so the model prefers small micro-batches whenever PP > 1.
+- Pipeline: 1F1B with m micro-batches per pipeline and p equal stages takes (m + p - 1) times
+  the slowest stage's time per micro-batch, i.e. a bubble fraction (p - 1)/m (Narayanan et al.
+  2021, sec. 2.2). The last stage is the slowest: it also computes the logits.
+- TP: per block and micro-batch, 2 all-reduces of s*b*h activations forward (attention and MLP
+  outputs) and 2 backward (Shoeybi et al. 2019, sec. 3), 2 more with recomputation; ring
+  all-reduce time 2(t-1)/t * bytes / bandwidth over NVLink (TP never leaves a node). Not
+  overlapped with compute. The embedding and logits all-reduces (2 per step, not per block) are
+  ignored.
+- PP: per micro-batch each stage boundary sends the s*b*h activation forward and its gradient
+  backward, over the inter-node network unless the whole job fits in one node (ranks are
+  ordered TP, then DP, then PP, so neighbouring stages are TP*DP ranks apart). The
+  tied-embedding gradient all-reduce between the first and last stage (once per step) is ignored.
+- DP: once per step, gradients are all-reduced (ZeRO-0) or reduce-scattered with the updated
+  weights all-gathered (ZeRO-1/2): 2(d-1)/d of the gradient bytes; ZeRO-3 also all-gathers the
+  weights in backward, 3(d-1)/d (Rajbhandari et al. 2020, sec. 7). Over NVLink when the DP group
+  fits in a node, else the inter-node network; not overlapped with backward (DeepSpeed's
+  overlap_comm is off by default for ZeRO-1/2), which is pessimistic.
+- Bandwidths are per GPU and per direction, achievable rather than nominal: NVLink 4 is
+  450 GB/s per direction on H100 SXM (NVIDIA datasheet, 900 GB/s bidirectional), 360 GB/s
+  assumed; one 400 Gb/s NDR InfiniBand port per GPU (DGX H100) is 50 GB/s, 40 GB/s assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.config import Config
+from scaletrain.scaling.flops import blocks_forward_flops_per_token, logits_flops_per_token
+from scaletrain.scaling.layouts import Layout
+from scaletrain.scaling.params import stage_parameters
+
+DEFAULT_COMPUTE_EFFICIENCY = 0.5
+DEFAULT_INTRA_NODE_BANDWIDTH = 360e9  # bytes/s per GPU per direction, NVLink
+DEFAULT_INTER_NODE_BANDWIDTH = 40e9  # bytes/s per GPU per direction, InfiniBand
+DEFAULT_GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_flops: float  # dense bf16 FLOP/s of one GPU
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY
+    intra_node_bandwidth: float = DEFAULT_INTRA_NODE_BANDWIDTH
+    inter_node_bandwidth: float = DEFAULT_INTER_NODE_BANDWIDTH
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by cause."""
+
+    compute: float
+    bubble: float
+    tensor_parallel: float
+    pipeline_parallel: float
+    data_parallel: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tensor_parallel + self.pipeline_parallel + self.data_parallel
+
+    @property
+    def communication(self) -> float:
+        return self.tensor_parallel + self.pipeline_parallel + self.data_parallel
+
+
+def ring_all_reduce_seconds(num_bytes: float, ranks: int, bandwidth: float) -> float:
+    """Each rank sends and receives 2(n-1)/n of the buffer in a ring all-reduce."""
+    return 2 * (ranks - 1) / ranks * num_bytes / bandwidth if ranks > 1 else 0.0
+
+
+def predict_step_time(
+    config: Config, layout: Layout, global_batch: int, hardware: Hardware, activation_bytes: int, grad_bytes: int
+) -> StepTime:
+    model = config.model
+    micro_batches = layout.micro_batches(global_batch)
+    tokens = model.seq_length * layout.micro_batch
+    blocks_per_stage = model.num_layers // layout.pipeline
+    passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
+    block_flops = blocks_forward_flops_per_token(model) / model.num_layers * passes
+    logits_flops = logits_flops_per_token(model, config.padded_vocab_size)
+    last_stage_flops = tokens * (blocks_per_stage * block_flops + logits_flops)
+    compute = last_stage_flops / layout.tensor / (hardware.peak_flops * hardware.compute_efficiency)
+
+    activation = tokens * model.hidden_size * activation_bytes
+    all_reduces = blocks_per_stage * (6 if layout.recompute else 4)
+    tensor_parallel = all_reduces * ring_all_reduce_seconds(activation, layout.tensor, hardware.intra_node_bandwidth)
+    pipeline_parallel = 0.0
+    if layout.pipeline > 1:
+        in_node = layout.tensor * layout.data * layout.pipeline <= hardware.gpus_per_node
+        bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
+        pipeline_parallel = 2 * activation / bandwidth
+
+    per_micro_batch = compute + tensor_parallel + pipeline_parallel
+    return StepTime(
+        compute=micro_batches * compute,
+        bubble=(layout.pipeline - 1) * per_micro_batch,
+        tensor_parallel=micro_batches * tensor_parallel,
+        pipeline_parallel=micro_batches * pipeline_parallel,
+        data_parallel=_data_parallel_seconds(config, layout, hardware, grad_bytes),
+    )
+
+
+def _data_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, grad_bytes: int) -> float:
+    if layout.data == 1:
+        return 0.0
+    params = max(
+        stage_parameters(config, layout.tensor, layout.pipeline, stage).total
+        for stage in {0, layout.pipeline - 1}
+    )
+    in_node = layout.tensor * layout.data <= hardware.gpus_per_node
+    bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
+    seconds = ring_all_reduce_seconds(params * grad_bytes, layout.data, bandwidth)
+    return seconds * 1.5 if layout.zero_stage == 3 else seconds

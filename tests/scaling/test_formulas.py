@@ -1,0 +1,114 @@
+"""The planner's formulas reduce to the published ones they generalise."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.scaling.activations import ActivationSettings, block_activations, stage_activations
+from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token
+from scaletrain.scaling.layouts import Layout
+from scaletrain.scaling.memory import MIXED_BF16, peak_memory, stage_memory, zero_partition_numel
+from scaletrain.scaling.params import stage_parameters
+from scaletrain.scaling.step_time import Hardware, predict_step_time
+
+REPO = Path(__file__).resolve().parents[2]
+KORTHIKANTI = ActivationSettings(activation_bytes=2, dropout_mask_bytes=1, attention="math")
+
+
+@pytest.fixture(scope="module")
+def gpt3_175b():
+    config = load_config(REPO / "configs" / "gpt3_175b.yaml")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.1))
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2, 8])
+def test_block_activations_are_korthikanti_eq_2(gpt3_175b, tensor_parallel):
+    """s*b*h*(10 + 24/t + 5as/(ht)) bytes, the paper's 16-bit count, LayerNorm statistics aside."""
+    model, t = gpt3_175b.model, tensor_parallel
+    s, b, h, a = model.seq_length, 2, model.hidden_size, model.num_heads
+    block = block_activations(model, b, t, KORTHIKANTI)
+    paper = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert block.replicated + block.split + block.attention == pytest.approx(paper, rel=1e-12)
+
+
+def test_sequence_parallel_divides_everything_by_t(gpt3_175b):
+    model, t = gpt3_175b.model, 8
+    s, b, h, a = model.seq_length, 1, model.hidden_size, model.num_heads
+    block = block_activations(model, b, t, dataclasses.replace(KORTHIKANTI, sequence_parallel=True))
+    assert block.replicated + block.split + block.attention == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
+
+
+def test_flash_drops_the_quadratic_term_and_recomputation_keeps_2sbh(gpt3_175b):
+    model = gpt3_175b.model
+    s, h = model.seq_length, model.hidden_size
+    flash = block_activations(model, 1, 8, dataclasses.replace(KORTHIKANTI, attention="flash"))
+    assert flash.attention == 4 * model.num_heads / 8 * s  # fp32 logsumexp per head and row
+    middle = stage_activations(model, 50304, 1, 8, 6, first_stage=False, last_stage=False, recompute=True,
+                               settings=KORTHIKANTI)
+    assert middle.stored == 6 * 2 * s * h
+    assert middle.recompute_working_set == block_activations(model, 1, 8, KORTHIKANTI).total
+
+
+def test_recomputation_flops_are_megatron_96blsh2(gpt3_175b):
+    """Narayanan et al. 2021: 96*B*s*l*h^2*(1 + s/6h + V/16lh) per step, i.e. per token below."""
+    model, vocab = gpt3_175b.model, gpt3_175b.padded_vocab_size
+    layers, h, s = model.num_layers, model.hidden_size, model.seq_length
+    megatron = 96 * layers * h**2 * (1 + s / (6 * h) + vocab / (16 * layers * h))
+    assert hardware_flops_per_token(model, vocab, recompute=True) == pytest.approx(megatron, rel=1e-12)
+    assert logits_flops_per_token(model, vocab) == pytest.approx(6 * h * vocab)
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m(gpt3_175b):
+    layout = Layout(tensor=8, pipeline=4, data=4, zero_stage=1, micro_batch=2, recompute=True)
+    time = predict_step_time(gpt3_175b, layout, 64, Hardware(989e12), 2, 2)
+    micro_batches = 64 // (2 * 4)
+    busy = time.compute + time.tensor_parallel + time.pipeline_parallel
+    assert time.bubble / busy == pytest.approx((4 - 1) / micro_batches)
+
+
+def test_zero_stages_partition_what_the_paper_says(gpt3_175b):
+    settings = ActivationSettings()
+    by_stage = {
+        zero: stage_memory(gpt3_175b, Layout(8, 1, 16, zero, 1, True), 0, 96, MIXED_BF16, settings)
+        for zero in range(4)
+    }
+    assert by_stage[1].optimizer == pytest.approx(by_stage[0].optimizer / 16, rel=1e-6)
+    assert by_stage[1].gradients == by_stage[0].gradients
+    assert by_stage[2].gradients == pytest.approx(by_stage[1].gradients / 16, rel=1e-6)
+    assert by_stage[2].weights == by_stage[1].weights
+    assert by_stage[3].weights < by_stage[2].weights / 8  # partitioned, plus two gathered blocks
+
+
+def test_pipeline_without_zero_uses_deepspeeds_bf16_optimizer(gpt3_175b):
+    """Master weights and moments partitioned as in ZeRO-1, plus full fp32 gradients."""
+    zero0, zero1 = (
+        stage_memory(gpt3_175b, Layout(8, 16, 8, zero, 1, True), 0, 192, MIXED_BF16, ActivationSettings())
+        for zero in (0, 1)
+    )
+    params = stage_parameters(gpt3_175b, 8, 16, 0).total
+    assert zero0.optimizer == zero1.optimizer
+    assert zero0.gradients == zero1.gradients + 4 * params
+
+
+def test_deepspeed_pads_each_group_to_2_dp_elements():
+    assert zero_partition_numel(750, 2) == 376
+    assert zero_partition_numel(50000, 2) == 25000
+    assert zero_partition_numel(7, 4) == 2
+
+
+def test_first_stage_holds_p_micro_batches_in_flight(gpt3_175b):
+    """1F1B: stage 0 keeps min(p, m) micro-batches' activations and sent outputs (Narayanan et al. 2021)."""
+    model, settings = gpt3_175b.model, ActivationSettings()
+    layout = Layout(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=1, recompute=True)
+    stored = stage_activations(model, gpt3_175b.padded_vocab_size, 1, 8, 6, first_stage=True, last_stage=False,
+                               recompute=True, settings=settings).stored
+    sent = model.seq_length * model.hidden_size * 2
+    stage, memory = peak_memory(gpt3_175b, layout, 192, MIXED_BF16, settings)
+    assert stage == 0
+    assert memory.pipeline_buffers == pytest.approx(15 * stored + 16 * sent)
+    few = stage_memory(gpt3_175b, layout, 0, 3, MIXED_BF16, settings)
+    assert few.pipeline_buffers == pytest.approx(2 * stored + 3 * sent)

@@ -55,6 +55,9 @@ class ParallelConfig:
     pipeline: int = 1
     data: int | None = None  # None: derived as world_size / (tensor * pipeline)
     zero_stage: int = 1
+    # How DeepSpeed splits layers into stages: parameters | uniform | blocks (equal block counts),
+    # or blocks per stage as a list, e.g. "5,7" (the embedding joins the first stage, the head the last).
+    pipeline_partition: str = "parameters"
 
 
 @dataclass
@@ -290,10 +293,31 @@ def _validate_parallel(config: Config) -> None:
             f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
             "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
         )
-    if parallel.pipeline > 1:
+    if parallel.pipeline > config.model.num_layers:
         raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline}: pipeline parallelism is not available in this release; "
-            "use parallel.pipeline=1 with tensor and data parallelism"
+            f"parallel.pipeline={parallel.pipeline} exceeds model.num_layers={config.model.num_layers}; "
+            "every stage needs at least one block"
+        )
+    _validate_pipeline_partition(config)
+
+
+def _validate_pipeline_partition(config: Config) -> None:
+    partition = config.parallel.pipeline_partition
+    if partition in ("parameters", "uniform", "blocks"):
+        return
+    try:
+        blocks = [int(part) for part in partition.split(",")]
+    except ValueError:
+        blocks = []
+    if (
+        len(blocks) != config.parallel.pipeline
+        or sum(blocks) != config.model.num_layers
+        or min(blocks, default=0) < 1
+    ):
+        raise ConfigError(
+            f"parallel.pipeline_partition={partition!r}; use parameters, uniform, blocks, or "
+            f"{config.parallel.pipeline} comma-separated block counts (each >= 1) summing to "
+            f"model.num_layers={config.model.num_layers}"
         )
 
 
@@ -331,11 +355,12 @@ def _validate_train(config: Config) -> None:
 
 def _validate_data(config: Config) -> None:
     data = config.data
-    reserved = 7 + data.num_sentinels  # pad, unk, bos, eos, [MASK], [CLS], [SEP] + sentinels
-    if data.vocab_size <= reserved + 64:
+    # pad, unk, bos, eos, [MASK], [CLS], [SEP], 256 byte-fallback pieces and the sentinels
+    reserved = 7 + 256 + data.num_sentinels
+    if data.vocab_size < reserved + 64:
         raise ConfigError(
-            f"data.vocab_size={data.vocab_size} leaves too few learned pieces after {reserved} special tokens; "
-            f"use at least {reserved + 256}"
+            f"data.vocab_size={data.vocab_size} leaves too few learned pieces after {reserved} reserved ones "
+            f"(special tokens, byte fallback, {data.num_sentinels} sentinels); use at least {reserved + 64}"
         )
     if not 0.0 <= data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={data.val_fraction} must be in [0, 1)")

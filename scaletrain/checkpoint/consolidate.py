@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from scaletrain.checkpoint.manager import DEEPSPEED_TAG, CheckpointError, read_meta
+from scaletrain.model.gpt import flat_layer_parameter_name
 from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
 
 
@@ -46,13 +47,11 @@ def _rank_weights(state_dir: Path, tensor_rank: int, zero_stage: int) -> dict[st
 def _pipeline_rank_weights(state_dir: Path, tensor_rank: int, num_layers: int) -> dict[str, torch.Tensor]:
     """DeepSpeed's pipeline engine saves one file per layer and tensor rank:
     layer_XX-model_YY-model_states.pt, with names local to the layer."""
-    from scaletrain.parallel.pipeline import gpt_parameter_name
-
     weights = {}
     for path in sorted(state_dir.glob(f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
         layer_index = int(path.name.split("-")[0].removeprefix("layer_"))
         for name, tensor in _float_tensors(torch.load(path, map_location="cpu", weights_only=False)).items():
-            full_name = gpt_parameter_name(layer_index, name, num_layers)
+            full_name = flat_layer_parameter_name(layer_index, name, num_layers)
             if full_name is not None:
                 weights[full_name] = tensor
     if not weights:

@@ -98,3 +98,17 @@ def build_block(config: ModelConfig, mp_config: ModelParallelConfig, seed: int, 
         output_init_method=normal_init(output_std, seed, f"{prefix}.mlp.proj"),
     )
     return PreLayerNormBlock(attention, mlp, config.hidden_size, config.layernorm_eps, config.dropout)
+
+
+def flat_layer_parameter_name(layer_index: int, name_in_layer: str, num_layers: int) -> str | None:
+    """GPT as a flat layer sequence, the order pipeline stages split it:
+        0: embedding   1..L: blocks   L+1: final LayerNorm   L+2: output layer (tied to 0).
+    Returns the `GPT` name of a layer's parameter; None for the output layer, whose only
+    weight is the embedding's. Block layers wrap the block as `block.`."""
+    if layer_index == 0:
+        return f"embedding.{name_in_layer}"
+    if layer_index <= num_layers:
+        return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
+    if layer_index == num_layers + 1:
+        return f"final_norm.{name_in_layer}"
+    return None

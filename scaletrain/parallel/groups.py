@@ -41,10 +41,10 @@ def init_distributed(config: Config) -> Topology:
     _default_single_process_environment()
     device = _select_device()
     if not dist.is_initialized():
-        import deepspeed  # deferred: importing DeepSpeed picks an accelerator and prints banners
-
+        # Plain torch.distributed: deepspeed.initialize adopts the existing group later, and
+        # commands that need no engine (generate, export) never import DeepSpeed.
         backend = "nccl" if device.type == "cuda" else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=30))
+        dist.init_process_group(backend, timeout=timedelta(minutes=30))
     world_size = dist.get_world_size()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(

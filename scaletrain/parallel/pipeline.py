@@ -1,9 +1,8 @@
 """GPT as a DeepSpeed `PipelineModule`: embedding, blocks and head as layer specs.
 
-The layer list mirrors `model/gpt.py` one to one, built from the same constructors, so a
-pipelined model has exactly the weights of the plain one (initialisation is keyed by
-parameter name) and checkpoints map back to GPT names by layer index:
-    0: embedding (tied)   1..L: blocks   L+1: final LayerNorm   L+2: output layer (tied to 0)
+The layer list is `GPT` as a flat sequence (see `gpt.flat_layer_parameter_name`), built from
+the same constructors, so a pipelined model has exactly the weights of the plain one
+(initialisation is keyed by parameter name) and its checkpoints map back to GPT names.
 The output layer reuses the first stage's word embedding through DeepSpeed's TiedLayerSpec;
 DeepSpeed all-reduces the tied weight's gradient between the first and last stage.
 """
@@ -88,18 +87,6 @@ class GPTPipeline(PipelineModule):
         self.parts = boundaries
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-
-def gpt_parameter_name(layer_index: int, name_in_layer: str, num_layers: int) -> str | None:
-    """The `GPT` parameter name of a pipeline layer's parameter; None for the tied output layer,
-    whose only weight is the embedding's."""
-    if layer_index == 0:
-        return f"embedding.{name_in_layer}"
-    if layer_index <= num_layers:
-        return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
-    if layer_index == num_layers + 1:
-        return f"final_norm.{name_in_layer}"
-    return None
 
 
 def _parse_stage_sizes(partition: str) -> list[int] | None:

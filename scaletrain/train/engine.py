@@ -54,7 +54,12 @@ def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> t
 def build_training_model(config: Config, topology: Topology) -> nn.Module:
     """The plain GPT, or its DeepSpeed pipeline form when the layout has pipeline stages."""
     if topology.pipeline_parallel_size > 1:
+        import deepspeed
+
         from scaletrain.parallel.pipeline import GPTPipeline
+
+        # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
         return GPTPipeline(config, topology)
     return build_model(config)

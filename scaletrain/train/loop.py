@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from scaletrain.checkpoint.manager import load_checkpoint, resolve_resume, save_checkpoint
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
+from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.loader import build_eval_loader, build_train_loader
 from scaletrain.data.manifest import load_manifest
 from scaletrain.data.objectives import causal_lm_collate
@@ -89,7 +90,8 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
         if config.train.eval_every and state.step % config.train.eval_every == 0:
             val_loss = evaluate(engine, config, topology)
             logger.log({"step": state.step, "val_loss": val_loss})
-            progress.write(f"step {state.step}: val_loss {val_loss:.4f}")
+            if topology.is_logging_rank:
+                progress.write(f"step {state.step}: val_loss {val_loss:.4f}")
         exiting = config.train.exit_after is not None and steps_this_run >= config.train.exit_after
         finished = state.step == config.train.steps
         if state.step % config.checkpoint.every == 0 or exiting or finished:
@@ -102,15 +104,19 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
 def evaluate(engine: Any, config: Config, topology: Topology) -> float:
     """Mean loss over a fixed prefix of the validation split, identical for every layout."""
     per_step = config.train.micro_batch_size * topology.data_parallel_size
-    num_samples = max(per_step, config.train.eval_samples // per_step * per_step)
+    available = PackedSequenceDataset(Path(config.data.dir), "val", config.model.seq_length).num_samples
+    num_samples = min(config.train.eval_samples, available) // per_step * per_step
+    if num_samples == 0:
+        raise ConfigError(
+            f"the validation split of {config.data.dir} holds {available} sequences of {config.model.seq_length} "
+            f"tokens, fewer than one evaluation step (micro_batch_size x data-parallel size = {per_step}); "
+            "raise data.val_fraction and re-prepare, or set train.eval_every=0"
+        )
     loader = build_eval_loader(
         config.data.dir, config.model.seq_length, config.train.micro_batch_size,
         topology.data_parallel_rank, topology.data_parallel_size, num_samples,
     )
-    batches = list(_device_batches(loader, topology.device))
-    if not batches:
-        raise ConfigError(f"the validation split of {config.data.dir} is empty; raise data.val_fraction and re-prepare")
-    return evaluation_loss(engine, batches)
+    return evaluation_loss(engine, list(_device_batches(loader, topology.device)))
 
 
 def _restore_or_start(engine: Any, config: Config, topology: Topology, run_dir: Path) -> TrainState:

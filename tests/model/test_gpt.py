@@ -14,13 +14,13 @@ from tests.distributed.harness import run_on_ranks
 
 TINY = {
     "model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "seq_length": 16},
-    "data": {"vocab_size": 300, "num_sentinels": 4},
+    "data": {"vocab_size": 400, "num_sentinels": 4},
     "train": {"seed": 3},
 }
 
 
 def _batch():
-    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(1))
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
@@ -71,7 +71,7 @@ def _weight_statistics(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel()
     config = config_from_dict({**TINY, "model": {**TINY["model"], "hidden_size": 256, "num_heads": 4}})
     model = build_model(config)
-    return {name: (param.detach().std().item(), param.detach().mean().item()) for name, param in model.named_parameters()}
+    return {name: (p.detach().std().item(), p.detach().mean().item()) for name, p in model.named_parameters()}
 
 
 def test_gpt2_initialisation():

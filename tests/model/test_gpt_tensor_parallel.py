@@ -13,7 +13,7 @@ from tests.distributed.harness import run_on_ranks
 
 TINY = {
     "model": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 16},
-    "data": {"vocab_size": 300, "num_sentinels": 4},
+    "data": {"vocab_size": 400, "num_sentinels": 4},
     "train": {"seed": 7},
 }
 
@@ -74,7 +74,7 @@ def test_tensor_parallel_matches_single_rank():
 def test_loss_is_cross_entropy_of_gathered_logits():
     """The vocab-parallel loss equals torch's cross-entropy on the full logits."""
     result = run_on_ranks(_forward_backward, 2, 2)[0]
-    tokens = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 400, (3, 16), generator=torch.Generator().manual_seed(0))
     labels = torch.roll(tokens, -1, dims=1)
     expected = torch.nn.functional.cross_entropy(result["logits"].flatten(0, 1), labels.flatten())
     assert abs(expected.item() - result["loss"].item()) <= 1e-5

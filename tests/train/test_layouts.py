@@ -23,6 +23,10 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tensor=2"]),
     "dp2_zero2": (2, ["parallel.zero_stage=2"]),
     "dp2_zero3": (2, ["parallel.zero_stage=3"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+    "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
+    "tp2_dp2_zero1": (4, ["parallel.tensor=2", "parallel.zero_stage=1"]),
+    "pp2_dp2_zero1": (4, ["parallel.pipeline=2", "parallel.zero_stage=1"]),
 }
 
 

@@ -97,20 +97,20 @@ def masking_units(tokens: np.ndarray, candidates: np.ndarray, info: TokenizerInf
     return np.flatnonzero(is_start), positions[last_of_unit] + 1
 
 
-def choose_units_independently(rng: np.random.Generator, sizes: np.ndarray, budget: int) -> list[tuple[int, int]]:
-    """Units in random order, each taken if it still fits the budget (Google BERT's whole-word rule).
+def choose_units_independently(rng: np.random.Generator, sizes: np.ndarray, budget: int) -> np.ndarray:
+    """Indices of units taken in random order, each only if it still fits the budget (Google BERT's whole-word rule).
 
-    Returns (first_unit, last_unit + 1) ranges of one unit each.
+    With single tokens this is simply `budget` tokens drawn without replacement.
     """
-    chosen: list[tuple[int, int]] = []
+    chosen: list[int] = []
     remaining = budget
     for unit in rng.permutation(len(sizes)):
         if remaining == 0:
             break
         if sizes[unit] <= remaining:
-            chosen.append((int(unit), int(unit) + 1))
+            chosen.append(int(unit))
             remaining -= int(sizes[unit])
-    return chosen
+    return np.array(chosen, dtype=np.int64)
 
 
 def choose_unit_spans(rng: np.random.Generator, starts: np.ndarray, ends: np.ndarray, budget: int,
@@ -154,8 +154,7 @@ def mask_sequence(rng: np.random.Generator, tokens: np.ndarray, info: TokenizerI
         unit_spans = choose_unit_spans(rng, starts, ends, budget, distribution)
         spans = np.array([(starts[a], ends[b - 1]) for a, b in unit_spans], dtype=np.int64).reshape(-1, 2)
     else:
-        unit_spans = choose_units_independently(rng, ends - starts, budget)
-        chosen_units = np.array([a for a, _ in unit_spans], dtype=np.int64)
+        chosen_units = choose_units_independently(rng, ends - starts, budget)
         positions = np.concatenate([np.arange(starts[u], ends[u]) for u in chosen_units] or [np.zeros(0, np.int64)])
         spans = np.stack([positions, positions + 1], axis=1)  # BERT decides per token
     return _replace(rng, tokens, spans, config, ordinary_ids, info.mask_id)

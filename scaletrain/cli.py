@@ -1,9 +1,10 @@
-"""Command line: `scaletrain prepare|train|plan|generate` (also `python -m scaletrain ...`)."""
+"""Command line: `scaletrain prepare|train|plan|generate|export|import` (also `python -m scaletrain ...`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from scaletrain.config import ConfigError, load_config
@@ -11,6 +12,8 @@ from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
+    # apex and TransformerEngine are optional accelerators; megatron-core warns on every import without them.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -41,6 +44,18 @@ def _build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="rank the parallel layouts that fit a model on N GPUs")
     add_plan_arguments(plan)
     plan.set_defaults(handler=_plan)
+
+    export = commands.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model")
+    export.add_argument("run_dir", type=Path)
+    export.add_argument("out_dir", type=Path)
+    export.add_argument("--format", choices=["hf"], default="hf")
+    export.set_defaults(handler=_export)
+
+    import_ = commands.add_parser("import", help="convert a Hugging Face model into weights for train.init_from")
+    import_.add_argument("hf_dir", type=Path)
+    import_.add_argument("out_file", type=Path)
+    import_.add_argument("--family", required=True, choices=["gpt", "bert", "t5"])
+    import_.set_defaults(handler=_import)
 
     generate = commands.add_parser("generate", help="sample text from a run's latest checkpoint")
     generate.add_argument("run_dir", type=Path)
@@ -85,6 +100,19 @@ def _train(args: argparse.Namespace) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     print(plan_from_args(args), end="")
+
+
+def _export(args: argparse.Namespace) -> None:
+    from scaletrain.checkpoint.export import export_run
+
+    print(f"exported {export_run(args.run_dir, args.out_dir)}")
+
+
+def _import(args: argparse.Namespace) -> None:
+    from scaletrain.checkpoint.export import import_to_file
+
+    out = import_to_file(args.hf_dir, args.family, args.out_file)
+    print(f"wrote {out}; start a run from it with train.init_from={out}")
 
 
 def _generate(args: argparse.Namespace) -> None:

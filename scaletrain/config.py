@@ -31,10 +31,24 @@ class ModelConfig:
     dropout: float = 0.0
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
+    # BERT
+    layernorm_position: str | None = None  # post | pre; None: the family's original (BERT post, GPT pre)
+    type_vocab_size: int = 2  # segment embeddings
+    # T5 (model.seq_length is the encoder length; the decoder length follows from the objective)
+    num_decoder_layers: int | None = None  # None: model.num_layers
+    head_dim: int | None = None  # T5's d_kv; None: hidden_size / num_heads
+    ffn_activation: str = "gated-gelu"  # relu (T5) | gated-gelu (T5 v1.1)
+    tie_embeddings: bool = True  # T5: tied output with d_model**-0.5 scaling (original) or untied (v1.1)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
 
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
 
 
 @dataclass
@@ -47,6 +61,25 @@ class DataConfig:
     max_tokens_per_shard: int = 1 << 22
     prepare_workers: int = 2
     loader_workers: int = 1
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the model learns; `auto` is the family's own: GPT causal LM, BERT masked LM, T5 span corruption."""
+
+    kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT) | mlm (BERT) | span_corruption (T5)
+    mask_prob: float = 0.15  # BERT: fraction of non-special tokens predicted (Devlin et al. 2019)
+    whole_word_masking: bool = False
+    span_masking: bool = False  # SpanBERT geometric spans
+    sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
+    noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
+    mean_noise_span_length: float = 3.0
+
+    def resolved_kind(self, family: str) -> str:
+        return FAMILY_OBJECTIVES[family][0] if self.kind == "auto" else self.kind
+
+
+FAMILY_OBJECTIVES = {"gpt": ("causal_lm", "prefix_lm"), "bert": ("mlm",), "t5": ("span_corruption",)}
 
 
 @dataclass
@@ -78,6 +111,7 @@ class TrainConfig:
     # the data-parallel size at launch, so the same config trains the same way at any scale.
     global_batch_size: int | None = None
     resume: str = "auto"  # auto | never | path to a checkpoint directory
+    init_from: str | None = None  # weights file from `scaletrain import`, loaded when a run starts fresh
     eval_every: int = 50  # 0 disables periodic validation
     eval_samples: int = 64  # validation sequences per evaluation
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
@@ -107,6 +141,7 @@ class RunConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -237,11 +272,12 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Validation: every rule lives here, so a bad config fails at load time with one message.
 
-SUPPORTED_FAMILIES = ("gpt",)
+SUPPORTED_FAMILIES = tuple(FAMILY_OBJECTIVES)
 
 
 def validate(config: Config) -> None:
     _validate_model(config)
+    _validate_objective(config)
     _validate_parallel(config)
     _validate_train(config)
     _validate_data(config)
@@ -258,7 +294,7 @@ def _validate_model(config: Config) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "seq_length"):
         if getattr(model, key) < 1:
             raise ConfigError(f"model.{key}={getattr(model, key)} must be >= 1")
-    if model.hidden_size % model.num_heads:
+    if model.head_dim is None and model.hidden_size % model.num_heads:
         raise ConfigError(
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}; "
             f"use a head count from {_divisors(model.hidden_size)}"
@@ -277,6 +313,49 @@ def _validate_model(config: Config) -> None:
         )
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
+    allowed_layernorm = {"gpt": (None, "pre"), "bert": (None, "post", "pre"), "t5": (None, "pre")}[model.family]
+    if model.layernorm_position not in allowed_layernorm:
+        raise ConfigError(
+            f"model.layernorm_position={model.layernorm_position!r} is not available for {model.family}; "
+            f"use {' or '.join(str(option) for option in allowed_layernorm[1:])} or leave it unset"
+        )
+    if model.ffn_activation not in ("relu", "gated-gelu"):
+        raise ConfigError(f"model.ffn_activation={model.ffn_activation!r}; use relu or gated-gelu")
+    if model.family != "t5" and not model.tie_embeddings:
+        raise ConfigError(f"model.tie_embeddings=false is a T5 v1.1 option; {model.family} ties its output layer")
+    buckets, distance = model.relative_attention_num_buckets, model.relative_attention_max_distance
+    if buckets < 4 or buckets % 2 or distance <= buckets // 2:
+        raise ConfigError(
+            f"model.relative_attention_num_buckets={buckets} must be even and >= 4, and "
+            f"model.relative_attention_max_distance={distance} > num_buckets / 2 (T5's log buckets need the room)"
+        )
+    if model.family == "t5" and config.train.activation_checkpoint_interval:
+        raise ConfigError("train.activation_checkpoint_interval is not available for t5 yet; set it to 0")
+    if model.family == "t5" and model.num_heads * model.attention_head_dim % tensor:
+        raise ConfigError(f"parallel.tensor={tensor} must divide the T5 attention size num_heads x head_dim")
+
+
+def _validate_objective(config: Config) -> None:
+    objective, family = config.objective, config.model.family
+    kinds = FAMILY_OBJECTIVES[family]
+    if objective.kind != "auto" and objective.kind not in kinds:
+        raise ConfigError(
+            f"objective.kind={objective.kind!r} does not train a {family}; use auto or {' / '.join(kinds)}"
+        )
+    if not 0.0 < objective.mask_prob < 1.0 or not 0.0 < objective.noise_density < 1.0:
+        raise ConfigError("objective.mask_prob and objective.noise_density must be in (0, 1)")
+    if objective.mean_noise_span_length < 1.0:
+        raise ConfigError(f"objective.mean_noise_span_length={objective.mean_noise_span_length} must be >= 1")
+    if objective.sentence_pairs not in ("none", "nsp", "sop"):
+        raise ConfigError(f"objective.sentence_pairs={objective.sentence_pairs!r}; use none, nsp or sop")
+    if objective.sentence_pairs != "none" and family != "bert":
+        raise ConfigError("objective.sentence_pairs (NSP/SOP) is a BERT objective; set it to none")
+    minimum_types = 2 if objective.sentence_pairs != "none" else 1
+    if config.model.type_vocab_size < minimum_types:
+        raise ConfigError(
+            f"model.type_vocab_size={config.model.type_vocab_size}; sentence pairs need segment ids 0 and 1, "
+            f"so use >= {minimum_types}"
+        )
 
 
 def _validate_parallel(config: Config) -> None:
@@ -292,6 +371,12 @@ def _validate_parallel(config: Config) -> None:
         raise ConfigError(
             f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
             "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
+        )
+    if parallel.pipeline > 1 and config.objective.resolved_kind(config.model.family) != "causal_lm":
+        raise ConfigError(
+            f"parallel.pipeline={parallel.pipeline}: pipeline stages are implemented for the GPT causal LM; "
+            f"train {config.model.family} ({config.objective.resolved_kind(config.model.family)}) with "
+            "tensor and data parallelism (parallel.pipeline=1)"
         )
     if parallel.pipeline > config.model.num_layers:
         raise ConfigError(
@@ -340,6 +425,8 @@ def _validate_train(config: Config) -> None:
             f"train.activation_checkpoint_interval={train.activation_checkpoint_interval} must be in "
             f"[0, model.num_layers={config.model.num_layers}] (0 disables recomputation)"
         )
+    if train.init_from is not None and config.parallel.pipeline > 1:
+        raise ConfigError("train.init_from loads into the unpipelined model; start with parallel.pipeline=1")
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every={train.eval_every} must be >= 0 (0 disables validation)")
     if train.precision not in ("auto", "fp32", "bf16"):

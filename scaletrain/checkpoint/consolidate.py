@@ -10,7 +10,7 @@ from torch import nn
 
 from scaletrain.checkpoint.manager import DEEPSPEED_TAG, CheckpointError, read_meta
 from scaletrain.model.gpt import flat_layer_parameter_name
-from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
+from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
 
 
 def consolidated_state_dict(checkpoint_dir: Path, reference: nn.Module) -> dict[str, torch.Tensor]:
@@ -80,3 +80,20 @@ def _zero3_rank_weights(state_dir: Path, tensor_rank: int) -> dict[str, torch.Te
 def _float_tensors(state: dict) -> dict[str, torch.Tensor]:
     """Weights as fp32; megatron's `_extra_state` entries (None) are dropped."""
     return {name: value.float() for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def load_full_state_dict(
+    model: nn.Module, full_state: dict[str, torch.Tensor], tensor_rank: int, tensor_size: int
+) -> None:
+    """Load a TP=1 state dict (an import, or another run's consolidated weights) into this rank's shards."""
+    missing = [name for name, _ in model.named_parameters() if name not in full_state]
+    if missing:
+        raise CheckpointError(f"the weights lack {len(missing)} of the model's parameters, e.g. {missing[0]}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = full_state[name]
+            if is_tensor_parallel(param) and tensor_size > 1:
+                full = split_for_rank(full, param.partition_dim, param.partition_stride, tensor_rank, tensor_size)
+            if full.shape != param.shape:
+                raise CheckpointError(f"weight {name} has shape {tuple(full.shape)}, the model {tuple(param.shape)}")
+            param.copy_(full)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.errors import DataError
@@ -33,7 +33,7 @@ def build_train_loader(
     packed = PackedSequenceDataset(data_dir, "train", seq_length)
     dataset = GlobalIndexDataset(packed, GlobalSampleOrder(packed.num_samples, seed))
     sampler = DistributedPretrainingSampler(micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples)
-    return _loader(dataset, sampler, num_workers, collate_fn)
+    return batch_loader(dataset, sampler, num_workers, collate_fn)
 
 
 def build_eval_loader(
@@ -63,10 +63,11 @@ def build_eval_loader(
                         f"micro_batch_size*data_parallel_size={stride}; evaluate on more sequences")
     dataset = GlobalIndexDataset(packed, GlobalSampleOrder(packed.num_samples, seed=0, shuffle=False))
     sampler = DistributedPretrainingSampler(micro_batch_size, data_parallel_rank, data_parallel_size, 0, total)
-    return _loader(dataset, sampler, num_workers, collate_fn)
+    return batch_loader(dataset, sampler, num_workers, collate_fn)
 
 
-def _loader(dataset: GlobalIndexDataset, sampler: DistributedPretrainingSampler, num_workers: int,
-            collate_fn: Callable) -> DataLoader:
+def batch_loader(dataset: Dataset, sampler: DistributedPretrainingSampler, num_workers: int,
+                 collate_fn: Callable) -> DataLoader:
+    """A loader over any dataset keyed by global index (packed sequences, sentence pairs)."""
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
                       persistent_workers=False, pin_memory=False)

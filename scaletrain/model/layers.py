@@ -7,13 +7,38 @@ column-parallel in, row-parallel out, one all-reduce per sub-layer (Shoeybi et a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from scaletrain.model.init import InitMethod
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def gelu_tanh(hidden: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh approximation of GELU (Hendrycks & Gimpel 2016), HF's "gelu_new"."""
+    return F.gelu(hidden, approximate="tanh")
+
+
+def gelu_erf(hidden: torch.Tensor) -> torch.Tensor:
+    """Exact (erf) GELU, as BERT uses (Devlin et al. 2019; HF's "gelu")."""
+    return F.gelu(hidden, approximate="none")
+
+
+def key_padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA boolean mask [batch, 1, 1, seq] (True: may attend) from padding_mask [batch, seq].
+
+    padding_mask is 1 at real tokens and 0 at pads, Megatron's BERT convention and HF's
+    `attention_mask`. Only keys are masked: a pad query still sees the real tokens, so no
+    softmax row is all -inf (which would make NaNs); pad positions' outputs are never used.
+    """
+    return padding_mask.bool()[:, None, None, :]
 
 
 class ParallelSelfAttention(nn.Module):
@@ -75,8 +100,10 @@ class ParallelMLP(nn.Module):
         mp_config: ModelParallelConfig,
         init_method: InitMethod,
         output_init_method: InitMethod,
+        activation: Activation = gelu_tanh,
     ) -> None:
         super().__init__()
+        self.activation = activation
         self.fc = tensor_parallel.ColumnParallelLinear(
             hidden_size, ffn_hidden_size, config=mp_config, init_method=init_method,
             bias=True, gather_output=False,
@@ -88,8 +115,7 @@ class ParallelMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.fc(hidden)
-        # GPT-2's tanh approximation of GELU (Hendrycks & Gimpel 2016), kept for HF parity.
-        output, _ = self.proj(F.gelu(intermediate, approximate="tanh"))
+        output, _ = self.proj(self.activation(intermediate))
         return output
 
 
@@ -111,9 +137,33 @@ class PreLayerNormBlock(nn.Module):
         self.mlp = mlp
         self.dropout = nn.Dropout(hidden_dropout)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden)))
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
         return hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
+
+
+class PostLayerNormBlock(nn.Module):
+    """BERT block, as the original Transformer (Vaswani et al. 2017, sec. 3.1):
+    x = LN(x + Attn(x)), then x = LN(x + MLP(x)). Same parameter names as PreLayerNormBlock."""
+
+    def __init__(
+        self,
+        attention: ParallelSelfAttention,
+        mlp: ParallelMLP,
+        hidden_size: int,
+        layernorm_eps: float,
+        hidden_dropout: float,
+    ) -> None:
+        super().__init__()
+        self.attention = attention
+        self.attention_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
+        self.mlp = mlp
+        self.mlp_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
+        self.dropout = nn.Dropout(hidden_dropout)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
+        return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
 
 
 def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
@@ -123,3 +173,24 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> t
     """
     hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
     return F.linear(hidden, word_embeddings)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary argmax of vocab-parallel logits [..., vocab/TP], identical on every TP rank.
+
+    All-reduce the max value, then the smallest global index that holds it: torch.argmax's
+    first-occurrence rule, so the answer does not depend on the layout.
+    """
+    local_max, local_index = logits.max(dim=-1)
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return local_index
+    group = parallel_state.get_tensor_model_parallel_group()
+    global_max = local_max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    no_candidate = torch.iinfo(local_index.dtype).max
+    candidate = torch.where(local_max == global_max, local_index + vocab_start, no_candidate)
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+    return candidate

@@ -42,13 +42,21 @@ def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> t
         {"params": decayed, "weight_decay": config.train.weight_decay},
         {"params": not_decayed, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        groups,
-        lr=config.train.lr,
-        betas=(config.train.beta1, config.train.beta2),
-        eps=1e-8,
-        fused=device.type == "cuda",
-    )
+    betas = (config.train.beta1, config.train.beta2)
+    if device.type == "cuda":
+        apex_adam = _apex_fused_adam()
+        if apex_adam is not None:
+            return apex_adam(groups, lr=config.train.lr, betas=betas, eps=1e-8, adam_w_mode=True)
+    return torch.optim.AdamW(groups, lr=config.train.lr, betas=betas, eps=1e-8, fused=device.type == "cuda")
+
+
+def _apex_fused_adam() -> type | None:
+    """NVIDIA apex's multi-tensor FusedAdam when installed (NGC images); torch's fused AdamW otherwise."""
+    try:
+        from apex.optimizers import FusedAdam
+    except ImportError:
+        return None
+    return FusedAdam
 
 
 def build_training_model(config: Config, topology: Topology) -> nn.Module:

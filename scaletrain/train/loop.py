@@ -12,17 +12,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from scaletrain.checkpoint.consolidate import load_full_state_dict
 from scaletrain.checkpoint.manager import load_checkpoint, resolve_resume, save_checkpoint
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
-from scaletrain.data.dataset import PackedSequenceDataset
-from scaletrain.data.loader import build_eval_loader, build_train_loader
 from scaletrain.data.manifest import load_manifest
-from scaletrain.data.objectives import causal_lm_collate
 from scaletrain.parallel.groups import Topology, init_distributed, world_size_from_environment
 from scaletrain.tracking.flops import device_peak_flops, model_flops_per_token
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
-from scaletrain.train.step import evaluation_loss, train_step
+from scaletrain.train.objective import Objective, build_objective
+from scaletrain.train.step import evaluation_metrics, train_step
 
 
 @dataclass
@@ -40,7 +39,11 @@ def train(config: Config) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks. Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.data_parallel_rank)
-    engine = build_engine(build_training_model(config, topology), config, topology)
+    model = build_training_model(config, topology)
+    if config.train.init_from and resolve_resume(config) is None:
+        weights = torch.load(config.train.init_from, map_location="cpu", weights_only=True)
+        load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
+    engine = build_engine(model, config, topology)
     run_dir = Path(config.run.dir)
     state = _restore_or_start(engine, config, topology, run_dir)
     logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank)
@@ -55,17 +58,15 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
     global_batch = config.global_batch_size(topology.data_parallel_size)
     tokens_per_step = global_batch * config.model.seq_length
     flops_per_step = model_flops_per_token(config.model, config.padded_vocab_size) * tokens_per_step
-    peak_flops = _cluster_peak_flops(config, topology)
+    # The FLOPs count is the decoder-only one; MFU is reported for GPT only.
+    peak_flops = _cluster_peak_flops(config, topology) if config.model.family == "gpt" else None
+    objective = build_objective(config)
     batches = _device_batches(
-        build_train_loader(
-            config.data.dir, config.model.seq_length, config.train.seed, config.train.micro_batch_size,
-            topology.data_parallel_rank, topology.data_parallel_size, state.consumed_samples,
-            config.data.loader_workers, causal_lm_collate,
-        ),
+        objective.train_loader(topology.data_parallel_rank, topology.data_parallel_size, state.consumed_samples),
         topology.device,
     )
     if state.step == 0 and config.train.eval_every:
-        logger.log({"step": 0, "val_loss": evaluate(engine, config, topology)})
+        logger.log({"step": 0, **evaluate(engine, objective, topology)})
     progress = tqdm(
         total=config.train.steps, initial=state.step, disable=not topology.is_logging_rank,
         desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
@@ -86,12 +87,12 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
         if state.step % config.train.log_every == 0:
             logger.log(record)
         progress.update(1)
-        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         if config.train.eval_every and state.step % config.train.eval_every == 0:
-            val_loss = evaluate(engine, config, topology)
-            logger.log({"step": state.step, "val_loss": val_loss})
+            metrics = evaluate(engine, objective, topology)
+            logger.log({"step": state.step, **metrics})
             if topology.is_logging_rank:
-                progress.write(f"step {state.step}: val_loss {val_loss:.4f}")
+                progress.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         exiting = config.train.exit_after is not None and steps_this_run >= config.train.exit_after
         finished = state.step == config.train.steps
         if state.step % config.checkpoint.every == 0 or exiting or finished:
@@ -101,10 +102,11 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
     progress.close()
 
 
-def evaluate(engine: Any, config: Config, topology: Topology) -> float:
-    """Mean loss over a fixed prefix of the validation split, identical for every layout."""
+def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str, float]:
+    """Validation metrics over a fixed prefix of the validation split, identical for every layout."""
+    config = objective.config
     per_step = config.train.micro_batch_size * topology.data_parallel_size
-    available = PackedSequenceDataset(Path(config.data.dir), "val", config.model.seq_length).num_samples
+    available = objective.num_eval_samples()
     num_samples = min(config.train.eval_samples, available) // per_step * per_step
     if num_samples == 0:
         raise ConfigError(
@@ -112,11 +114,8 @@ def evaluate(engine: Any, config: Config, topology: Topology) -> float:
             f"tokens, fewer than one evaluation step (micro_batch_size x data-parallel size = {per_step}); "
             "raise data.val_fraction and re-prepare, or set train.eval_every=0"
         )
-    loader = build_eval_loader(
-        config.data.dir, config.model.seq_length, config.train.micro_batch_size,
-        topology.data_parallel_rank, topology.data_parallel_size, num_samples,
-    )
-    return evaluation_loss(engine, list(_device_batches(loader, topology.device)))
+    loader = objective.eval_loader(topology.data_parallel_rank, topology.data_parallel_size, num_samples)
+    return evaluation_metrics(engine, list(_device_batches(loader, topology.device)))
 
 
 def _restore_or_start(engine: Any, config: Config, topology: Topology, run_dir: Path) -> TrainState:

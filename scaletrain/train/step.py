@@ -22,23 +22,40 @@ def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_acc
     losses = []
     for _ in range(grad_accum):
         batch = next(batches)
-        loss = engine(batch["tokens"], batch["labels"])
+        loss = engine(**model_inputs(batch))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())
     return _with_grad_norm(engine, {"loss": data_parallel_mean(torch.stack(losses).mean()), "lr": lr})
 
 
-def evaluation_loss(engine: Any, batches: list[dict[str, torch.Tensor]]) -> float:
-    """Mean loss over this rank's evaluation micro-batches, averaged over data-parallel ranks."""
+def evaluation_metrics(engine: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Validation loss over this rank's micro-batches, averaged over data-parallel ranks; for
+    masked LMs also the accuracy of the masked tokens (Devlin et al. 2019 report it too)."""
     if is_pipeline(engine):
         loss = engine.eval_batch(pipeline_inputs(iter(batches)), num_micro_batches=len(batches))
-        return data_parallel_mean(loss.detach().float())
+        return {"val_loss": data_parallel_mean(loss.detach().float())}
     engine.eval()
     with torch.no_grad():
-        losses = [engine(batch["tokens"], batch["labels"]).float() for batch in batches]
+        losses = [engine(**model_inputs(batch)).float() for batch in batches]
+        metrics = {"val_loss": data_parallel_mean(torch.stack(losses).mean())}
+        if hasattr(engine.module, "masked_token_accuracy"):
+            counts = torch.stack([torch.stack(engine.module.masked_token_accuracy(**_accuracy_inputs(batch)))
+                                  for batch in batches]).sum(dim=0).double()
+            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+            metrics["val_masked_accuracy"] = float(counts[0] / counts[1])
     engine.train()
-    return data_parallel_mean(torch.stack(losses).mean())
+    return metrics
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch keys are the model's forward arguments, but for the loader's bookkeeping."""
+    return {key: value for key, value in batch.items() if key != "global_index"}
+
+
+def _accuracy_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    keys = ("tokens", "labels", "token_types", "padding_mask")
+    return {key: batch[key] for key in keys if key in batch}
 
 
 def is_pipeline(engine: Any) -> bool:

@@ -27,6 +27,8 @@ LAYOUTS = {
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "tp2_dp2_zero1": (4, ["parallel.tensor=2", "parallel.zero_stage=1"]),
     "pp2_dp2_zero1": (4, ["parallel.pipeline=2", "parallel.zero_stage=1"]),
+    "pp2_recompute": (2, ["parallel.pipeline=2", "train.activation_checkpoint_interval=1"]),
+    "tp2_recompute": (2, ["parallel.tensor=2", "train.activation_checkpoint_interval=1"]),
 }
 
 

@@ -1,0 +1,88 @@
+"""The training objective of a run: which collator turns sequences into batches, and the loaders.
+
+GPT learns next tokens (or a prefix LM), BERT masked tokens (optionally with NSP/SOP sentence
+pairs), T5 corrupted spans. Every collator draws its noise from (seed, global index), so the
+loaders below stay resumable from `consumed_samples` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+
+from scaletrain.config import Config
+from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
+from scaletrain.data.loader import batch_loader
+from scaletrain.data.masking import mlm_collator
+from scaletrain.data.objectives import TokenizerInfo, causal_lm_collate, prefix_lm_collator
+from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
+from scaletrain.data.sentence_pairs import SentencePairDataset
+from scaletrain.data.span_corruption import t5_span_corruption_collator
+from scaletrain.data.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Objective:
+    kind: str
+    collate: Callable
+    config: Config
+    tokenizer_info: TokenizerInfo
+
+    @property
+    def packed_seq_length(self) -> int:
+        """Tokens the loader cuts per sample (S + 1 are read): the collator decides, e.g. T5 reads
+        more raw tokens than its encoder length because spans collapse into sentinels."""
+        return getattr(self.collate, "packed_seq_length", None) or self.config.model.seq_length
+
+    def dataset(self, split: str, shuffle: bool) -> GlobalIndexDataset | SentencePairDataset:
+        config = self.config
+        data_dir = Path(config.data.dir)
+        seed = config.train.seed if shuffle else 0
+        if config.objective.sentence_pairs != "none":
+            documents = PackedSequenceDataset(data_dir, split, config.model.seq_length)
+            return SentencePairDataset(
+                documents, self.tokenizer_info, config.model.seq_length, seed, config.objective.sentence_pairs, shuffle
+            )
+        packed = PackedSequenceDataset(data_dir, split, self.packed_seq_length)
+        return GlobalIndexDataset(packed, GlobalSampleOrder(packed.num_samples, seed, shuffle))
+
+    def train_loader(self, data_parallel_rank: int, data_parallel_size: int, consumed_samples: int) -> DataLoader:
+        sampler = DistributedPretrainingSampler(
+            self.config.train.micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples
+        )
+        return batch_loader(self.dataset("train", shuffle=True), sampler, self.config.data.loader_workers, self.collate)
+
+    def eval_loader(self, data_parallel_rank: int, data_parallel_size: int, num_samples: int) -> DataLoader:
+        """The first `num_samples` validation sequences in fixed order, with fixed noise."""
+        sampler = DistributedPretrainingSampler(
+            self.config.train.micro_batch_size, data_parallel_rank, data_parallel_size, 0, num_samples
+        )
+        return batch_loader(self.dataset("val", shuffle=False), sampler, 0, self.collate)
+
+    def num_eval_samples(self) -> int:
+        dataset = self.dataset("val", shuffle=False)
+        return dataset.num_samples if isinstance(dataset, SentencePairDataset) else len(dataset.packed)
+
+
+def build_objective(config: Config) -> Objective:
+    info = TokenizerInfo.from_tokenizer(Tokenizer.load(Path(config.data.dir)))
+    kind = config.objective.resolved_kind(config.model.family)
+    objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
+    if kind == "causal_lm":
+        collate: Callable = causal_lm_collate
+    elif kind == "prefix_lm":
+        collate = prefix_lm_collator(seed, seq_length)
+    elif kind == "mlm":
+        collate = mlm_collator(
+            info, seed, seq_length, sentence_pairs=objective.sentence_pairs != "none",
+            whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
+            mask_prob=objective.mask_prob,
+        )
+    else:
+        collate = t5_span_corruption_collator(
+            info, seed, seq_length, objective.noise_density, objective.mean_noise_span_length
+        )
+    return Objective(kind, collate, config, info)

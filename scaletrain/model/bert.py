@@ -121,6 +121,11 @@ class BERT(nn.Module):
         self.lm_head = MaskedLMHead(config, vocab_size, mp_config, seed)
         self.sentence_order_head = SentenceOrderHead(config, seed) if sentence_order_head else None
 
+    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs where a module uses a weight it does not own: the MLM decoder is
+        tied to the word embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
+        return [(self.lm_head, self.embedding.word.weight)]
+
     def forward(
         self,
         tokens: torch.Tensor,

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletrain.config import ModelConfig
+from scaletrain.data.objectives import IGNORE_INDEX
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import ParallelMLP, ParallelSelfAttention, PreLayerNormBlock, parallel_lm_logits
 
@@ -53,18 +54,28 @@ class GPT(nn.Module):
         )
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [batch, seq] -> mean next-token loss if labels are given, else vocab-parallel logits."""
+    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs where a module uses a weight it does not own: the output layer
+        is tied to the word embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
+        return [(self, self.embedding.word.weight)]
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, prefix_lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens [batch, seq] -> mean next-token loss over labels != -100 if labels are given, else
+        vocab-parallel logits. With prefix_lengths [batch] it is a prefix LM (Raffel et al. 2020,
+        sec. 3.2.3): each sequence's first prefix_lengths tokens attend to each other bidirectionally."""
         hidden = self.embedding(tokens)
+        mask = None if prefix_lengths is None else prefix_lm_attention_mask(prefix_lengths, tokens.shape[1])
         interval = self.checkpoint_interval if self.training else 0
         for start in range(0, len(self.blocks), interval or len(self.blocks)):
             chunk = self.blocks[start:start + (interval or len(self.blocks))]
             if interval:
                 # Keep only each chunk's input; recompute its activations in backward
                 # (Chen et al. 2016; Megatron's "uniform" recomputation).
-                hidden = checkpoint(_run_blocks, chunk, hidden, use_reentrant=False)
+                hidden = checkpoint(_run_blocks, chunk, hidden, mask, use_reentrant=False)
             else:
-                hidden = _run_blocks(chunk, hidden)
+                hidden = _run_blocks(chunk, hidden, mask)
         logits = parallel_lm_logits(self.final_norm(hidden), self.embedding.word.weight)
         if labels is None:
             return logits.transpose(0, 1)  # [batch, seq, vocab / tensor_parallel_size]
@@ -72,14 +83,26 @@ class GPT(nn.Module):
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq]."""
-    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
-    return losses.mean()
+    """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq],
+    over the positions whose label is not IGNORE_INDEX (-100, e.g. a prefix LM's prefix)."""
+    labels = labels.transpose(0, 1).contiguous()
+    predicted = labels != IGNORE_INDEX
+    # megatron's loss has no ignore index: score ignored positions against id 0, then drop them.
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
+    return (losses * predicted).sum() / predicted.sum()
 
 
-def _run_blocks(blocks: nn.ModuleList, hidden: torch.Tensor) -> torch.Tensor:
+def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """SDPA boolean mask [batch, 1, seq, seq]: query i sees key j if j <= i (causal) or j is in the prefix."""
+    positions = torch.arange(seq_length, device=prefix_lengths.device)
+    causal = positions[None, :] <= positions[:, None]
+    in_prefix = positions[None, None, :] < prefix_lengths[:, None, None]
+    return (causal[None] | in_prefix)[:, None]
+
+
+def _run_blocks(blocks: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     for block in blocks:
-        hidden = block(hidden)
+        hidden = block(hidden, mask)
     return hidden
 
 

@@ -345,6 +345,11 @@ class T5(nn.Module):
         embedded = self.embedding(tokens).transpose(0, 1)
         return self.decoder(embedded, padding_mask, encoder_output, encoder_padding_mask)
 
+    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs where a module uses a weight it does not own: the tied output
+        layer reuses the embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
+        return [] if self.lm_head is not None else [(self, self.embedding.weight)]
+
     def output_logits(self, decoder_output: torch.Tensor) -> torch.Tensor:
         """[seq, batch, hidden] -> this rank's vocabulary shard of the logits [seq, batch, vocab / TP]."""
         if self.lm_head is not None:

@@ -87,6 +87,11 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: learning_rate(step, config.train) / config.train.lr
     )
+    if config.parallel.zero_stage == 3:
+        # ZeRO-3 gathers a module's own parameters around its forward; tied weights used elsewhere
+        # must be announced, or the borrowing module sees an empty partition.
+        for module, parameter in getattr(model, "borrowed_parameters", list)():
+            deepspeed.zero.register_external_parameter(module, parameter)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,

@@ -84,3 +84,41 @@ def test_gpt2_initialisation():
     assert abs(stats["blocks.3.mlp.proj.weight"][0] - scaled) < 0.0005
     assert stats["blocks.0.attention.qkv.bias"] == (0.0, 0.0)
     assert stats["blocks.0.attention_norm.weight"] == (0.0, 1.0)
+
+
+def _prefix_lm_behaviour(rank: int, world_size: int) -> dict:
+    parallel_state.initialize_model_parallel()
+    model = build_model(config_from_dict(TINY)).eval()
+    tokens, labels = _batch()
+    prefix = torch.tensor([6, 6])
+    changed_in_prefix, changed_after = tokens.clone(), tokens.clone()
+    changed_in_prefix[:, 5] = (tokens[:, 5] + 1) % 400
+    changed_after[:, 10] = (tokens[:, 10] + 1) % 400
+    with torch.no_grad():
+        logits = model(tokens, prefix_lengths=prefix)
+        ignored = labels.clone()
+        ignored[:, :5] = -100
+        return {
+            "base": logits,
+            "prefix_changed": model(changed_in_prefix, prefix_lengths=prefix),
+            "later_changed": model(changed_after, prefix_lengths=prefix),
+            "causal_base": model(tokens),
+            "causal_changed": model(changed_in_prefix),
+            "loss": model(tokens, ignored, prefix_lengths=prefix),
+            "labels": ignored,
+        }
+
+
+def test_prefix_lm_attends_bidirectionally_within_the_prefix_only():
+    result = run_on_ranks(_prefix_lm_behaviour, 1)[0]
+    base = result["base"]
+    # Position 0 sees the prefix's last token (5) bidirectionally, but not a later token (10).
+    assert (result["prefix_changed"][:, 0] - base[:, 0]).abs().max() > 1e-4
+    assert torch.equal(result["later_changed"][:, :10], base[:, :10])
+    # Without prefix_lengths the model is causal: changing token 5 leaves positions < 5 alone.
+    assert torch.equal(result["causal_changed"][:, :5], result["causal_base"][:, :5])
+    assert (result["causal_changed"][:, 5] - result["causal_base"][:, 5]).abs().max() > 1e-4
+    expected = torch.nn.functional.cross_entropy(
+        base.flatten(0, 1), result["labels"].flatten(), ignore_index=-100
+    )
+    assert abs(expected.item() - result["loss"].item()) <= 1e-5

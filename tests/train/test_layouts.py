@@ -38,13 +38,15 @@ class LayoutRuns:
     resumed: Path
 
 
-def train_twice(data_dir: Path, root: Path, nproc: int, overrides: list[str]) -> LayoutRuns:
+def train_twice(
+    data_dir: Path, root: Path, nproc: int, overrides: list[str], config: str = str(DEMO_CONFIG)
+) -> LayoutRuns:
     straight, resumed = root / "straight", root / "resumed"
     common = [*tiny_overrides(data_dir, straight), f"train.steps={STEPS}", "train.eval_every=10", *overrides]
-    run_scaletrain("train", [str(DEMO_CONFIG), *common], nproc)
+    run_scaletrain("train", [config, *common], nproc)
     common = [*tiny_overrides(data_dir, resumed), f"train.steps={STEPS}", "train.eval_every=10", *overrides]
-    run_scaletrain("train", [str(DEMO_CONFIG), *common, "train.exit_after=10"], nproc)
-    run_scaletrain("train", [str(DEMO_CONFIG), *common, "train.resume=auto"], nproc)
+    run_scaletrain("train", [config, *common, "train.exit_after=10"], nproc)
+    run_scaletrain("train", [config, *common, "train.resume=auto"], nproc)
     return LayoutRuns(straight, resumed)
 
 

@@ -1,0 +1,70 @@
+"""BERT, T5 and the GPT prefix LM: train, resume exactly, and match a single rank in TP/ZeRO layouts.
+
+Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global batch 8).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs import REPO, read_metrics
+from tests.train.test_layouts import STEPS, LayoutRuns, assert_resume_is_exact, train_twice
+
+FAMILIES = {
+    "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
+    "t5": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2", "model.ffn_hidden_size=128"],
+    "gpt_prefix_lm": ["objective.kind=prefix_lm"],
+}
+LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tensor=2"]), "dp2_zero3": (2, ["parallel.zero_stage=3"])}
+CASES = [("bert", "tp2"), ("bert", "dp2_zero3"), ("t5", "tp2"), ("t5", "dp2_zero3")]
+
+
+def family_overrides(family: str) -> list[str]:
+    """train_twice takes overrides; the family's tiny config is chosen through a base file."""
+    return [override for override in FAMILIES[family] if not override.startswith("base=")]
+
+
+def family_config(family: str) -> str:
+    bases = [override.removeprefix("base=") for override in FAMILIES[family] if override.startswith("base=")]
+    return bases[0] if bases else str(REPO / "configs" / "gpt_tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[tuple[str, str], LayoutRuns] = {}
+
+    def get(family: str, layout: str) -> LayoutRuns:
+        if (family, layout) not in cache:
+            nproc, overrides = LAYOUTS[layout]
+            root = tmp_path_factory.mktemp(f"{family}_{layout}")
+            cache[family, layout] = train_twice(
+                small_dataset, root, nproc, [*family_overrides(family), *overrides], config=family_config(family)
+            )
+        return cache[family, layout]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_single_rank_learns_and_resumes_exactly(runs, family):
+    reference = runs(family, "single")
+    assert_resume_is_exact(reference)
+    _, validation = read_metrics(reference.straight)
+    assert validation[STEPS] < validation[0] - 0.2, f"{family} validation loss did not fall: {validation}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", CASES)
+def test_layout_resumes_exactly_and_matches_single_rank(runs, family, layout):
+    ours = runs(family, layout)
+    assert_resume_is_exact(ours)
+    reference, reference_val = read_metrics(runs(family, "single").straight)
+    training, validation = read_metrics(ours.straight)
+    for step in range(1, STEPS + 1):
+        relative = abs(training[step]["loss"] - reference[step]["loss"]) / reference[step]["loss"]
+        assert relative <= 1e-4, f"{family} {layout} step {step}: {training[step]['loss']} vs {reference[step]['loss']}"
+    for step, value in reference_val.items():
+        assert abs(validation[step] - value) / value <= 1e-4

@@ -67,7 +67,7 @@ class DataConfig:
 class ObjectiveConfig:
     """What the model learns; `auto` is the family's own: GPT causal LM, BERT masked LM, T5 span corruption."""
 
-    kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT) | mlm (BERT) | span_corruption (T5)
+    kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT, T5) | mlm (BERT) | span_corruption (T5)
     mask_prob: float = 0.15  # BERT: fraction of non-special tokens predicted (Devlin et al. 2019)
     whole_word_masking: bool = False
     span_masking: bool = False  # SpanBERT geometric spans
@@ -79,7 +79,7 @@ class ObjectiveConfig:
         return FAMILY_OBJECTIVES[family][0] if self.kind == "auto" else self.kind
 
 
-FAMILY_OBJECTIVES = {"gpt": ("causal_lm", "prefix_lm"), "bert": ("mlm",), "t5": ("span_corruption",)}
+FAMILY_OBJECTIVES = {"gpt": ("causal_lm", "prefix_lm"), "bert": ("mlm",), "t5": ("span_corruption", "prefix_lm")}
 
 
 @dataclass

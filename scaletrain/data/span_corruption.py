@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from scaletrain.data.errors import DataError
-from scaletrain.data.objectives import IGNORE_INDEX, NoiseTag, TokenizerInfo, sequence_rng
+from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
+from scaletrain.data.seq2seq import encoder_decoder_batch
 
 
 def noise_span_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -150,29 +151,17 @@ class SpanCorruptionCollator:
 
     def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
         info = self.tokenizer_info
-        encoder_tokens = np.full((len(items), self.encoder_length), info.pad_id, dtype=np.int64)
-        encoder_padding_mask = np.zeros_like(encoder_tokens)
-        targets = np.full((len(items), self.decoder_length), IGNORE_INDEX, dtype=np.int64)
-        for row, item in enumerate(items):
+        pairs = []
+        for item in items:
             tokens = np.asarray(item["tokens"], dtype=np.int64)
             if len(tokens) != self.raw_length:
                 raise DataError(f"T5 span corruption for encoder_length={self.encoder_length} needs items of "
                                 f"raw_length={self.raw_length} tokens, got {len(tokens)}: build the loader with "
                                 f"seq_length=packed_seq_length={self.packed_seq_length}")
             rng = sequence_rng(self.seed, item["global_index"], NoiseTag.SPAN_CORRUPTION)
-            inputs, target = corrupt_spans(rng, tokens, self.noise_density, self.mean_noise_span_length,
-                                           info.sentinel_ids[0], info.eos_id)
-            encoder_tokens[row, :len(inputs)], targets[row, :len(target)] = inputs, target
-            encoder_padding_mask[row, :len(inputs)] = 1
-        decoder_padding_mask = targets != IGNORE_INDEX
-        decoder_tokens = np.full_like(targets, info.pad_id)
-        decoder_tokens[:, 1:] = np.where(decoder_padding_mask[:, :-1], targets[:, :-1], info.pad_id)
-        batch = {
-            "encoder_tokens": encoder_tokens, "decoder_tokens": decoder_tokens, "labels": targets,
-            "encoder_padding_mask": encoder_padding_mask, "decoder_padding_mask": decoder_padding_mask,
-            "global_index": np.array([item["global_index"] for item in items]),
-        }
-        return {key: torch.from_numpy(value).long() for key, value in batch.items()}
+            pairs.append(corrupt_spans(rng, tokens, self.noise_density, self.mean_noise_span_length,
+                                       info.sentinel_ids[0], info.eos_id))
+        return encoder_decoder_batch(pairs, items, self.encoder_length, self.decoder_length, info.pad_id)
 
 
 def t5_span_corruption_collator(tokenizer_info: TokenizerInfo, seed: int, encoder_length: int,

@@ -20,6 +20,7 @@ from scaletrain.data.masking import mlm_collator
 from scaletrain.data.objectives import TokenizerInfo, causal_lm_collate, prefix_lm_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
 from scaletrain.data.sentence_pairs import SentencePairDataset
+from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
 from scaletrain.data.tokenizer import Tokenizer
 
@@ -73,6 +74,8 @@ def build_objective(config: Config) -> Objective:
     objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
     if kind == "causal_lm":
         collate: Callable = causal_lm_collate
+    elif kind == "prefix_lm" and config.model.family == "t5":
+        collate = EncoderDecoderPrefixLMCollator(info, seed, seq_length)
     elif kind == "prefix_lm":
         collate = prefix_lm_collator(seed, seq_length)
     elif kind == "mlm":

@@ -1,4 +1,4 @@
-"""BERT, T5 and the GPT prefix LM: train, resume exactly, and match a single rank in TP/ZeRO layouts.
+"""BERT, T5 and the prefix LMs (GPT, T5): train, resume exactly, and match a single rank in TP/ZeRO layouts.
 
 Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global batch 8).
 """
@@ -16,6 +16,8 @@ FAMILIES = {
     "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
     "t5": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2", "model.ffn_hidden_size=128"],
     "gpt_prefix_lm": ["objective.kind=prefix_lm"],
+    "t5_prefix_lm": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2",
+                     "model.ffn_hidden_size=128", "objective.kind=prefix_lm"],
 }
 LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tensor=2"]), "dp2_zero3": (2, ["parallel.zero_stage=3"])}
 CASES = [("bert", "tp2"), ("bert", "dp2_zero3"), ("t5", "tp2"), ("t5", "dp2_zero3")]

@@ -372,9 +372,10 @@ def _validate_parallel(config: Config) -> None:
             f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
             "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
         )
-    if parallel.pipeline > 1 and config.objective.resolved_kind(config.model.family) != "causal_lm":
+    if parallel.pipeline > 1 and config.objective.resolved_kind(config.model.family) not in ("causal_lm", "mlm"):
         raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline}: pipeline stages are implemented for the GPT causal LM; "
+            f"parallel.pipeline={parallel.pipeline}: pipeline stages are implemented for the GPT causal LM and "
+            "BERT's masked LM; "
             f"train {config.model.family} ({config.objective.resolved_kind(config.model.family)}) with "
             "tensor and data parallelism (parallel.pipeline=1)"
         )

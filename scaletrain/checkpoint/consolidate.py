@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from scaletrain.checkpoint.manager import DEEPSPEED_TAG, CheckpointError, read_meta
-from scaletrain.model.gpt import flat_layer_parameter_name
 from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
 
 
@@ -19,8 +19,8 @@ def consolidated_state_dict(checkpoint_dir: Path, reference: nn.Module) -> dict[
     tensor_parallel_size = meta.layout["tensor"]
     state_dir = checkpoint_dir / DEEPSPEED_TAG
     if meta.layout["pipeline"] > 1:
-        num_layers = reference.config.num_layers
-        per_rank = [_pipeline_rank_weights(state_dir, rank, num_layers) for rank in range(tensor_parallel_size)]
+        name_of = reference.flat_layer_parameter_name
+        per_rank = [_pipeline_rank_weights(state_dir, rank, name_of) for rank in range(tensor_parallel_size)]
     else:
         per_rank = [_rank_weights(state_dir, rank, meta.layout["zero_stage"]) for rank in range(tensor_parallel_size)]
     merged = {}
@@ -44,14 +44,16 @@ def _rank_weights(state_dir: Path, tensor_rank: int, zero_stage: int) -> dict[st
     return _zero3_rank_weights(state_dir, tensor_rank)
 
 
-def _pipeline_rank_weights(state_dir: Path, tensor_rank: int, num_layers: int) -> dict[str, torch.Tensor]:
+def _pipeline_rank_weights(
+    state_dir: Path, tensor_rank: int, name_of: Callable[[int, str], str | None]
+) -> dict[str, torch.Tensor]:
     """DeepSpeed's pipeline engine saves one file per layer and tensor rank:
     layer_XX-model_YY-model_states.pt, with names local to the layer."""
     weights = {}
     for path in sorted(state_dir.glob(f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
         layer_index = int(path.name.split("-")[0].removeprefix("layer_"))
         for name, tensor in _float_tensors(torch.load(path, map_location="cpu", weights_only=False)).items():
-            full_name = flat_layer_parameter_name(layer_index, name, num_layers)
+            full_name = name_of(layer_index, name)
             if full_name is not None:
                 weights[full_name] = tensor
     if not weights:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletrain.config import ModelConfig
+from scaletrain.data.objectives import IGNORE_INDEX
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     ParallelMLP,
@@ -22,7 +23,6 @@ from scaletrain.model.layers import (
     vocab_parallel_argmax,
 )
 
-IGNORE_INDEX = -100  # label of positions that are not predicted (PyTorch's and HF's convention)
 LAYERNORM_POSITIONS = ("post", "pre")
 
 
@@ -70,8 +70,10 @@ class MaskedLMHead(nn.Module):
         tensor_parallel.set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(gelu_erf(self.dense(hidden)))
-        return parallel_lm_logits(hidden, word_embeddings) + self.bias
+        return parallel_lm_logits(self.transform(hidden), word_embeddings) + self.bias
+
+    def transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(gelu_erf(self.dense(hidden)))
 
 
 class SentenceOrderHead(nn.Module):
@@ -120,6 +122,17 @@ class BERT(nn.Module):
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps) if pre_layernorm else nn.Identity()
         self.lm_head = MaskedLMHead(config, vocab_size, mp_config, seed)
         self.sentence_order_head = SentenceOrderHead(config, seed) if sentence_order_head else None
+
+    def flat_layer_parameter_name(self, layer_index: int, name_in_layer: str) -> str | None:
+        """BERT as a flat layer sequence, the order pipeline stages split it (parallel/pipeline.py):
+            0: embedding   1..L: blocks   L+1: final   L+2: head transform + sentence-order head
+            L+3: decoder tied to the embedding (no weights of its own)   L+4: decoder bias."""
+        num_layers = self.config.num_layers
+        if layer_index == 0 or layer_index == num_layers + 1 or layer_index == num_layers + 2:
+            return name_in_layer
+        if layer_index <= num_layers:
+            return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
+        return "lm_head.bias" if layer_index == num_layers + 4 else None
 
     def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, parameter) pairs where a module uses a weight it does not own: the MLM decoder is

@@ -9,9 +9,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletrain.config import ModelConfig
-from scaletrain.data.objectives import IGNORE_INDEX
 from scaletrain.model.init import normal_init, residual_std
-from scaletrain.model.layers import ParallelMLP, ParallelSelfAttention, PreLayerNormBlock, parallel_lm_logits
+from scaletrain.model.layers import (
+    ParallelMLP,
+    ParallelSelfAttention,
+    PreLayerNormBlock,
+    masked_vocab_parallel_loss,
+    parallel_lm_logits,
+)
 
 
 class GPTEmbedding(nn.Module):
@@ -54,6 +59,9 @@ class GPT(nn.Module):
         )
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
 
+    def flat_layer_parameter_name(self, layer_index: int, name_in_layer: str) -> str | None:
+        return flat_layer_parameter_name(layer_index, name_in_layer, self.config.num_layers)
+
     def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, parameter) pairs where a module uses a weight it does not own: the output layer
         is tied to the word embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
@@ -79,17 +87,7 @@ class GPT(nn.Module):
         logits = parallel_lm_logits(self.final_norm(hidden), self.embedding.word.weight)
         if labels is None:
             return logits.transpose(0, 1)  # [batch, seq, vocab / tensor_parallel_size]
-        return causal_lm_loss(logits, labels)
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq],
-    over the positions whose label is not IGNORE_INDEX (-100, e.g. a prefix LM's prefix)."""
-    labels = labels.transpose(0, 1).contiguous()
-    predicted = labels != IGNORE_INDEX
-    # megatron's loss has no ignore index: score ignored positions against id 0, then drop them.
-    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
-    return (losses * predicted).sum() / predicted.sum()
+        return masked_vocab_parallel_loss(logits, labels)
 
 
 def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:

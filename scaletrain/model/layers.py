@@ -16,6 +16,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
+from scaletrain.data.objectives import IGNORE_INDEX
 from scaletrain.model.init import InitMethod
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -194,3 +195,13 @@ def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
     candidate = torch.where(local_max == global_max, local_index + vocab_start, no_candidate)
     dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
     return candidate
+
+
+def masked_vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq],
+    over the positions whose label is not IGNORE_INDEX (-100, e.g. a prefix LM's prefix)."""
+    labels = labels.transpose(0, 1).contiguous()
+    predicted = labels != IGNORE_INDEX
+    # megatron's loss has no ignore index: score ignored positions against id 0, then drop them.
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
+    return (losses * predicted).sum() / predicted.sum()

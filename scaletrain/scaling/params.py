@@ -10,7 +10,7 @@ The counts mirror what `GPT` builds, tensor by tensor, so memory predictions can
 - final LayerNorm; the output layer is tied to the word table, so it adds nothing at PP=1.
   With PP>1 the last stage holds its own copy of the word table for the logits, as Megatron
   does (its gradient is all-reduced with the first stage's). Our pipeline
-  (parallel/pipeline.py) builds that copy as a second `PipelineEmbedding` through DeepSpeed's
+  (parallel/pipeline.py) builds that copy as a second `GPTPipelineEmbedding` through DeepSpeed's
   TiedLayerSpec, so the last stage also allocates a position table it never uses; it is
   counted, because it takes memory.
 

@@ -60,16 +60,16 @@ def _apex_fused_adam() -> type | None:
 
 
 def build_training_model(config: Config, topology: Topology) -> nn.Module:
-    """The plain GPT, or its DeepSpeed pipeline form when the layout has pipeline stages."""
+    """The plain model, or its DeepSpeed pipeline form when the layout has pipeline stages."""
     if topology.pipeline_parallel_size > 1:
         import deepspeed
 
-        from scaletrain.parallel.pipeline import GPTPipeline
+        from scaletrain.parallel.pipeline import build_pipeline
 
         # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
-        return GPTPipeline(config, topology)
+        return build_pipeline(config, topology)
     return build_model(config)
 
 

@@ -17,7 +17,7 @@ def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_acc
     if is_pipeline(engine):
         # The pipeline engine runs the 1F1B schedule over grad_accum micro-batches itself and
         # returns the loss averaged over them and over data-parallel ranks.
-        loss = float(engine.train_batch(data_iter=pipeline_inputs(batches)))
+        loss = float(engine.train_batch(data_iter=pipeline_inputs(engine, batches)))
         return _with_grad_norm(engine, {"loss": loss, "lr": lr})
     losses = []
     for _ in range(grad_accum):
@@ -33,7 +33,7 @@ def evaluation_metrics(engine: Any, batches: list[dict[str, torch.Tensor]]) -> d
     """Validation loss over this rank's micro-batches, averaged over data-parallel ranks; for
     masked LMs also the accuracy of the masked tokens (Devlin et al. 2019 report it too)."""
     if is_pipeline(engine):
-        loss = engine.eval_batch(pipeline_inputs(iter(batches)), num_micro_batches=len(batches))
+        loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
         return {"val_loss": data_parallel_mean(loss.detach().float())}
     engine.eval()
     with torch.no_grad():
@@ -64,10 +64,11 @@ def is_pipeline(engine: Any) -> bool:
     return isinstance(engine, PipelineEngine)
 
 
-def pipeline_inputs(batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """DeepSpeed's pipeline feeds `inputs` to the first stage and `labels` to the loss on the last."""
+def pipeline_inputs(engine: Any, batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple]:
+    """DeepSpeed's pipeline feeds `inputs` to the first stage and `labels` to the loss on the last;
+    the pipelined model knows which batch keys are which."""
     for batch in batches:
-        yield batch["tokens"], batch["labels"]
+        yield engine.module.split_batch(batch)
 
 
 def _with_grad_norm(engine: Any, record: dict[str, float]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""`scaletrain export` / `import` as a user runs them: a TP=2 run of each family -> transformers.
+"""`scaletrain export` / `import` as a user runs them: TP=2 and PP=2 runs -> transformers.
 
 The exported model's logits must equal the run's own (consolidated) model's on the same inputs,
 and a run started from the imported weights must begin at the source run's validation loss.
@@ -61,11 +61,15 @@ def _inputs(family: str) -> tuple[dict, dict]:
     return ours, {"input_ids": tokens, "attention_mask": mask, "decoder_input_ids": decoder}
 
 
+LAYOUTS = [("gpt", "parallel.tensor=2"), ("bert", "parallel.tensor=2"), ("t5", "parallel.tensor=2"),
+           ("gpt", "parallel.pipeline=2"), ("bert", "parallel.pipeline=2")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_export_of_a_tensor_parallel_run_matches_transformers(family, small_dataset, tmp_path):
+@pytest.mark.parametrize("family, layout", LAYOUTS)
+def test_export_of_a_parallel_run_matches_transformers(family, layout, small_dataset, tmp_path):
     run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    _train(family, small_dataset, run_dir, ["parallel.tensor=2"], nproc=2)
+    _train(family, small_dataset, run_dir, [layout], nproc=2)
     run_scaletrain("export", [str(run_dir), str(hf_dir)])
     ours_inputs, hf_inputs = _inputs(family)
     ours = run_on_ranks(_our_logits, 1, run_dir, ours_inputs)[0]

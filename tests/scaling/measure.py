@@ -143,12 +143,12 @@ class _SavedActivations:
 
 
 def _pipeline_stage_parameters(world_size: int) -> dict[str, int]:
-    from scaletrain.parallel.pipeline import GPTPipeline
+    from scaletrain.parallel.pipeline import build_pipeline
 
     config = case_config(PIPELINE_MODEL, {"pipeline": 2, "pipeline_partition": "blocks"}, {}, world_size)
     _reset_model_parallel()
     topology = init_distributed(config)
-    model = GPTPipeline(config, topology)
+    model = build_pipeline(config, topology)
     return {"stage": parallel_state.get_pipeline_model_parallel_rank(),
             "parameters": sum(p.numel() for p in model.parameters())}
 

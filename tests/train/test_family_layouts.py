@@ -19,8 +19,16 @@ FAMILIES = {
     "t5_prefix_lm": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2",
                      "model.ffn_hidden_size=128", "objective.kind=prefix_lm"],
 }
-LAYOUTS = {"single": (1, []), "tp2": (2, ["parallel.tensor=2"]), "dp2_zero3": (2, ["parallel.zero_stage=3"])}
-CASES = [("bert", "tp2"), ("bert", "dp2_zero3"), ("t5", "tp2"), ("t5", "dp2_zero3")]
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["parallel.tensor=2"]),
+    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+    "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
+}
+CASES = [
+    ("bert", "tp2"), ("bert", "dp2_zero3"), ("bert", "pp2"), ("bert", "tp2_pp2"), ("t5", "tp2"), ("t5", "dp2_zero3"),
+]
 
 
 def family_overrides(family: str) -> list[str]:

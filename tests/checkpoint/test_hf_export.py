@@ -14,8 +14,8 @@ from scaletrain.checkpoint.hf_export import export_hf, import_hf
 from scaletrain.config import config_from_dict
 from scaletrain.model import build_model
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank
-from tests.distributed.harness import run_on_ranks
-from tests.model.test_bert import TINY, bert_batch, build_bert, gather_full, gather_vocab_logits
+from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
+from tests.model.test_bert import TINY, bert_batch, build_bert
 
 # (scaletrain family, HF class to load the export with, BERT options)
 MODELS = {
@@ -76,18 +76,18 @@ def _export_at(rank: int, tensor_parallel_size: int, out_dir: Path, native_dirs:
     for name in MODELS:
         family = MODELS[name][0]
         model = _build(name, tensor_parallel_size).eval()
-        _load_full_state(model, _perturbed(gather_full(model)))
-        state = gather_full(model)
+        _load_full_state(model, _perturbed(gather_full_parameters(model)))
+        state = gather_full_parameters(model)
         if rank == 0:
             export_dir = out_dir / f"{name}_tp{tensor_parallel_size}"
             export_hf(state, family, config.model, config.padded_vocab_size, export_dir)
-        results[name] = {"state": state, "logits": gather_vocab_logits(model(**_inputs(family)))}
+        results[name] = {"state": state, "logits": gather_vocab_shards(model(**_inputs(family)))}
         if name == "bert_sentence_order":
             results[name]["sentence_order_logits"] = model.sentence_order_logits(**_inputs(family)).detach()
         if name in native_dirs:
             # An HF-initialised checkpoint, imported and sharded over this run's ranks.
             _load_full_state(model, import_hf(native_dirs[name], family))
-            results[name]["native_logits"] = gather_vocab_logits(model(**_inputs(family)))
+            results[name]["native_logits"] = gather_vocab_shards(model(**_inputs(family)))
     return results
 
 

@@ -11,8 +11,8 @@ from transformers import T5ForConditionalGeneration
 
 from scaletrain.checkpoint.hf_t5 import export_t5_hf, import_t5_hf, read_t5_architecture
 from scaletrain.model.t5 import T5
-from tests.distributed.harness import run_on_ranks
-from tests.model.test_t5 import SEED, VARIANTS, gather_full, gather_vocab_shards, mp_config, t5_batch
+from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
+from tests.model.test_t5 import SEED, VARIANTS, mp_config, t5_batch
 
 LAYOUTS = (1, 2)  # tensor-parallel sizes
 
@@ -24,9 +24,9 @@ def _build_and_export(rank: int, world_size: int, out_root: str) -> dict:
     results = {}
     for variant, architecture in VARIANTS.items():
         model = T5(architecture, mp_config(world_size), seed=SEED)
-        merged = gather_full(model, lambda p: p.detach(), world_size)
+        merged = gather_full_parameters(model)
         with torch.no_grad():
-            logits = gather_vocab_shards(model(**{k: v for k, v in batch.items() if k != "labels"}), world_size)
+            logits = gather_vocab_shards(model(**{k: v for k, v in batch.items() if k != "labels"}))
             loss = model(**batch)
         if rank == 0:
             export_t5_hf(merged, architecture, Path(out_root) / f"{variant}_tp{world_size}")

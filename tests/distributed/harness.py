@@ -1,4 +1,4 @@
-"""The one helper that runs a test function on several real gloo processes.
+"""The one helper that runs a test function on several real gloo processes, and gathers TP shards.
 
 `run_on_ranks(worker, world_size, *args)` spawns `world_size` processes, initialises
 torch.distributed on gloo, calls `worker(rank, world_size, *args)` in each and returns the
@@ -43,6 +43,37 @@ def _entry(rank: int, worker: Callable[..., Any], world_size: int, port: int, re
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def gather_vocab_shards(local: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from each TP rank's shard (megatron's own gather allocates on CUDA)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.detach().contiguous(), group=group)
+    return torch.cat(shards, dim=-1)
+
+
+def gather_full_parameters(
+    model: torch.nn.Module, select: Callable[[torch.Tensor], torch.Tensor] = lambda param: param.detach()
+) -> dict[str, torch.Tensor]:
+    """TP=1 tensors (weights, or whatever `select` takes of each parameter) merged from every TP rank."""
+    from megatron.core import parallel_state
+
+    from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    full = {}
+    for name, param in model.named_parameters():
+        local = select(param).contiguous()
+        if is_tensor_parallel(param) and dist.get_world_size(group) > 1:
+            shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(shards, local, group=group)
+            full[name] = merge_shards(shards, param.partition_dim, param.partition_stride)
+        else:
+            full[name] = local.clone()
+    return full
 
 
 def _free_port() -> int:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from scaletrain.config import config_from_dict, validate
 from scaletrain.model import model_parallel_config
 from scaletrain.model.bert import BERT
-from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
-from tests.distributed.harness import run_on_ranks
+from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 TINY = {
     "model": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 16},
@@ -45,29 +43,6 @@ def bert_batch() -> dict[str, torch.Tensor]:
     }
 
 
-def gather_vocab_logits(local: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits from each TP rank's shard (megatron's gather allocates on CUDA)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(shards, local.detach().contiguous(), group=group)
-    return torch.cat(shards, dim=-1)
-
-
-def gather_full(model: torch.nn.Module, select=lambda param: param.detach()) -> dict[str, torch.Tensor]:
-    """TP=1 tensors (weights, or whatever `select` takes of each parameter) merged from every rank."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    full = {}
-    for name, param in model.named_parameters():
-        local = select(param).contiguous()
-        if is_tensor_parallel(param) and dist.get_world_size(group) > 1:
-            shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(shards, local, group=group)
-            full[name] = merge_shards(shards, param.partition_dim, param.partition_stride)
-        else:
-            full[name] = local.clone()
-    return full
-
-
 def _run_both_layouts(rank: int, world_size: int) -> dict[int, dict]:
     """TP=1 (each rank a whole model, computing alone) and TP=2 in one pair of processes: one start-up."""
     results = {}
@@ -82,12 +57,12 @@ def _run(tensor_parallel_size: int) -> dict:
     model = build_bert(tensor_parallel_size, sentence_order_head=True)
     batch = bert_batch()
     inputs = {key: batch[key] for key in ("tokens", "token_types", "padding_mask")}
-    logits = gather_vocab_logits(model(**inputs))
+    logits = gather_vocab_shards(model(**inputs))
     # Other pad tokens and pad segment ids, with and without telling the model where the pads are.
     changed = {**inputs, "tokens": torch.where(batch["padding_mask"].bool(), batch["tokens"], 99),
                "token_types": torch.where(batch["padding_mask"].bool(), batch["token_types"], 1)}
-    changed_pads_masked = gather_vocab_logits(model(**changed))
-    changed_pads_unmasked = gather_vocab_logits(model(**{**changed, "padding_mask": None}))
+    changed_pads_masked = gather_vocab_shards(model(**changed))
+    changed_pads_unmasked = gather_vocab_shards(model(**{**changed, "padding_mask": None}))
     loss = model(**batch)
     loss.backward()
     pre_layernorm = build_bert(tensor_parallel_size, layernorm_position="pre")
@@ -98,10 +73,10 @@ def _run(tensor_parallel_size: int) -> dict:
     return {
         "logits": logits, "changed_pads_masked": changed_pads_masked, "changed_pads_unmasked": changed_pads_unmasked,
         "loss": loss.detach(), "sentence_order_logits": model.sentence_order_logits(**inputs).detach(),
-        "weights": gather_full(model), "grads": gather_full(model, lambda param: param.grad),
+        "weights": gather_full_parameters(model), "grads": gather_full_parameters(model, lambda param: param.grad),
         "argmax_labels": argmax_labels,
         "accuracy": model.masked_token_accuracy(labels=argmax_labels, **inputs),
-        "pre_layernorm_logits": gather_vocab_logits(pre_layernorm(**inputs)),
+        "pre_layernorm_logits": gather_vocab_shards(pre_layernorm(**inputs)),
         "recomputed_grads": _recomputed_grads(tensor_parallel_size, batch),
     }
 
@@ -109,7 +84,7 @@ def _run(tensor_parallel_size: int) -> dict:
 def _recomputed_grads(tensor_parallel_size: int, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     model = build_bert(tensor_parallel_size, sentence_order_head=True, checkpoint_interval=1).train()
     model(**batch).backward()
-    return gather_full(model, lambda param: param.grad)
+    return gather_full_parameters(model, lambda param: param.grad)
 
 
 @pytest.fixture(scope="module")

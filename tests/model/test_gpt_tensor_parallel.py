@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from scaletrain.config import config_from_dict, validate
 from scaletrain.model import build_model
-from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
-from tests.distributed.harness import run_on_ranks
+from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 TINY = {
     "model": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 16},
@@ -28,33 +26,13 @@ def _forward_backward(rank: int, world_size: int, tensor_parallel_size: int) -> 
     logits = model(tokens)
     loss = model(tokens, labels)
     loss.backward()
-    full_logits = _gather_vocab_shards(logits.detach().contiguous(), world_size)
+    full_logits = gather_vocab_shards(logits)
     return {
         "logits": full_logits,
         "loss": loss.detach(),
-        "weights": _gather_full(model, lambda p: p.detach(), world_size),
-        "grads": _gather_full(model, lambda p: p.grad, world_size),
+        "weights": gather_full_parameters(model),
+        "grads": gather_full_parameters(model, lambda p: p.grad),
     }
-
-
-def _gather_vocab_shards(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """megatron's gather helper allocates on CUDA, so gather the vocab shards with plain gloo."""
-    shards = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=-1)
-
-
-def _gather_full(model: torch.nn.Module, select, world_size: int) -> dict[str, torch.Tensor]:
-    full = {}
-    for name, param in model.named_parameters():
-        local = select(param).contiguous()
-        if is_tensor_parallel(param) and world_size > 1:
-            shards = [torch.empty_like(local) for _ in range(world_size)]
-            dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
-            full[name] = merge_shards(shards, param.partition_dim, param.partition_stride)
-        else:
-            full[name] = local.clone()
-    return full
 
 
 def test_tensor_parallel_matches_single_rank():

@@ -6,14 +6,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from scaletrain.model.t5 import T5, T5Architecture, relative_position_bucket
-from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards
-from tests.distributed.harness import run_on_ranks
+from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 RELU_TIED = T5Architecture(
     vocab_size=400, hidden_size=64, num_heads=4, head_dim=16, ffn_hidden_size=128,
@@ -54,29 +52,6 @@ def t5_batch() -> dict[str, torch.Tensor]:
     }
 
 
-def gather_vocab_shards(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """megatron's gather helper allocates on CUDA, so gather the vocab shards with plain gloo."""
-    if world_size == 1:
-        return local.clone()
-    shards = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=-1)
-
-
-def gather_full(model: torch.nn.Module, select, world_size: int) -> dict[str, torch.Tensor]:
-    """Full tensors of every parameter (`select` picks weight or gradient), merged across TP ranks."""
-    full = {}
-    for name, param in model.named_parameters():
-        local = select(param).contiguous()
-        if is_tensor_parallel(param) and world_size > 1:
-            shards = [torch.empty_like(local) for _ in range(world_size)]
-            dist.all_gather(shards, local, group=parallel_state.get_tensor_model_parallel_group())
-            full[name] = merge_shards(shards, param.partition_dim, param.partition_stride)
-        else:
-            full[name] = local.clone()
-    return full
-
-
 def _forward_backward(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     batch = t5_batch()
@@ -84,13 +59,13 @@ def _forward_backward(rank: int, world_size: int) -> dict:
     results = {}
     for variant, architecture in VARIANTS.items():
         model = T5(architecture, mp_config(world_size), seed=SEED)
-        weights = gather_full(model, lambda p: p.detach(), world_size)
-        logits = gather_vocab_shards(model(**inputs).detach(), world_size)
+        weights = gather_full_parameters(model)
+        logits = gather_vocab_shards(model(**inputs).detach())
         loss = model(**batch)
         loss.backward()
         results[variant] = {
             "weights": weights, "logits": logits, "loss": loss.detach(),
-            "grads": gather_full(model, lambda p: p.grad, world_size),
+            "grads": gather_full_parameters(model, lambda p: p.grad),
             **_mask_probes(model, inputs, world_size),
         }
     return results
@@ -109,7 +84,7 @@ def _mask_probes(model: T5, inputs: dict[str, torch.Tensor], world_size: int) ->
     unmasked_changed = {**unmasked, "encoder_tokens": padding_changed["encoder_tokens"]}
     with torch.no_grad():
         return {
-            name: gather_vocab_shards(model(**probe), world_size)
+            name: gather_vocab_shards(model(**probe))
             for name, probe in [("baseline", inputs), ("later_changed", later_changed),
                                 ("padding_changed", padding_changed),
                                 ("unmasked", unmasked), ("unmasked_changed", unmasked_changed)]

@@ -13,10 +13,9 @@ from scaletrain.config import ModelConfig
 from scaletrain.data.objectives import IGNORE_INDEX
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
-    ParallelMLP,
-    ParallelSelfAttention,
     PostLayerNormBlock,
     PreLayerNormBlock,
+    build_attention_and_mlp,
     gelu_erf,
     key_padding_attention_mask,
     parallel_lm_logits,
@@ -233,20 +232,10 @@ def build_bert_block(
     """BERT initialises every weight with std 0.02 (Devlin et al. 2019, HF's initializer_range).
     A pre-LN stack's residual stream grows with depth, so there the output projections take
     GPT-2's 1/sqrt(2 * layers) scaling (Radford et al. 2019, sec. 2.3); post-LN renormalises it."""
-    prefix = f"blocks.{layer}"
     pre_layernorm = layernorm_position == "pre"
     output_std = residual_std(config.init_std, config.num_layers) if pre_layernorm else config.init_std
-    attention = ParallelSelfAttention(
-        config.hidden_size, config.num_heads, mp_config,
-        init_method=normal_init(config.init_std, seed, f"{prefix}.attention.qkv"),
-        output_init_method=normal_init(output_std, seed, f"{prefix}.attention.output"),
-        causal=False, attention_dropout=config.dropout,
-    )
-    mlp = ParallelMLP(
-        config.hidden_size, config.ffn_size, mp_config,
-        init_method=normal_init(config.init_std, seed, f"{prefix}.mlp.fc"),
-        output_init_method=normal_init(output_std, seed, f"{prefix}.mlp.proj"),
-        activation=gelu_erf,
+    attention, mlp = build_attention_and_mlp(
+        config, mp_config, seed, layer, causal=False, output_std=output_std, activation=gelu_erf
     )
     block = PreLayerNormBlock if pre_layernorm else PostLayerNormBlock
     return block(attention, mlp, config.hidden_size, config.layernorm_eps, config.dropout)

@@ -11,9 +11,8 @@ from torch.utils.checkpoint import checkpoint
 from scaletrain.config import ModelConfig
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
-    ParallelMLP,
-    ParallelSelfAttention,
     PreLayerNormBlock,
+    build_attention_and_mlp,
     masked_vocab_parallel_loss,
     parallel_lm_logits,
 )
@@ -60,7 +59,18 @@ class GPT(nn.Module):
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
 
     def flat_layer_parameter_name(self, layer_index: int, name_in_layer: str) -> str | None:
-        return flat_layer_parameter_name(layer_index, name_in_layer, self.config.num_layers)
+        """GPT as a flat layer sequence, the order pipeline stages split it:
+            0: embedding   1..L: blocks   L+1: final LayerNorm   L+2: output layer (tied to 0).
+        Returns the `GPT` name of a layer's parameter; None for the output layer, whose only
+        weight is the embedding's. Block layers wrap the block as `block.`."""
+        num_layers = self.config.num_layers
+        if layer_index == 0:
+            return f"embedding.{name_in_layer}"
+        if layer_index <= num_layers:
+            return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
+        if layer_index == num_layers + 1:
+            return f"final_norm.{name_in_layer}"
+        return None
 
     def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, parameter) pairs where a module uses a weight it does not own: the output layer
@@ -105,31 +115,6 @@ def _run_blocks(blocks: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor 
 
 
 def build_block(config: ModelConfig, mp_config: ModelParallelConfig, seed: int, layer: int) -> PreLayerNormBlock:
-    prefix = f"blocks.{layer}"
     output_std = residual_std(config.init_std, config.num_layers)
-    attention = ParallelSelfAttention(
-        config.hidden_size, config.num_heads, mp_config,
-        init_method=normal_init(config.init_std, seed, f"{prefix}.attention.qkv"),
-        output_init_method=normal_init(output_std, seed, f"{prefix}.attention.output"),
-        causal=True, attention_dropout=config.dropout,
-    )
-    mlp = ParallelMLP(
-        config.hidden_size, config.ffn_size, mp_config,
-        init_method=normal_init(config.init_std, seed, f"{prefix}.mlp.fc"),
-        output_init_method=normal_init(output_std, seed, f"{prefix}.mlp.proj"),
-    )
+    attention, mlp = build_attention_and_mlp(config, mp_config, seed, layer, causal=True, output_std=output_std)
     return PreLayerNormBlock(attention, mlp, config.hidden_size, config.layernorm_eps, config.dropout)
-
-
-def flat_layer_parameter_name(layer_index: int, name_in_layer: str, num_layers: int) -> str | None:
-    """GPT as a flat layer sequence, the order pipeline stages split it:
-        0: embedding   1..L: blocks   L+1: final LayerNorm   L+2: output layer (tied to 0).
-    Returns the `GPT` name of a layer's parameter; None for the output layer, whose only
-    weight is the embedding's. Block layers wrap the block as `block.`."""
-    if layer_index == 0:
-        return f"embedding.{name_in_layer}"
-    if layer_index <= num_layers:
-        return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
-    if layer_index == num_layers + 1:
-        return f"final_norm.{name_in_layer}"
-    return None

@@ -16,8 +16,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
+from scaletrain.config import ModelConfig
 from scaletrain.data.objectives import IGNORE_INDEX
-from scaletrain.model.init import InitMethod
+from scaletrain.model.init import InitMethod, normal_init
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -165,6 +166,34 @@ class PostLayerNormBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
         return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
+
+
+def build_attention_and_mlp(
+    config: ModelConfig,
+    mp_config: ModelParallelConfig,
+    seed: int,
+    layer: int,
+    *,
+    causal: bool,
+    output_std: float,
+    activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh,
+) -> tuple[ParallelSelfAttention, ParallelMLP]:
+    """Block `layer`'s two sub-layers, each weight initialised from its name (`blocks.{layer}...`);
+    `output_std` is for the residual-branch output projections."""
+    prefix = f"blocks.{layer}"
+    attention = ParallelSelfAttention(
+        config.hidden_size, config.num_heads, mp_config,
+        init_method=normal_init(config.init_std, seed, f"{prefix}.attention.qkv"),
+        output_init_method=normal_init(output_std, seed, f"{prefix}.attention.output"),
+        causal=causal, attention_dropout=config.dropout,
+    )
+    mlp = ParallelMLP(
+        config.hidden_size, config.ffn_size, mp_config,
+        init_method=normal_init(config.init_std, seed, f"{prefix}.mlp.fc"),
+        output_init_method=normal_init(output_std, seed, f"{prefix}.mlp.proj"),
+        activation=activation,
+    )
+    return attention, mlp
 
 
 def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """GPT and BERT as DeepSpeed `PipelineModule`s: embedding, blocks and head as layer specs.
 
-Each family is its model as a flat layer list (see `flat_layer_parameter_name` in gpt.py and
-bert.py), built from the same constructors, so a pipelined model has exactly the weights of the
+Each family is its model as a flat layer list (see `GPT.flat_layer_parameter_name` and
+`BERT.flat_layer_parameter_name`), built from the same constructors, so a pipelined model has exactly the weights of the
 plain one (initialisation is keyed by parameter name) and its checkpoints map back to model names.
 The output layer reuses the first stage's word embedding through DeepSpeed's TiedLayerSpec;
 DeepSpeed all-reduces the tied weight's gradient between the first and last stage.

@@ -7,6 +7,7 @@ loaders below stay resumable from `consumed_samples` alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,11 +62,15 @@ class Objective:
         sampler = DistributedPretrainingSampler(
             self.config.train.micro_batch_size, data_parallel_rank, data_parallel_size, 0, num_samples
         )
-        return batch_loader(self.dataset("val", shuffle=False), sampler, 0, self.collate)
+        return batch_loader(self.validation_dataset, sampler, 0, self.collate)
 
     def num_eval_samples(self) -> int:
-        dataset = self.dataset("val", shuffle=False)
-        return dataset.num_samples if isinstance(dataset, SentencePairDataset) else len(dataset.packed)
+        return self.validation_dataset.order.num_samples
+
+    @functools.cached_property
+    def validation_dataset(self) -> GlobalIndexDataset | SentencePairDataset:
+        """Built once per run: every evaluation reads the same fixed-order prefix."""
+        return self.dataset("val", shuffle=False)
 
 
 def build_objective(config: Config) -> Objective:

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import STEPS, LayoutRuns, assert_resume_is_exact, train_twice
+from tests.train.test_layouts import (
+    STEPS,
+    LayoutRuns,
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    train_twice,
+)
 
 FAMILIES = {
     "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
@@ -71,10 +77,4 @@ def test_single_rank_learns_and_resumes_exactly(runs, family):
 def test_layout_resumes_exactly_and_matches_single_rank(runs, family, layout):
     ours = runs(family, layout)
     assert_resume_is_exact(ours)
-    reference, reference_val = read_metrics(runs(family, "single").straight)
-    training, validation = read_metrics(ours.straight)
-    for step in range(1, STEPS + 1):
-        relative = abs(training[step]["loss"] - reference[step]["loss"]) / reference[step]["loss"]
-        assert relative <= 1e-4, f"{family} {layout} step {step}: {training[step]['loss']} vs {reference[step]['loss']}"
-    for step, value in reference_val.items():
-        assert abs(validation[step] - value) / value <= 1e-4
+    assert_matches_single_rank(ours, runs(family, "single"))

@@ -1,4 +1,4 @@
-"""Command line: `scaletrain prepare|train|plan|generate|export|import` (also `python -m scaletrain ...`)."""
+"""Command line: `scaletrain prepare|train|plan|sweep|fit|generate|export|import` (also `python -m scaletrain ...`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, load_config
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
+from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +45,10 @@ def _build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="rank the parallel layouts that fit a model on N GPUs")
     add_plan_arguments(plan)
     plan.set_defaults(handler=_plan)
+
+    sweep = commands.add_parser("sweep", help="scaling-law sweeps: plan, run (local/torchrun/SLURM), status")
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(handler=_sweep)
 
     export = commands.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model")
     export.add_argument("run_dir", type=Path)
@@ -100,6 +105,12 @@ def _train(args: argparse.Namespace) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     print(plan_from_args(args), end="")
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    output = sweep_from_args(args)
+    if output:
+        print(output, end="" if output.endswith("\n") else "\n")
 
 
 def _export(args: argparse.Namespace) -> None:

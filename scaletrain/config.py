@@ -130,6 +130,10 @@ class TrackingConfig:
     wandb: str = "offline"  # offline | online | disabled
     project: str = "scaletrain"
     name: str | None = None
+    # W&B grouping, for sweeps and for any set of related runs (W&B's group, tags and job_type).
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    job_type: str = "train"
     peak_tflops: float | None = None  # per-device peak for MFU where the device is not recognised
 
 
@@ -238,11 +242,37 @@ def _build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
     values = {}
     for name, value in raw.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build_dataclass(hint, value, f"{prefix}{name}.", source)
+        nested = _nested_dataclass(hint, value)
+        if nested is not None:
+            values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", source)
         else:
             values[name] = _coerce(value, hint, f"{prefix}{name}", source)
     return cls(**values)
+
+
+def _nested_dataclass(hint: Any, value: Any) -> type | None:
+    """The dataclass a field holds: `Section` or, for a set value, `Section | None`."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if isinstance(hint, types.UnionType) and value is not None:
+        return next((option for option in typing.get_args(hint) if dataclasses.is_dataclass(option)), None)
+    return None
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    """A typed dataclass from a YAML mapping; unknown keys and wrong types raise ConfigError.
+
+    Shared by the run config and other YAML schemas (sweep specs), so both report errors alike.
+    """
+    return _build_dataclass(cls, raw, prefix, source)
+
+
+def _coerce_item(value: Any, hint: Any, key: str, source: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build_dataclass(hint, value, f"{key}.", source)
+    if hint is str and not isinstance(value, (dict, list)):
+        return str(value)
+    return _coerce(value, hint, key, source)
 
 
 def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
@@ -262,7 +292,8 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if option in (str, bool) and isinstance(value, option):
             return value
         if typing.get_origin(option) is list and isinstance(value, list):
-            return [str(item) for item in value]
+            (item_hint,) = typing.get_args(option)
+            return [_coerce_item(item, item_hint, f"{key}[{index}]", source) for index, item in enumerate(value)]
         if option is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     expected = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
@@ -285,6 +316,8 @@ def validate(config: Config) -> None:
         raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
     if config.tracking.wandb not in ("offline", "online", "disabled"):
         raise ConfigError(f"tracking.wandb={config.tracking.wandb!r}; use offline, online or disabled")
+    if not config.tracking.job_type:
+        raise ConfigError("tracking.job_type must not be empty; W&B groups runs by it (e.g. train, sweep)")
 
 
 def _validate_model(config: Config) -> None:

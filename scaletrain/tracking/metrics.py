@@ -27,7 +27,10 @@ class JsonlSink:
 
 
 class WandbSink:
-    def __init__(self, config: Config, run_dir: Path) -> None:
+    """One W&B run per run directory; `run_facts` (N, D, C...) join the config so runs can be
+    compared and grouped by scale in the W&B UI."""
+
+    def __init__(self, config: Config, run_dir: Path, run_facts: dict[str, Any]) -> None:
         import wandb  # deferred: importing wandb costs seconds and only rank 0 needs it
 
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -36,7 +39,10 @@ class WandbSink:
             name=config.tracking.name or run_dir.name,
             dir=str(run_dir),
             mode=config.tracking.wandb,
-            config=config.to_dict(),
+            group=config.tracking.group,
+            job_type=config.tracking.job_type,
+            tags=config.tracking.tags or None,
+            config={**config.to_dict(), **run_facts},
             # One W&B run per run directory: a resumed job continues the same curves.
             id=_stable_run_id(run_dir),
             resume="allow",
@@ -57,12 +63,14 @@ class MetricsLogger:
         self._sinks = sinks
 
     @classmethod
-    def for_run(cls, config: Config, run_dir: Path, is_logging_rank: bool) -> MetricsLogger:
+    def for_run(
+        cls, config: Config, run_dir: Path, is_logging_rank: bool, run_facts: dict[str, Any] | None = None
+    ) -> MetricsLogger:
         if not is_logging_rank:
             return cls([])
         sinks: list[JsonlSink | WandbSink] = [JsonlSink(run_dir / "metrics.jsonl")]
         if config.tracking.wandb != "disabled":
-            sinks.append(WandbSink(config, run_dir))
+            sinks.append(WandbSink(config, run_dir, run_facts or {}))
         return cls(sinks)
 
     def log(self, record: dict[str, Any]) -> None:

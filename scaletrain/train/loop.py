@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -17,11 +19,14 @@ from scaletrain.checkpoint.manager import load_checkpoint, resolve_resume, save_
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.data.manifest import load_manifest
 from scaletrain.parallel.groups import Topology, init_distributed, world_size_from_environment
-from scaletrain.tracking.flops import device_peak_flops, model_flops_per_token
+from scaletrain.scaling.counts import model_counts
+from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
 from scaletrain.train.objective import Objective, build_objective
 from scaletrain.train.step import evaluation_metrics, train_step
+
+RUN_SUMMARY_FILE = "summary.json"
 
 
 @dataclass
@@ -46,7 +51,7 @@ def train(config: Config) -> TrainState:
     engine = build_engine(model, config, topology)
     run_dir = Path(config.run.dir)
     state = _restore_or_start(engine, config, topology, run_dir)
-    logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank)
+    logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, _scaling_facts(config, topology))
     try:
         _run(engine, config, topology, state, logger)
     finally:
@@ -57,9 +62,8 @@ def train(config: Config) -> TrainState:
 def _run(engine: Any, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger) -> None:
     global_batch = config.global_batch_size(topology.data_parallel_size)
     tokens_per_step = global_batch * config.model.seq_length
-    flops_per_step = model_flops_per_token(config.model, config.padded_vocab_size) * tokens_per_step
-    # The FLOPs count is the decoder-only one; MFU is reported for GPT only.
-    peak_flops = _cluster_peak_flops(config, topology) if config.model.family == "gpt" else None
+    flops_per_step = model_counts(config).flops_per_token * tokens_per_step
+    peak_flops = _cluster_peak_flops(config, topology)
     objective = build_objective(config)
     batches = _device_batches(
         objective.train_loader(topology.data_parallel_rank, topology.data_parallel_size, state.consumed_samples),
@@ -73,6 +77,7 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
         mininterval=0.5 if sys.stderr.isatty() else 30.0,  # few lines in CI and SLURM logs
     )
     steps_this_run = 0
+    final_metrics: dict[str, float] = {}
     while state.step < config.train.steps:
         started = time.perf_counter()
         record = train_step(engine, batches, config.train.grad_accum)
@@ -88,18 +93,36 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
             logger.log(record)
         progress.update(1)
         progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-        if config.train.eval_every and state.step % config.train.eval_every == 0:
+        finished = state.step == config.train.steps
+        # Every run ends with an evaluation, so its final validation loss is always measured
+        # on the same fixed set (scaling-law fits read it).
+        if config.train.eval_every and (state.step % config.train.eval_every == 0 or finished):
             metrics = evaluate(engine, objective, topology)
             logger.log({"step": state.step, **metrics})
             if topology.is_logging_rank:
                 progress.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if finished:
+                final_metrics = metrics
         exiting = config.train.exit_after is not None and steps_this_run >= config.train.exit_after
-        finished = state.step == config.train.steps
         if state.step % config.checkpoint.every == 0 or exiting or finished:
             save_checkpoint(engine, config, topology, state.step, state.consumed_samples)
+        if finished and topology.is_logging_rank:
+            write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
         if exiting:
             break
     progress.close()
+
+
+def write_run_summary(
+    run_dir: Path, state: TrainState, tokens_per_step: int, flops_per_step: float, metrics: dict[str, float]
+) -> None:
+    """RUN_DIR/summary.json, written once a run has trained all its steps: what sweeps and scripts
+    read to tell a finished run and its final validation metrics (written atomically)."""
+    summary = {"step": state.step, "consumed_samples": state.consumed_samples,
+               "tokens": state.step * tokens_per_step, "flops": state.step * flops_per_step, **metrics}
+    staging = run_dir / f".{RUN_SUMMARY_FILE}.tmp"
+    staging.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(staging, run_dir / RUN_SUMMARY_FILE)
 
 
 def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str, float]:
@@ -143,6 +166,14 @@ def _check_data_matches(config: Config) -> None:
 def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     for batch in loader:
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
+    """N, D and C of the whole run (Kaplan et al. 2020 notation), for the tracker's run config."""
+    counts = model_counts(config)
+    tokens = config.train.steps * config.global_batch_size(topology.data_parallel_size) * config.model.seq_length
+    return {"params": counts.total_params, "non_embedding_params": counts.non_embedding_params,
+            "flops_per_token": counts.flops_per_token, "tokens": tokens, "flops": tokens * counts.flops_per_token}
 
 
 def _cluster_peak_flops(config: Config, topology: Topology) -> float | None:

@@ -1,0 +1,177 @@
+"""`scaletrain sweep plan|run|status|finalize|run-one`: the command line of scaling-law sweeps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from scaletrain.config import ConfigError
+from scaletrain.scaling.sweep.layout import PLAN_FILE, RESULTS_FILE, RUNS_DIR, SWEEP_FILE
+from scaletrain.scaling.sweep.spec import SweepSpec, load_sweep_spec, spec_from_dict
+
+if TYPE_CHECKING:
+    from scaletrain.scaling.sweep.plan import SweepPlan
+
+# The executors, planner and results import torch and the model code: loaded when a command runs,
+# so `scaletrain --help` stays fast.
+EXECUTORS = ("local", "torchrun", "slurm")
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="sweep_command", required=True)
+    plan = commands.add_parser("plan", help="the table of runs a sweep spec expands into, with totals")
+    plan.add_argument("spec", type=Path)
+    plan.set_defaults(sweep_handler=_plan)
+
+    run = commands.add_parser("run", help="train the sweep's unfinished runs (idempotent), then fit")
+    run.add_argument("spec", type=Path)
+    run.add_argument("--executor", choices=EXECUTORS, default="local",
+                     help="local: one process per run; torchrun: --nproc ranks per run; slurm: a job array")
+    run.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun and slurm)")
+    run.set_defaults(sweep_handler=_run)
+
+    status = commands.add_parser("status", help="pending/queued/running/done/failed per run, with final val_loss")
+    status.add_argument("source", type=Path, help="the sweep spec or its directory")
+    status.set_defaults(sweep_handler=_status)
+
+    finalize = commands.add_parser("finalize", help="write results.csv, fit and log the W&B summary run")
+    finalize.add_argument("source", type=Path, help="the sweep spec or its directory")
+    finalize.set_defaults(sweep_handler=_finalize)
+
+    run_one_parser = commands.add_parser("run-one", help="train one run directory of a sweep (SLURM array tasks)")
+    run_one_parser.add_argument("run_dir", type=Path)
+    run_one_parser.add_argument("--nproc", type=int, default=1)
+    run_one_parser.set_defaults(sweep_handler=_run_one)
+
+
+def sweep_from_args(args: argparse.Namespace) -> str | None:
+    return args.sweep_handler(args)
+
+
+def _plan(args: argparse.Namespace) -> str:
+    from scaletrain.scaling.sweep.plan import plan_sweep
+
+    return format_plan(plan_sweep(load_sweep_spec(args.spec)))
+
+
+def _run(args: argparse.Namespace) -> str:
+    if args.nproc < 1 or (args.executor == "local" and args.nproc != 1):
+        raise ConfigError(f"--nproc {args.nproc}: use --nproc 1 with --executor local, or >= 1 with torchrun/slurm")
+    from scaletrain.scaling.sweep.executors import run_local, submit_slurm
+    from scaletrain.scaling.sweep.plan import plan_sweep
+
+    plan = plan_sweep(load_sweep_spec(args.spec))
+    for warning in plan.warnings:
+        print(f"warning: {warning}")
+    if args.executor == "slurm":
+        return submit_slurm(plan, args.nproc, args.spec)
+    outcome = run_local(plan, args.nproc)
+    lines = [f"sweep {plan.spec.name}: trained {len(outcome.trained)} runs, skipped {len(outcome.skipped)} "
+             f"already done, {len(outcome.failed)} failed" + (f" ({', '.join(outcome.failed)})" if outcome.failed
+                                                             else "")]
+    lines.append(finalize_sweep(plan.directory))
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace) -> str:
+    from scaletrain.scaling.sweep.results import write_results_csv
+
+    sweep_dir = _sweep_dir(args.source)
+    rows = _result_rows(sweep_dir)
+    write_results_csv(sweep_dir, rows)
+    return format_status(sweep_dir, rows)
+
+
+def _finalize(args: argparse.Namespace) -> str:
+    return finalize_sweep(_sweep_dir(args.source))
+
+
+def _run_one(args: argparse.Namespace) -> None:
+    from scaletrain.scaling.sweep.executors import run_one
+
+    code = run_one(args.run_dir, args.nproc)
+    if code:
+        raise SystemExit(code)
+
+
+def finalize_sweep(sweep_dir: Path) -> str:
+    """results.csv, then the fit (where there are enough finished runs) and the W&B summary run."""
+    from scaletrain.scaling.sweep.finalize import fit_and_log
+    from scaletrain.scaling.sweep.results import write_results_csv
+
+    rows = _result_rows(sweep_dir)
+    path = write_results_csv(sweep_dir, rows)
+    return f"wrote {path}\n" + fit_and_log(sweep_dir, stored_spec(sweep_dir), rows)
+
+
+def stored_spec(sweep_dir: Path) -> SweepSpec:
+    path = sweep_dir / SWEEP_FILE
+    return spec_from_dict(json.loads(path.read_text())["spec"], source=str(path))
+
+
+def _sweep_dir(source: Path) -> Path:
+    """A sweep directory, from the spec or the directory itself; it must have been run (planned) once."""
+    sweep_dir = source if source.is_dir() else plan_directory(source)
+    if not (sweep_dir / PLAN_FILE).is_file():
+        raise ConfigError(f"{sweep_dir} holds no sweep yet ({PLAN_FILE} is missing); start it with "
+                          f"`scaletrain sweep run SPEC`")
+    return sweep_dir
+
+
+def plan_directory(spec_path: Path) -> Path:
+    return Path(load_sweep_spec(spec_path).dir)
+
+
+def _result_rows(sweep_dir: Path) -> list[dict]:
+    from scaletrain.scaling.sweep.results import result_row
+
+    planned = json.loads((sweep_dir / PLAN_FILE).read_text())["runs"]
+    return [result_row(row, sweep_dir / RUNS_DIR / row["name"]) for row in planned]
+
+
+def format_plan(plan: SweepPlan) -> str:
+    header = (f"{'run':<34} {'params':>10} {'non-emb':>10} {'tokens':>11} {'FLOPs':>9} {'steps':>7} "
+              f"{'epochs':>6} {'lr':>8} {'warmup':>6} {'time':>8}")
+    lines = [f"sweep {plan.spec.name} ({plan.spec.mode}), {len(plan.runs)} runs in {plan.directory}; "
+             f"{plan.tokens_per_step:,} tokens per step", header, "-" * len(header)]
+    for run in plan.runs:
+        epochs = f"{run.epochs:.2f}" if run.epochs is not None else "?"
+        lines.append(
+            f"{run.name:<34} {run.counts.total_params:>10,} {run.counts.non_embedding_params:>10,} "
+            f"{run.tokens:>11,} {run.flops:>9.3g} {run.steps:>7,} {epochs:>6} {run.lr:>8.2e} "
+            f"{run.warmup_steps:>6} {_duration(run.predicted_s):>8}"
+        )
+    total_flops = sum(run.flops for run in plan.runs)
+    total_s = sum(run.predicted_s for run in plan.runs)
+    lines.append("-" * len(header))
+    lines.append(f"total: {len(plan.runs)} runs, {sum(r.tokens for r in plan.runs):,} tokens, {total_flops:.3g} FLOPs, "
+                 f"predicted {_duration(total_s)} on this machine (throughput model: "
+                 f"{plan.spec.throughput.flops_per_s:.3g} FLOP/s, {plan.spec.throughput.step_overhead_s} s/step "
+                 f"overhead, {plan.spec.throughput.startup_s:.0f} s startup)")
+    if plan.train_tokens:
+        lines.append(f"corpus: {plan.train_tokens:,} training tokens")
+    lines.extend(f"warning: {warning}" for warning in plan.warnings)
+    return "\n".join(lines) + "\n"
+
+
+def format_status(sweep_dir: Path, rows: list[dict]) -> str:
+    lines = [f"{'run':<34} {'status':<8} {'steps':>7} {'val_loss':>9} {'train_loss':>10} {'wall':>8}"]
+    for row in rows:
+        val = f"{row['val_loss']:.4f}" if row["val_loss"] is not None else "-"
+        train = f"{row['train_loss']:.4f}" if row["train_loss"] is not None else "-"
+        wall = _duration(row["wall_s"]) if row["wall_s"] else "-"
+        lines.append(f"{row['name']:<34} {row['status']:<8} {row['steps']:>7} {val:>9} {train:>10} {wall:>8}")
+    counts = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    lines.append(", ".join(f"{count} {state}" for state, count in sorted(counts.items())) +
+                 f"; table in {sweep_dir / RESULTS_FILE}")
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

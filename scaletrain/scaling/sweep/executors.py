@@ -1,0 +1,194 @@
+"""Train a sweep's runs: in this process's machine one after another (`local`, `torchrun`), or as a
+SLURM job array (`slurm`). Every executor ends up in `run_one`, which trains one run directory
+and records how it went, so a sweep can be stopped and re-run at any point: finished runs are
+skipped, interrupted ones resume exactly from their checkpoints (train.resume=auto).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from scaletrain.config import ConfigError, load_config, save_config
+from scaletrain.scaling.sweep.layout import PLAN_FILE, RUN_CONFIG_FILE, SWEEP_FILE, TRAIN_LOG
+from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan
+from scaletrain.scaling.sweep.results import read_status_file, run_status, write_status_file
+
+
+@dataclass(frozen=True)
+class LocalOutcome:
+    trained: list[str]
+    skipped: list[str]  # finished before this invocation
+    failed: list[str]
+
+
+def materialize(plan: SweepPlan) -> None:
+    """Write SWEEP/sweep.json, SWEEP/plan.json and each run's full config, RUN/run.yaml.
+
+    A run that already has checkpoints keeps its config: a changed spec would otherwise resume
+    it under different settings, so that is refused with the run's name.
+    """
+    sweep_dir = plan.directory
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    for run in plan.runs:
+        config = load_config(plan.spec.base, [*plan.spec.overrides, *run.overrides])
+        run_dir = plan.run_dir(run)
+        path = run_dir / RUN_CONFIG_FILE
+        if path.is_file() and (run_dir / "checkpoints").is_dir():
+            if yaml.safe_load(path.read_text()) != yaml.safe_load(yaml.safe_dump(config.to_dict(), sort_keys=False)):
+                raise ConfigError(
+                    f"sweep {plan.spec.name}: run {run.name} was started with a different config "
+                    f"({path}); the spec changed since. Use a new sweep `dir`, or delete {run_dir} to retrain it"
+                )
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, path)
+    _write_json(sweep_dir / SWEEP_FILE, {"spec": plan.spec.to_dict(), "working_dir": os.getcwd()})
+    _write_json(sweep_dir / PLAN_FILE, {"tokens_per_step": plan.tokens_per_step, "train_tokens": plan.train_tokens,
+                                        "runs": [run.to_row() for run in plan.runs]})
+
+
+def run_one(run_dir: Path, nproc: int = 1) -> int:
+    """Train (or resume) one run directory; record running/done/failed and the wall time in RUN/status.json.
+
+    With nproc > 1 the run goes through torchrun on this node. Output goes to RUN/train.log.
+    """
+    status = read_status_file(run_dir)
+    attempts = status.get("attempts", 0) + 1
+    wall_s = status.get("wall_s") or 0.0
+    job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    slurm_job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else status.get("slurm_job")
+    write_status_file(run_dir, {"state": "running", "pid": os.getpid(), "host": socket.gethostname(),
+                                "attempts": attempts, "wall_s": wall_s, "slurm_job": slurm_job})
+    started = time.monotonic()
+    returncode = _train_process(run_dir, nproc)
+    wall_s += time.monotonic() - started
+    done = returncode == 0 and run_status(run_dir).state == "done"
+    write_status_file(run_dir, {"state": "done" if done else "failed", "returncode": returncode,
+                                "attempts": attempts, "wall_s": round(wall_s, 3), "slurm_job": slurm_job})
+    return 0 if done else (returncode or 1)
+
+
+def _train_process(run_dir: Path, nproc: int) -> int:
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        launcher = [sys.executable]
+    command = [*launcher, "-m", "scaletrain", "train", str(run_dir / RUN_CONFIG_FILE)]
+    with (run_dir / TRAIN_LOG).open("a") as log:
+        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return process.wait()
+        finally:
+            if process.poll() is None:  # we were interrupted: do not leave the trainer behind
+                process.terminate()
+                process.wait()
+
+
+def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOutcome:
+    """Train every unfinished run, one after another; a failed run is recorded and the others go on."""
+    materialize(plan)
+    trained, skipped, failed = [], [], []
+    for index, run in enumerate(plan.runs, start=1):
+        run_dir = plan.run_dir(run)
+        state = run_status(run_dir).state
+        if state == "done":
+            skipped.append(run.name)
+            continue
+        if state in ("running", "queued"):
+            raise ConfigError(f"run {run.name} is {state} elsewhere ({run_status(run_dir).detail}); "
+                              "wait for it or stop it before running the sweep here")
+        log(f"[{index}/{len(plan.runs)}] {run.name}: {run.steps} steps, {run.tokens:,} tokens, "
+            f"{run.flops:.3g} FLOPs" + (" (resuming)" if (run_dir / "checkpoints").is_dir() else ""))
+        if run_one(run_dir, nproc) == 0:
+            trained.append(run.name)
+        else:
+            failed.append(run.name)
+            log(f"    {run.name} failed: see {run_dir / TRAIN_LOG}")
+    return LocalOutcome(trained, skipped, failed)
+
+
+def submit_slurm(plan: SweepPlan, nproc: int, spec_path: Path) -> str:
+    """Write an sbatch job array with one task per unfinished run, submit it and a dependent
+    finalize job (results, fit, W&B summary), and return what was submitted."""
+    materialize(plan)
+    states = {run.name: run_status(plan.run_dir(run)).state for run in plan.runs}
+    busy = [name for name, state in states.items() if state in ("running", "queued")]
+    if busy:
+        raise ConfigError(f"runs {', '.join(busy)} are still queued or running in SLURM; wait for them "
+                          "(`scaletrain sweep status`) before submitting again")
+    todo = [run for run in plan.runs if states[run.name] != "done"]
+    if not todo:
+        return f"all {len(plan.runs)} runs of {plan.spec.name} are done; nothing to submit"
+    slurm_dir = (plan.directory / "slurm").resolve()
+    slurm_dir.mkdir(parents=True, exist_ok=True)
+    script = slurm_dir / f"array-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    script.write_text(array_script(plan, todo, nproc, slurm_dir))
+    job = _sbatch(["--parsable", str(script)])
+    for index, run in enumerate(todo):
+        status = read_status_file(plan.run_dir(run))
+        write_status_file(plan.run_dir(run), {**status, "state": "queued", "slurm_job": f"{job}_{index}"})
+    finalize = _sbatch([
+        "--parsable", f"--dependency=afterany:{job}", f"--job-name=sweep-{plan.spec.name}-finalize",
+        f"--output={slurm_dir}/%x-%j.out", "--ntasks=1", "--cpus-per-task=1",
+        *([f"--partition={plan.spec.slurm.partition}"] if plan.spec.slurm.partition else []),
+        f"--wrap=cd {shlex.quote(os.getcwd())} && {shlex.quote(sys.executable)} -m scaletrain sweep finalize "
+        f"{shlex.quote(str(spec_path.resolve()))}",
+    ])
+    return (f"submitted job array {job} ({len(todo)} runs, at most {plan.spec.slurm.max_concurrent} at once; "
+            f"{script}) and finalize job {finalize}; follow it with `scaletrain sweep status {spec_path}`")
+
+
+def array_script(plan: SweepPlan, runs: list[PlannedRun], nproc: int, slurm_dir: Path) -> str:
+    """The job array, following launch/slurm.sbatch: one srun task per run, torchrun inside for nproc > 1."""
+    slurm = plan.spec.slurm
+    options = [
+        f"--job-name=sweep-{plan.spec.name}", f"--array=0-{len(runs) - 1}%{slurm.max_concurrent}",
+        "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={slurm.cpus_per_task}", f"--time={slurm.time}",
+        f"--output={slurm_dir}/%x-%A_%a.out",
+        *([f"--gpus-per-node={slurm.gpus_per_task}"] if slurm.gpus_per_task else []),
+        *([f"--partition={slurm.partition}"] if slurm.partition else []), *slurm.extra_args,
+    ]
+    run_dirs = "\n".join(f"  {shlex.quote(str(plan.run_dir(run).resolve()))}" for run in runs)
+    threads = max(1, slurm.cpus_per_task // nproc)
+    return "\n".join([
+        "#!/usr/bin/env bash",
+        f"# Written by `scaletrain sweep run --executor slurm` for sweep {plan.spec.name}: one array task per",
+        "# unfinished run. Each task trains (or resumes) its run directory and records the outcome there.",
+        *(f"#SBATCH {option}" for option in options),
+        "set -euo pipefail",
+        f"cd {shlex.quote(os.getcwd())}",
+        f"RUN_DIRS=(\n{run_dirs}\n)",
+        f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}",
+        f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m scaletrain sweep run-one "
+        f"\"${{RUN_DIRS[$SLURM_ARRAY_TASK_ID]}}\" --nproc {nproc}",
+        "",
+    ])
+
+
+def _sbatch(arguments: list[str]) -> str:
+    try:
+        result = subprocess.run(["sbatch", *arguments], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise ConfigError("--executor slurm needs SLURM's `sbatch` on PATH; run on a login node of your "
+                          "cluster, or use --executor local / torchrun") from None
+    if result.returncode != 0:
+        raise ConfigError(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}")
+    return result.stdout.strip().split(";")[0]
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(staging, path)

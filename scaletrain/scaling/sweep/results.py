@@ -1,0 +1,138 @@
+"""Where each run of a sweep stands, and the sweep's results table (SWEEP_DIR/results.csv).
+
+A run's state comes from its directory, so any process (the local executor, a SLURM array
+task, `sweep status` on a login node) reads the same answer:
+- done: RUN/summary.json exists (train/loop.py writes it once every step is trained);
+- failed: RUN/status.json says so (the executor that ran it recorded the exit code);
+- running: RUN/status.json says running and its process is alive on this host, or its SLURM
+  array task is still in the queue (queued);
+- pending: anything else, including a run interrupted mid-way, which resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scaletrain.scaling.sweep.layout import RESULTS_FILE, STATUS_FILE, TRAIN_LOG
+from scaletrain.train.loop import RUN_SUMMARY_FILE
+
+RESULT_COLUMNS = (
+    "name", "status", "budget", "seed", "num_layers", "hidden_size", "num_heads", "params", "non_embedding_params",
+    "tokens", "flops", "flops_per_token", "lr", "val_loss", "train_loss", "steps", "wall_s",
+)
+# The final training loss is the mean over the last 5% of steps (at least one): the cosine
+# schedule has nearly flattened the curve there, and it averages out batch-to-batch noise.
+TRAIN_LOSS_TAIL = 0.05
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    state: str  # pending | queued | running | done | failed
+    detail: str = ""
+
+
+def read_status_file(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / STATUS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_status_file(run_dir: Path, status: dict[str, Any]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    staging = run_dir / f".{STATUS_FILE}.tmp"
+    staging.write_text(json.dumps(status, indent=2) + "\n")
+    os.replace(staging, run_dir / STATUS_FILE)
+
+
+def run_status(run_dir: Path) -> RunStatus:
+    if (run_dir / RUN_SUMMARY_FILE).is_file():
+        return RunStatus("done")
+    status = read_status_file(run_dir)
+    state = status.get("state")
+    if state == "failed":
+        return RunStatus("failed", f"exit code {status.get('returncode')}; log: {run_dir / TRAIN_LOG}")
+    if state == "running" and _process_alive(status):
+        return RunStatus("running", f"pid {status['pid']} on {status['host']}")
+    if state in ("queued", "running") and status.get("slurm_job") and _slurm_task_active(status["slurm_job"]):
+        return RunStatus("queued" if state == "queued" else "running", f"SLURM job {status['slurm_job']}")
+    return RunStatus("pending", "interrupted; resumes from its checkpoint" if state == "running" else "")
+
+
+def result_row(planned: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One results.csv row: the planned numbers, and the measured ones for a finished run."""
+    status = run_status(run_dir)
+    row = {column: planned.get(column) for column in RESULT_COLUMNS}
+    row["status"] = status.state
+    row["wall_s"] = read_status_file(run_dir).get("wall_s")
+    row["val_loss"] = row["train_loss"] = None
+    if status.state == "done":
+        summary = json.loads((run_dir / RUN_SUMMARY_FILE).read_text())
+        row.update(val_loss=summary.get("val_loss"), steps=summary["step"], tokens=summary["tokens"],
+                   flops=summary["flops"], train_loss=smoothed_train_loss(run_dir / "metrics.jsonl"))
+    return row
+
+
+def smoothed_train_loss(metrics_path: Path) -> float | None:
+    losses = [record["loss"] for _, record in sorted(training_records(metrics_path).items())]
+    if not losses:
+        return None
+    tail = losses[-max(1, math.ceil(TRAIN_LOSS_TAIL * len(losses))):]
+    return sum(tail) / len(tail)
+
+
+def training_records(metrics_path: Path) -> dict[int, dict[str, Any]]:
+    """Training records by step; a step logged again after a resume replaces the earlier record."""
+    records: dict[int, dict[str, Any]] = {}
+    if not metrics_path.is_file():
+        return records
+    for line in metrics_path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill; the step is logged again on resume
+        if "loss" in record:
+            records[record["step"]] = record
+    return records
+
+
+def write_results_csv(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    """SWEEP_DIR/results.csv, written to a temporary name and renamed, so readers never see half a file."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=RESULT_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: "" if value is None else value for key, value in row.items()})
+    staging = sweep_dir / f".{RESULTS_FILE}.tmp"
+    staging.write_text(buffer.getvalue())
+    os.replace(staging, sweep_dir / RESULTS_FILE)
+    return sweep_dir / RESULTS_FILE
+
+
+def _process_alive(status: dict[str, Any]) -> bool:
+    if status.get("host") != socket.gethostname() or not status.get("pid"):
+        return False
+    try:
+        os.kill(int(status["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _slurm_task_active(job: str) -> bool:
+    """Whether SLURM still lists the array task (pending or running); False where squeue is absent."""
+    try:
+        result = subprocess.run(["squeue", "--noheader", "--jobs", job, "--format=%T"],
+                                capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0 and bool(result.stdout.strip())

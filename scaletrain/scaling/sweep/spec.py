@@ -1,0 +1,244 @@
+"""The sweep spec (`configs/sweeps/*.yaml`): a typed schema, loaded and validated like run configs.
+
+A sweep is a set of training runs that differ in model size and token count, all derived from
+one base run config, so their final losses can be fitted to a scaling law (Kaplan et al. 2020;
+Hoffmann et al. 2022). See configs/sweeps/isoflop_english.yaml for an annotated example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scaletrain.config import ConfigError, build_dataclass
+
+MODES = ("isoflop", "grid")
+SHAPE_COUNTS = ("non_embedding", "total")
+
+
+@dataclass
+class ModelShape:
+    """One rung of the model ladder; the FFN is the family's default (4 x hidden) unless set."""
+
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_heads: int = 0
+    ffn_hidden_size: int | None = None
+
+
+@dataclass
+class ShapeRule:
+    """Shapes derived from target parameter counts at a fixed aspect ratio and head size.
+
+    Kaplan et al. 2020 (sec. 3.1, fig. 5) find loss depends only weakly on shape at fixed N
+    over a wide range of d_model / n_layer, so one aspect ratio serves the whole ladder.
+    """
+
+    params: list[float] = field(default_factory=list)
+    count: str = "non_embedding"  # which N the targets mean: non_embedding (Kaplan) or total (Chinchilla)
+    aspect_ratio: float = 32.0  # hidden_size / num_layers
+    head_dim: int = 32
+
+
+@dataclass
+class ModelLadder:
+    """The sizes to train: explicit shapes or a rule. In isoflop mode each budget may take only the
+    `sizes_per_budget` rungs nearest (in log) to `center_tokens_per_param` tokens per parameter, so a
+    long ladder serves budgets far apart while each IsoFLOP profile stays centred on its minimum, as
+    Hoffmann et al. 2022 (sec. 3.2, fig. 3) chose a different set of sizes for each budget. The
+    default center, 20, is their compute-optimal ratio; the fit does not assume it."""
+
+    shapes: list[ModelShape] = field(default_factory=list)
+    rule: ShapeRule | None = None
+    sizes_per_budget: int | None = None  # None: every rung at every budget
+    center_tokens_per_param: float = 20.0
+
+
+@dataclass
+class LearningRateRule:
+    """Peak LR as a function of width: lr x (reference_hidden / hidden_size) ** width_exponent.
+
+    width_exponent 0 keeps one LR for every size; 1 is the 1/width scaling of Adam's LR that
+    muP prescribes for hidden weights (Yang et al. 2022, table 3). The cosine schedule decays to
+    lr x min_lr_ratio at each run's own last step: Hoffmann et al. 2022 (sec. 3.1, fig. A1) found
+    that a schedule longer than the run overestimates its loss, and decay by 10x.
+    """
+
+    lr: float = 1e-3
+    reference_hidden: int = 128
+    width_exponent: float = 0.0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class WarmupRule:
+    """Warmup steps of a run: max(steps, round(fraction x the run's steps))."""
+
+    steps: int = 0
+    fraction: float = 0.0
+
+
+@dataclass
+class SlurmOptions:
+    """Resources of one array task (one run) and the array's concurrency throttle (`%max_concurrent`)."""
+
+    max_concurrent: int = 4
+    cpus_per_task: int = 2
+    gpus_per_task: int = 0
+    time: str = "04:00:00"
+    partition: str | None = None
+    extra_args: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. --account=ml
+
+
+@dataclass
+class ThroughputModel:
+    """Predicted wall time of one run: startup_s + steps x (step_overhead_s + FLOPs per step / flops_per_s).
+
+    The defaults were measured on a 2-core CPU (see experiments/isoflop_english/README.md);
+    set them for your hardware, e.g. from the `tokens_per_s` of a short run.
+    """
+
+    flops_per_s: float = 2.0e10
+    step_overhead_s: float = 0.01
+    startup_s: float = 20.0
+
+
+@dataclass
+class FitOptions:
+    """How `sweep run` fits the finished runs (the same options as `scaletrain fit`)."""
+
+    bootstrap: int = 100
+    target_flops: list[float] = field(default_factory=list)  # empty: 10x and 100x the largest run
+    params_column: str = "params"  # params (total, Chinchilla) or non_embedding_params (Kaplan)
+
+
+@dataclass
+class SweepSpec:
+    name: str = ""
+    base: str = ""  # run config (any family), relative to the spec file
+    dir: str = ""  # where the sweep lives (relative to the working directory, like run.dir)
+    mode: str = "isoflop"  # isoflop: each (budget C, size N) trains D = C / FLOPs-per-token(N); grid: sizes x tokens
+    budgets: list[float] = field(default_factory=list)  # training FLOPs per run (isoflop)
+    tokens: list[float] = field(default_factory=list)  # tokens per run (grid)
+    models: ModelLadder = field(default_factory=ModelLadder)
+    learning_rate: LearningRateRule = field(default_factory=LearningRateRule)
+    warmup: WarmupRule = field(default_factory=WarmupRule)
+    seeds: list[int] = field(default_factory=lambda: [1234])
+    overrides: list[str] = field(default_factory=list)  # dotted run-config overrides for every run
+    checkpoints_per_run: int = 4  # so an interrupted run resumes with at most 1/4 of it to redo
+    fit: FitOptions = field(default_factory=FitOptions)
+    slurm: SlurmOptions = field(default_factory=SlurmOptions)
+    throughput: ThroughputModel = field(default_factory=ThroughputModel)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_sweep_spec(path: str | Path) -> SweepSpec:
+    """Read and validate a sweep spec; `base` becomes a path relative to the working directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"sweep spec {path} does not exist; pass a YAML file such as configs/sweeps/isoflop_shakespeare.yaml"
+        )
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"sweep spec {path} is not valid YAML: {error}") from None
+    spec = build_dataclass(SweepSpec, raw, prefix="", source=f"sweep spec {path}")
+    validate_spec(spec, source=f"sweep spec {path}")
+    base = Path(spec.base)
+    if not base.is_absolute():
+        base = path.parent / base
+    if not base.is_file():
+        raise ConfigError(f"sweep spec {path}: base={spec.base!r} does not exist (looked for {base})")
+    return dataclasses.replace(spec, base=str(base))
+
+
+def spec_from_dict(raw: dict[str, Any], source: str) -> SweepSpec:
+    """A spec stored by a sweep directory (sweep.json), its base already resolved."""
+    spec = build_dataclass(SweepSpec, raw, prefix="", source=source)
+    validate_spec(spec, source)
+    return spec
+
+
+def validate_spec(spec: SweepSpec, source: str) -> None:
+    for key in ("name", "base", "dir"):
+        if not getattr(spec, key):
+            raise ConfigError(f"{source}: `{key}` is required")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", spec.name):
+        raise ConfigError(f"{source}: name={spec.name!r}; use letters, digits, '.', '_' and '-' (it names W&B groups)")
+    if spec.mode not in MODES:
+        raise ConfigError(f"{source}: mode={spec.mode!r}; use isoflop or grid")
+    _validate_mode_values(spec, source)
+    _validate_models(spec.models, source)
+    rule = spec.learning_rate
+    if rule.lr <= 0 or rule.reference_hidden < 1 or not 0 <= rule.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"{source}: learning_rate needs lr > 0, reference_hidden >= 1 and 0 <= min_lr_ratio <= 1 "
+            f"(got lr={rule.lr}, reference_hidden={rule.reference_hidden}, min_lr_ratio={rule.min_lr_ratio})"
+        )
+    if spec.warmup.steps < 0 or not 0 <= spec.warmup.fraction < 1:
+        raise ConfigError(f"{source}: warmup needs steps >= 0 and 0 <= fraction < 1 (got {spec.warmup})")
+    if not spec.seeds or len(set(spec.seeds)) != len(spec.seeds):
+        raise ConfigError(f"{source}: seeds={spec.seeds} must list at least one seed, without repeats")
+    if spec.checkpoints_per_run < 1:
+        raise ConfigError(f"{source}: checkpoints_per_run={spec.checkpoints_per_run} must be >= 1")
+    _validate_slurm_and_throughput(spec, source)
+    if spec.fit.bootstrap < 0 or any(flops <= 0 for flops in spec.fit.target_flops):
+        raise ConfigError(f"{source}: fit needs bootstrap >= 0 and positive target_flops")
+    if spec.fit.params_column not in ("params", "non_embedding_params"):
+        raise ConfigError(f"{source}: fit.params_column={spec.fit.params_column!r}; use params or non_embedding_params")
+
+
+def _validate_mode_values(spec: SweepSpec, source: str) -> None:
+    needed, unused = ("budgets", "tokens") if spec.mode == "isoflop" else ("tokens", "budgets")
+    values = getattr(spec, needed)
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{source}: mode={spec.mode} needs `{needed}`: a list of positive numbers (got {values})")
+    if getattr(spec, unused):
+        raise ConfigError(f"{source}: `{unused}` is not used in mode={spec.mode}; remove it (or change the mode)")
+    if len(set(values)) != len(values):
+        raise ConfigError(f"{source}: `{needed}` has repeated values {values}")
+
+
+def _validate_models(models: ModelLadder, source: str) -> None:
+    if bool(models.shapes) == (models.rule is not None):
+        raise ConfigError(f"{source}: models needs exactly one of `shapes` (a list) or `rule` (params + aspect ratio)")
+    for index, shape in enumerate(models.shapes):
+        if min(shape.num_layers, shape.hidden_size, shape.num_heads) < 1:
+            raise ConfigError(
+                f"{source}: models.shapes[{index}] needs num_layers, hidden_size and num_heads >= 1 (got {shape})"
+            )
+    if models.sizes_per_budget is not None and models.sizes_per_budget < 3:
+        raise ConfigError(f"{source}: models.sizes_per_budget={models.sizes_per_budget} must be >= 3 "
+                          "(an IsoFLOP parabola needs three sizes) or null for every size")
+    if models.center_tokens_per_param <= 0:
+        raise ConfigError(f"{source}: models.center_tokens_per_param must be > 0")
+    rule = models.rule
+    if rule is None:
+        return
+    if not rule.params or min(rule.params) <= 0:
+        raise ConfigError(f"{source}: models.rule.params must list positive parameter counts (got {rule.params})")
+    if rule.count not in SHAPE_COUNTS:
+        raise ConfigError(f"{source}: models.rule.count={rule.count!r}; use non_embedding or total")
+    if rule.aspect_ratio <= 0 or rule.head_dim < 1:
+        raise ConfigError(f"{source}: models.rule needs aspect_ratio > 0 and head_dim >= 1")
+
+
+def _validate_slurm_and_throughput(spec: SweepSpec, source: str) -> None:
+    slurm = spec.slurm
+    if slurm.max_concurrent < 1 or slurm.cpus_per_task < 1 or slurm.gpus_per_task < 0:
+        raise ConfigError(f"{source}: slurm needs max_concurrent >= 1, cpus_per_task >= 1, gpus_per_task >= 0")
+    if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", slurm.time):
+        raise ConfigError(
+            f"{source}: slurm.time={slurm.time!r}; use SLURM's [days-]hours:minutes:seconds, e.g. 04:00:00"
+        )
+    model = spec.throughput
+    if model.flops_per_s <= 0 or model.step_overhead_s < 0 or model.startup_s < 0:
+        raise ConfigError(f"{source}: throughput needs flops_per_s > 0 and non-negative overheads")

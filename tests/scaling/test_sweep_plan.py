@@ -1,0 +1,121 @@
+"""Sweep specs expand into the runs the method asks for, and bad specs fail with one clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import ConfigError, load_config
+from scaletrain.scaling.counts import model_counts
+from scaletrain.scaling.sweep.plan import plan_sweep
+from scaletrain.scaling.sweep.spec import load_sweep_spec
+from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
+from tests.train.runs import REPO
+
+
+def plan_of(tmp_path: Path, spec: dict):
+    return plan_sweep(load_sweep_spec(write_spec(tmp_path / "spec.yaml", spec)))
+
+
+def test_isoflop_runs_spend_their_budget(small_dataset: Path, tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep"))
+    assert len(plan.runs) == len(TINY_BUDGETS) * len(TINY_SHAPES)
+    assert plan.tokens_per_step == 8 * 32
+    for run in plan.runs:
+        step_flops = plan.tokens_per_step * run.counts.flops_per_token
+        assert abs(run.flops - run.budget) <= step_flops / 2  # whole steps, nearest to the budget
+        assert run.tokens == run.steps * plan.tokens_per_step
+        assert run.flops == pytest.approx(run.tokens * run.counts.flops_per_token)
+        assert run.lr == pytest.approx(3e-3 * (64 / run.shape.hidden_size) ** 0.5)
+        assert run.warmup_steps == max(2, round(0.05 * run.steps))
+        assert run.epochs == pytest.approx(run.tokens / plan.train_tokens)
+    # at a fixed budget, a larger model trains on fewer tokens
+    for budget in TINY_BUDGETS:
+        tokens = [run.tokens for run in plan.runs if run.budget == budget]
+        assert tokens == sorted(tokens, reverse=True)
+    assert len({run.name for run in plan.runs}) == len(plan.runs)
+
+
+def test_run_configs_carry_the_schedule_and_tracking(small_dataset: Path, tmp_path: Path) -> None:
+    spec = tiny_spec(small_dataset, tmp_path / "sweep")
+    plan = plan_of(tmp_path, spec)
+    run = plan.runs[-1]
+    config = load_config(plan.spec.base, [*plan.spec.overrides, *run.overrides])
+    assert (config.model.num_layers, config.model.hidden_size, config.model.num_heads) == (
+        run.shape.num_layers, run.shape.hidden_size, run.shape.num_heads)
+    assert config.train.steps == run.steps and config.train.lr == pytest.approx(run.lr)
+    assert config.train.min_lr == pytest.approx(0.1 * run.lr)  # cosine to lr/10 at the run's own last step
+    assert config.train.eval_every > 0  # so the run ends with an evaluation (train/loop.py)
+    assert config.run.dir == str(tmp_path / "sweep" / "runs" / run.name)
+    assert config.tracking.group == "tiny-isoflop" and config.tracking.job_type == "sweep-run"
+    assert "tiny-isoflop" in config.tracking.tags
+    assert model_counts(config) == run.counts
+
+
+def test_shape_rule_hits_target_parameter_counts(small_dataset: Path, tmp_path: Path) -> None:
+    targets = [2e4, 1e5, 4e5]
+    spec = tiny_spec(small_dataset, tmp_path / "sweep", budgets=[1e12],
+                     models={"rule": {"params": targets, "aspect_ratio": 16, "head_dim": 16}})
+    plan = plan_of(tmp_path, spec)
+    counts = sorted(run.counts.non_embedding_params for run in plan.runs)
+    for target, count in zip(targets, counts, strict=True):
+        assert 0.6 < count / target < 1.6
+    for run in plan.runs:
+        assert run.shape.hidden_size == 16 * run.shape.num_heads
+        assert 0.5 <= run.shape.hidden_size / (16 * run.shape.num_layers) <= 2
+
+
+def test_repeated_data_is_warned(small_dataset: Path, tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep", budgets=[3e12]))
+    assert any("repeats data" in warning for warning in plan.warnings)
+    assert not plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep")).warnings
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"budget": [1e10]}, "unknown key budget"),
+        ({"budgets": [1e6]}, "less than one optimizer step"),
+        ({"warmup": {"steps": 500}}, "no more than its warmup"),
+        ({"overrides": ["parallel.tensor=3"]}, "parallel.tensor=3 does not divide"),
+        ({"mode": "grid"}, "needs `tokens`"),
+        ({"mode": "grid", "budgets": [], "tokens": [1e5]}, None),
+        ({"models": {"shapes": TINY_SHAPES, "rule": {"params": [1e5]}}}, "exactly one of `shapes`"),
+        ({"models": {"shapes": [{"num_layers": 2, "hidden_size": 48}]}}, "models.shapes[0] needs"),
+        ({"seeds": [1, 1]}, "without repeats"),
+        ({"base": "missing.yaml"}, "base='missing.yaml' does not exist"),
+        ({"learning_rate": {"lr": -1}}, "learning_rate needs lr > 0"),
+        ({"fit": {"params_column": "n"}}, "fit.params_column='n'"),
+    ],
+)
+def test_bad_specs_name_the_culprit(small_dataset: Path, tmp_path: Path, changes: dict, fragment: str | None) -> None:
+    spec = tiny_spec(small_dataset, tmp_path / "sweep", **changes)
+    if fragment is None:
+        assert plan_of(tmp_path, spec).runs
+        return
+    with pytest.raises(ConfigError) as error:
+        plan_of(tmp_path, spec)
+    assert fragment in str(error.value)
+
+
+def test_cli_refuses_a_bad_spec_without_writing_anything(small_dataset: Path, tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir, budgets=[1e6]))
+    result = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "less than one optimizer step" in result.stderr and "Traceback" not in result.stderr
+    assert not sweep_dir.exists()
+
+
+def test_plan_command_prints_the_table(small_dataset: Path, tmp_path: Path) -> None:
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, tmp_path / "sweep"))
+    result = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "plan", str(spec_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, check=True)
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("c1.2e10-") or line.startswith("c2.4e10-") for line in lines) == 6
+    assert any(line.startswith("total: 6 runs") and "predicted" in line for line in lines)
+    assert not (tmp_path / "sweep").exists()

@@ -1,0 +1,134 @@
+"""A mini IsoFLOP sweep through the CLI: runs, results.csv, fit, plots, W&B group; and an interrupted
+sweep that, run again, trains only its unfinished runs and ends with the same results."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from scaletrain.scaling.sweep.results import RESULT_COLUMNS
+from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
+from tests.tracking.wandb_records import read_records, run_record
+from tests.train.runs import REPO, run_scaletrain
+
+NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
+COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    root = tmp_path_factory.mktemp("sweep")
+    spec_path = write_spec(root / "spec.yaml", tiny_spec(small_dataset, root / "sweep", wandb="offline"))
+    output = run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500)
+    return spec_path, root / "sweep", output
+
+
+def read_results(sweep_dir: Path) -> list[dict[str, str]]:
+    with (sweep_dir / "results.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def test_every_run_finishes_with_its_planned_budget(finished_sweep: tuple[Path, Path, str]) -> None:
+    _, sweep_dir, output = finished_sweep
+    assert f"trained {NUM_RUNS} runs, skipped 0 already done, 0 failed" in output
+    rows = read_results(sweep_dir)
+    planned = {row["name"]: row for row in json.loads((sweep_dir / "plan.json").read_text())["runs"]}
+    assert len(rows) == NUM_RUNS and list(rows[0]) == list(RESULT_COLUMNS)
+    for row in rows:
+        plan = planned[row["name"]]
+        assert row["status"] == "done"
+        assert int(row["steps"]) == plan["steps"] and int(row["tokens"]) == plan["tokens"]
+        assert float(row["flops"]) == pytest.approx(float(row["budget"]), rel=0.05)
+        assert 2.0 < float(row["val_loss"]) < 7.0 and 2.0 < float(row["train_loss"]) < 7.0
+        assert float(row["wall_s"]) > 0
+        metrics = [json.loads(line) for line in (sweep_dir / "runs" / row["name"] / "metrics.jsonl").open()]
+        evaluations = [record["step"] for record in metrics if "val_loss" in record]
+        assert evaluations[0] == 0 and evaluations[-1] == plan["steps"]  # every run ends with an evaluation
+        assert metrics[-1]["val_loss"] == pytest.approx(float(row["val_loss"]))
+
+
+def test_fit_writes_every_key_and_valid_plots(finished_sweep: tuple[Path, Path, str]) -> None:
+    _, sweep_dir, _ = finished_sweep
+    fit = json.loads((sweep_dir / "fit" / "fit.json").read_text())
+    for key in ("approach1", "approach2", "approach3", "predictions", "bootstrap"):
+        assert key in fit, key
+    plots = sorted((sweep_dir / "fit").glob("*.png"))
+    assert len(plots) == 4
+    for path in plots:
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert height > 200 and width > 200
+
+
+def test_every_wandb_run_carries_the_group(finished_sweep: tuple[Path, Path, str]) -> None:
+    _, sweep_dir, _ = finished_sweep
+    results = {row["name"]: row for row in read_results(sweep_dir)}
+    for name, row in results.items():
+        (run_file,) = (sweep_dir / "runs" / name / "wandb").glob("offline-run-*/run-*.wandb")
+        record = run_record(run_file)
+        assert (record.run_group, record.job_type, record.display_name) == ("tiny-isoflop", "sweep-run", name)
+        assert "tiny-isoflop" in record.tags
+        config = {item.key: json.loads(item.value_json) for item in record.config.update}
+        assert config["params"] == int(row["params"]) and config["tokens"] == int(row["tokens"])
+        assert config["flops"] == pytest.approx(float(row["flops"]))
+        assert config["train"]["steps"] == int(row["steps"])  # every config key rides along
+    (summary_file,) = (sweep_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    summary = run_record(summary_file)
+    assert (summary.run_group, summary.job_type) == ("tiny-isoflop", "sweep-summary")
+    logged = [record.WhichOneof("record_type") for record in read_records(summary_file)]
+    assert "history" in logged
+
+
+def test_status_and_rerun(finished_sweep: tuple[Path, Path, str]) -> None:
+    spec_path, sweep_dir, _ = finished_sweep
+    status = run_scaletrain("sweep", ["status", str(spec_path)])
+    assert f"{NUM_RUNS} done" in status
+    for row in read_results(sweep_dir):
+        assert f"{float(row['val_loss']):.4f}" in status
+    assert f"trained 0 runs, skipped {NUM_RUNS} already done" in run_scaletrain("sweep", ["run", str(spec_path)])
+
+
+def test_fit_command_on_the_sweep(finished_sweep: tuple[Path, Path, str], tmp_path: Path) -> None:
+    _, sweep_dir, _ = finished_sweep
+    output = run_scaletrain("fit", [str(sweep_dir), "--out", str(tmp_path / "fit"), "--bootstrap", "5",
+                                    "--target-flops", "1e12"])
+    fit = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    assert [prediction["flops"] for prediction in fit["predictions"]] == [1e12]
+    assert "approach" in output.lower()
+
+
+def test_interrupted_sweep_trains_only_unfinished_runs(
+    finished_sweep: tuple[Path, Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    _, reference_dir, _ = finished_sweep
+    sweep_dir = tmp_path / "sweep"
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir))
+    planned = [row["name"] for row in read_results(reference_dir)]
+    victim = sweep_dir / "runs" / planned[1] / "checkpoints" / "latest"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    sweep = subprocess.Popen([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not victim.exists() and sweep.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its trainer, mid-run, as a preemption would
+    sweep.wait()
+    done_before = [name for name in planned if (sweep_dir / "runs" / name / "summary.json").exists()]
+    assert done_before == planned[:1], "the kill should land in the second run, after its first checkpoint"
+
+    output = run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500)
+    assert f"trained {NUM_RUNS - 1} runs, skipped 1 already done, 0 failed" in output
+    resumed = json.loads((sweep_dir / "runs" / planned[1] / "status.json").read_text())
+    assert resumed["attempts"] == 2
+    assert "resumed from" in (sweep_dir / "runs" / planned[1] / "train.log").read_text()
+    reference = {row["name"]: row for row in read_results(reference_dir)}
+    for row in read_results(sweep_dir):
+        assert {key: row[key] for key in COMPARED} == {key: reference[row["name"]][key] for key in COMPARED}

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from scaletrain.config import ConfigError, load_config
+from scaletrain.scaling.fit_source import add_fit_arguments, fit_from_args
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
 
@@ -49,6 +50,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser("sweep", help="scaling-law sweeps: plan, run (local/torchrun/SLURM), status")
     add_sweep_arguments(sweep)
     sweep.set_defaults(handler=_sweep)
+
+    fit = commands.add_parser("fit", help="fit scaling laws (Chinchilla approaches 1-3) to a sweep or a CSV")
+    add_fit_arguments(fit)
+    fit.set_defaults(handler=_fit)
 
     export = commands.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model")
     export.add_argument("run_dir", type=Path)
@@ -111,6 +116,10 @@ def _sweep(args: argparse.Namespace) -> None:
     output = sweep_from_args(args)
     if output:
         print(output, end="" if output.endswith("\n") else "\n")
+
+
+def _fit(args: argparse.Namespace) -> None:
+    print(fit_from_args(args), end="")
 
 
 def _export(args: argparse.Namespace) -> None:

@@ -1,0 +1,244 @@
+"""A real one-node SLURM cluster (slurmctld + slurmd as child processes) for tests that submit jobs.
+
+Use the `slurm_cluster` fixture (module scope: each test module that asks for it gets its own
+cluster, started in about a second). Import it into the test module under its function name:
+
+    from tests.slurm_cluster import slurm_cluster_fixture  # noqa: F401
+
+    def test_job(slurm_cluster, tmp_path):
+        job_id = slurm_cluster.submit(["--wrap=hostname"], cwd=tmp_path)
+        assert slurm_cluster.wait(job_id) == {0: "COMPLETED"}
+
+Every cluster lives in its own directory (config, state, spool, logs, pid files) and listens on
+free ports, so several can run at once and a stale daemon of a crashed run is never in the way
+(nor touched). There is no munge and no accounting: AuthType=auth/none, and finished jobs are
+read from `scontrol show job`, which keeps them for MinJobAge seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
+ENABLE_HINT = "install Debian's slurm-wlm: apt-get install slurm-wlm (CI's .ci/run does this as root)"
+# Job states after which a job never runs again (squeue(1), JOB STATE CODES).
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                          "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class SlurmCluster:
+    """A running cluster: `env` points SLURM's clients at it; `submit` and `wait` run jobs on it."""
+
+    directory: Path
+    conf: Path
+    node: str
+    env: dict[str, str]
+    daemons: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def run(self, command: list[str], timeout: float = 30.0) -> str:
+        """Run a SLURM client against this cluster; fail with its stderr and the daemons' logs."""
+        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr.strip()}\n"
+                                 f"{self.log_tails()}")
+        return result.stdout
+
+    def submit(self, args: list[str], cwd: Path | str) -> int:
+        """`sbatch --parsable ARGS` run in `cwd`; returns the job id (of the whole array, for arrays)."""
+        result = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=self.env, capture_output=True,
+                                text=True, timeout=30)
+        if result.returncode != 0:
+            raise AssertionError(f"sbatch {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
+        return int(result.stdout.strip().split(";")[0])
+
+    def job_states(self, job_id: int) -> dict[int | str, str]:
+        """JobState of each task of the job; a plain job is task 0, a range of pending array tasks keeps
+        its range string (e.g. "1-2%1") as key."""
+        states: dict[int | str, str] = {}
+        for record in self.run(["scontrol", "--oneliner", "show", "job", str(job_id)]).splitlines():
+            state = re.search(r"\bJobState=(\S+)", record)
+            if state is None:
+                continue
+            task = re.search(r"\bArrayTaskId=(\S+)", record)
+            task_id = 0 if task is None else task.group(1)
+            states[int(task_id) if str(task_id).isdigit() else task_id] = state.group(1)
+        return states
+
+    def wait(self, job_id: int, timeout: float = 60.0) -> dict[int, str]:
+        """Poll until no task of the job (array tasks included) can still run; its final states by task id."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.job_states(job_id)
+            if states and all(state in FINAL_STATES for state in states.values()):
+                return states  # every key is an int here: pending ranges are never in a final state
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still unfinished after {timeout:.0f} s: {states}\n"
+                                   f"{self.log_tails()}")
+            time.sleep(0.25)
+
+    def log_tails(self, lines: int = 15) -> str:
+        """The last lines of each daemon's log file and of its own stdout/stderr."""
+        tails = []
+        for log in sorted(self.directory.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {log} ---\n" + "\n".join(tail))
+        return "\n".join(tails)
+
+
+def missing_requirement() -> str | None:
+    """Why no cluster can start here (a skip reason), or None."""
+    missing = [program for program in SLURM_PROGRAMS if shutil.which(program) is None]
+    if missing:
+        return f"SLURM programs not on PATH: {', '.join(missing)}; {ENABLE_HINT}"
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "slurmd must run as root to launch jobs; run the tests as root (CI does)"
+    return None
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel has just handed out as free, all distinct (sockets held open together)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def write_conf(directory: Path, node: str) -> Path:
+    """slurm.conf of a one-node cluster whose every file lives in `directory`."""
+    controller_port, node_port = free_ports(2)
+    for subdirectory in ("state", "spool"):
+        (directory / subdirectory).mkdir()
+    memory_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    settings = {
+        "ClusterName": "scaletraintest",
+        # Name and address given together: the controller needs no DNS entry for this host.
+        "SlurmctldHost": f"{node}(127.0.0.1)",
+        "SlurmctldPort": controller_port,
+        "SlurmdPort": node_port,
+        # No munge daemon: both authentication and job credentials are plugins that do nothing.
+        "AuthType": "auth/none",
+        "CredType": "cred/none",
+        # No cgroups or systemd in containers: track job processes by parent pid, bind nothing.
+        "ProctrackType": "proctrack/linuxproc",
+        "TaskPlugin": "task/none",
+        "MpiDefault": "none",
+        "SelectType": "select/cons_tres",
+        "SelectTypeParameters": "CR_Core",
+        # Trust the node line below, not the hardware slurmd detects, so a mismatch never drains it.
+        "SlurmdParameters": "config_overrides",
+        "ReturnToService": 2,
+        # Without accounting storage, finished jobs are only known to slurmctld, for MinJobAge seconds.
+        "MinJobAge": 3600,
+        "JobCompType": "jobcomp/none",
+        "AccountingStorageType": "accounting_storage/none",
+        "StateSaveLocation": directory / "state",
+        "SlurmdSpoolDir": directory / "spool",
+        "SlurmctldPidFile": directory / "slurmctld.pid",
+        "SlurmdPidFile": directory / "slurmd.pid",
+        "SlurmctldLogFile": directory / "slurmctld.log",
+        "SlurmdLogFile": directory / "slurmd.log",
+        "NodeName": f"{node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={max(memory_mib // 2, 1)} "
+                    "State=UNKNOWN",
+        "PartitionName": "debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+    }
+    conf = directory / "slurm.conf"
+    conf.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
+    return conf
+
+
+@contextlib.contextmanager
+def start_slurm_cluster(directory: Path) -> Iterator[SlurmCluster]:
+    """Start slurmctld and slurmd with a fresh config in `directory`; on exit, stop everything they started."""
+    node = socket.gethostname().split(".")[0]  # slurmd names itself by the short host name
+    conf = write_conf(directory, node)
+    cluster = SlurmCluster(directory, conf, node, {**os.environ, "SLURM_CONF": str(conf)})
+    try:
+        for daemon in ("slurmctld", "slurmd"):
+            with open(directory / f"{daemon}-console.log", "w") as console:
+                cluster.daemons[daemon] = subprocess.Popen(
+                    [daemon, "-D", "-f", str(conf)], env=cluster.env, stdout=console, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        wait_until_idle(cluster)
+        yield cluster
+    finally:
+        stop(cluster)
+
+
+def wait_until_idle(cluster: SlurmCluster, timeout: float = START_TIMEOUT_S) -> None:
+    """Return once the controller reports the node idle; fail early if a daemon exits."""
+    deadline = time.monotonic() + timeout
+    state = "not reported"
+    while time.monotonic() < deadline:
+        exited = {name: daemon.returncode for name, daemon in cluster.daemons.items() if daemon.poll() is not None}
+        if exited:
+            raise AssertionError(f"SLURM daemons exited during start-up (exit codes {exited})\n{cluster.log_tails()}")
+        result = subprocess.run(["scontrol", "--oneliner", "show", "node", cluster.node], env=cluster.env,
+                                capture_output=True, text=True, timeout=30)
+        match = re.search(r"\bState=(\S+)", result.stdout)
+        state = match.group(1) if match else state
+        if state == "IDLE":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"node {cluster.node} not idle {timeout:.0f} s after starting the SLURM daemons "
+                         f"(State={state})\n{cluster.log_tails()}")
+
+
+def stop(cluster: SlurmCluster) -> None:
+    """Stop the daemons (no new job starts after that), then every job process they left behind.
+
+    A job's processes and its slurmstepd are not our children; they are found by the SLURM_CONF of this
+    cluster in their environment (sbatch exports it into every job), which no other cluster shares.
+    """
+    for daemon in cluster.daemons.values():
+        daemon.terminate()
+    for daemon in cluster.daemons.values():
+        try:
+            daemon.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+    marker = f"SLURM_CONF={cluster.conf}".encode()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while leftovers := processes_with_environment(marker):
+        signal_number = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal_number)
+        time.sleep(0.2)
+
+
+def processes_with_environment(entry: bytes) -> set[int]:
+    """Pids of the live processes (other than this one) whose environment holds `entry` (NAME=value)."""
+    pids = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if entry in environ.read_bytes().split(b"\0") and int(environ.parent.name) != os.getpid():
+                pids.add(int(environ.parent.name))
+    return pids
+
+
+@pytest.fixture(scope="module", name="slurm_cluster")
+def slurm_cluster_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A running one-node cluster for the whole test module; skipped where SLURM or root is missing."""
+    reason = missing_requirement()
+    if reason is not None:
+        pytest.skip(reason)
+    with start_slurm_cluster(tmp_path_factory.mktemp("slurm_cluster")) as cluster:
+        yield cluster

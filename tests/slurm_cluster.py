@@ -18,6 +18,7 @@ read from `scontrol show job`, which keeps them for MinJobAge seconds.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -31,13 +32,16 @@ from pathlib import Path
 
 import pytest
 
-SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
+SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 ENABLE_HINT = "install Debian's slurm-wlm: apt-get install slurm-wlm (CI's .ci/run does this as root)"
 # Job states after which a job never runs again (squeue(1), JOB STATE CODES).
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                           "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+SBIN_DIRECTORIES = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+JOB_GRACE_S = 3.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -66,30 +70,34 @@ class SlurmCluster:
             raise AssertionError(f"sbatch {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return int(result.stdout.strip().split(";")[0])
 
-    def job_states(self, job_id: int) -> dict[int | str, str]:
-        """JobState of each task of the job; a plain job is task 0, a range of pending array tasks keeps
-        its range string (e.g. "1-2%1") as key."""
-        states: dict[int | str, str] = {}
-        for record in self.run(["scontrol", "--oneliner", "show", "job", str(job_id)]).splitlines():
-            state = re.search(r"\bJobState=(\S+)", record)
-            if state is None:
-                continue
-            task = re.search(r"\bArrayTaskId=(\S+)", record)
-            task_id = 0 if task is None else task.group(1)
-            states[int(task_id) if str(task_id).isdigit() else task_id] = state.group(1)
-        return states
+    def job_records(self, job_id: int) -> list[tuple[str, str]]:
+        """(ArrayTaskId, JobState) of each record scontrol keeps for the job: one per array task that has
+        left the queue, one for the range of tasks still pending ("1-2%1"); a plain job is task "0"."""
+        records = []
+        for line in self.run(["scontrol", "--oneliner", "show", "job", str(job_id)]).splitlines():
+            state = re.search(r"\bJobState=(\S+)", line)
+            task = re.search(r"\bArrayTaskId=(\S+)", line)
+            if state is not None:
+                records.append((task.group(1) if task else "0", state.group(1)))
+        return records
 
     def wait(self, job_id: int, timeout: float = 60.0) -> dict[int, str]:
-        """Poll until no task of the job (array tasks included) can still run; its final states by task id."""
+        """Poll until no task of the job (array tasks included) can still run; final JobState by task id."""
         deadline = time.monotonic() + timeout
         while True:
-            states = self.job_states(job_id)
-            if states and all(state in FINAL_STATES for state in states.values()):
-                return states  # every key is an int here: pending ranges are never in a final state
+            self.check_daemons()
+            records = self.job_records(job_id)
+            if records and all(state in FINAL_STATES for _, state in records):
+                return {int(task): state for task, state in records}  # a pending range is never final
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} still unfinished after {timeout:.0f} s: {states}\n"
-                                   f"{self.log_tails()}")
+                raise TimeoutError(f"job {job_id} unfinished after {timeout:.0f} s: {records}\n{self.log_tails()}")
             time.sleep(0.25)
+
+    def check_daemons(self) -> None:
+        """Fail, with their logs, if slurmctld or slurmd has exited."""
+        exited = {name: daemon.returncode for name, daemon in self.daemons.items() if daemon.poll() is not None}
+        if exited:
+            raise AssertionError(f"SLURM daemons exited (exit codes {exited})\n{self.log_tails()}")
 
     def log_tails(self, lines: int = 15) -> str:
         """The last lines of each daemon's log file and of its own stdout/stderr."""
@@ -100,14 +108,20 @@ class SlurmCluster:
         return "\n".join(tails)
 
 
+def find_program(name: str) -> str | None:
+    """Path of a SLURM program; the daemons live in sbin, which a non-root PATH often lacks."""
+    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), *SBIN_DIRECTORIES]))
+
+
 def missing_requirement() -> str | None:
     """Why no cluster can start here (a skip reason), or None."""
-    missing = [program for program in SLURM_PROGRAMS if shutil.which(program) is None]
+    reasons = []
+    missing = [program for program in SLURM_PROGRAMS if find_program(program) is None]
     if missing:
-        return f"SLURM programs not on PATH: {', '.join(missing)}; {ENABLE_HINT}"
+        reasons.append(f"SLURM programs not found: {', '.join(missing)}; {ENABLE_HINT}")
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "slurmd must run as root to launch jobs; run the tests as root (CI does)"
-    return None
+        reasons.append("slurmd must run as root to start jobs here; run the tests as root (CI does)")
+    return "; ".join(reasons) or None
 
 
 def free_ports(count: int) -> list[int]:
@@ -140,6 +154,8 @@ def write_conf(directory: Path, node: str) -> Path:
         "MpiDefault": "none",
         "SelectType": "select/cons_tres",
         "SelectTypeParameters": "CR_Core",
+        # Start a batch job within the controller's 1 s tick of its submission, not up to 3 s later.
+        "SchedulerParameters": "batch_sched_delay=0",
         # Trust the node line below, not the hardware slurmd detects, so a mismatch never drains it.
         "SlurmdParameters": "config_overrides",
         "ReturnToService": 2,
@@ -172,8 +188,8 @@ def start_slurm_cluster(directory: Path) -> Iterator[SlurmCluster]:
         for daemon in ("slurmctld", "slurmd"):
             with open(directory / f"{daemon}-console.log", "w") as console:
                 cluster.daemons[daemon] = subprocess.Popen(
-                    [daemon, "-D", "-f", str(conf)], env=cluster.env, stdout=console, stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    [str(find_program(daemon)), "-D", "-f", str(conf)], env=cluster.env, stdout=console,
+                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
                 )
         wait_until_idle(cluster)
         yield cluster
@@ -181,14 +197,18 @@ def start_slurm_cluster(directory: Path) -> Iterator[SlurmCluster]:
         stop(cluster)
 
 
+def die_with_parent() -> None:
+    """Run in a daemon before exec: the kernel sends it SIGTERM if the test process dies without
+    stopping it (prctl(2), PR_SET_PDEATHSIG), so a crashed run leaves no daemon behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def wait_until_idle(cluster: SlurmCluster, timeout: float = START_TIMEOUT_S) -> None:
     """Return once the controller reports the node idle; fail early if a daemon exits."""
     deadline = time.monotonic() + timeout
     state = "not reported"
     while time.monotonic() < deadline:
-        exited = {name: daemon.returncode for name, daemon in cluster.daemons.items() if daemon.poll() is not None}
-        if exited:
-            raise AssertionError(f"SLURM daemons exited during start-up (exit codes {exited})\n{cluster.log_tails()}")
+        cluster.check_daemons()
         result = subprocess.run(["scontrol", "--oneliner", "show", "node", cluster.node], env=cluster.env,
                                 capture_output=True, text=True, timeout=30)
         match = re.search(r"\bState=(\S+)", result.stdout)
@@ -201,11 +221,7 @@ def wait_until_idle(cluster: SlurmCluster, timeout: float = START_TIMEOUT_S) -> 
 
 
 def stop(cluster: SlurmCluster) -> None:
-    """Stop the daemons (no new job starts after that), then every job process they left behind.
-
-    A job's processes and its slurmstepd are not our children; they are found by the SLURM_CONF of this
-    cluster in their environment (sbatch exports it into every job), which no other cluster shares.
-    """
+    """Stop the daemons (no job starts after that), then every job process they left behind."""
     for daemon in cluster.daemons.values():
         daemon.terminate()
     for daemon in cluster.daemons.values():
@@ -214,24 +230,42 @@ def stop(cluster: SlurmCluster) -> None:
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait()
-    marker = f"SLURM_CONF={cluster.conf}".encode()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    end_job_processes(f"SLURM_CONF={cluster.conf}".encode())
+
+
+def end_job_processes(marker: bytes) -> None:
+    """SIGTERM, then SIGKILL after a grace period, every process whose environment holds `marker`.
+
+    Job processes and their slurmstepd are not our children: sbatch exports this cluster's SLURM_CONF
+    into every job, and no other cluster shares it. A slurmstepd ignores SIGTERM (it keeps retrying to
+    report to the slurmd that is gone), so it gets SIGKILL at once; it holds nothing worth saving.
+    """
+    deadline = time.monotonic() + JOB_GRACE_S
+    signalled: set[int] = set()
     while leftovers := processes_with_environment(marker):
-        signal_number = signal.SIGTERM if time.monotonic() < deadline else signal.SIGKILL
-        for pid in leftovers:
+        if time.monotonic() > deadline + STOP_TIMEOUT_S:
+            raise AssertionError(f"job processes survived SIGKILL: {leftovers}")
+        for pid, name in leftovers.items():
+            if name == "slurmstepd" or time.monotonic() > deadline:
+                signal_number = signal.SIGKILL
+            elif pid not in signalled:
+                signal_number = signal.SIGTERM
+            else:
+                continue
+            signalled.add(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal_number)
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
-def processes_with_environment(entry: bytes) -> set[int]:
-    """Pids of the live processes (other than this one) whose environment holds `entry` (NAME=value)."""
-    pids = set()
-    for environ in Path("/proc").glob("[0-9]*/environ"):
+def processes_with_environment(entry: bytes) -> dict[int, str]:
+    """Name by pid of the live processes (other than this one) whose environment holds `entry` (NAME=value)."""
+    processes = {}
+    for process in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
-            if entry in environ.read_bytes().split(b"\0") and int(environ.parent.name) != os.getpid():
-                pids.add(int(environ.parent.name))
-    return pids
+            if entry in (process / "environ").read_bytes().split(b"\0") and int(process.name) != os.getpid():
+                processes[int(process.name)] = (process / "comm").read_text().strip()
+    return processes
 
 
 @pytest.fixture(scope="module", name="slurm_cluster")

@@ -1,41 +1,61 @@
 """Scaling-law fits: the three approaches of Hoffmann et al. 2022 ("Training Compute-Optimal Large
 Language Models", sec. 3), their compute-optimal allocations and bootstrap intervals.
 
-- Approach 1 (sec. 3.1): the lower envelope of training loss against FLOPs over every run's curve;
-  the runs on the envelope give N_opt(C) and D_opt(C), fitted as power laws.
-- Approach 2 (sec. 3.2): per FLOP budget, a parabola of loss in log N (and in log D) whose minimum
-  is that budget's N_opt (D_opt); power laws across budgets.
+- Approach 1 (sec. 3.1): the lower envelope of smoothed training loss against FLOPs over every
+  run's curve; the runs on the envelope give N_opt(C) and D_opt(C), fitted as power laws.
+- Approach 2 (sec. 3.2): per FLOP budget a parabola of loss in log N (and one in log D) whose
+  vertex is that budget's N_opt (D_opt); power laws across budgets.
 - Approach 3 (sec. 3.3, app. D.2): L(N, D) = E + A / N^alpha + B / D^beta, fitted by minimising
   the Huber loss (delta = 1e-3) of log L with L-BFGS from a grid of initialisations.
-All numbers are plain floats so the caller can write strict JSON.
+N_opt ∝ C^a and D_opt ∝ C^b throughout (sec. 3, Table 2). Reading runs and writing fit.json are
+in fit_source.py; the figures in fit_plots.py.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import minimize
-from scipy.special import logsumexp, softmax
 
-HUBER_DELTA = 1e-3
-# Hoffmann et al. 2022, app. D.2: alpha, beta in {0, 0.5, ..., 2}, e in {-1, -.5, ..., 1}, a, b in {0, 5, ..., 25}.
-CHINCHILLA_GRID = np.array([
-    (a, b, e, alpha, beta)
-    for alpha, beta, e, a, b in itertools.product(
-        np.arange(0, 2.01, 0.5), np.arange(0, 2.01, 0.5), np.arange(-1, 1.01, 0.5), range(0, 26, 5), range(0, 26, 5)
-    )
-], dtype=float)
-MIN_POINTS_PARAMETRIC = 6  # five constants, and one point to spare
-MIN_SIZES_PER_BUDGET = 3  # a parabola
-MIN_BUDGETS = 2  # a power law across budgets
+APPROACHES = ("approach1", "approach2", "approach3")
+HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, sec. 3.3
+# App. D.2's grid, as (a, b, e, alpha, beta): alpha, beta in {0, 0.5, ..., 2}, e in {-1, -0.5, ..., 1},
+# a, b in {0, 5, ..., 25}: 5 * 5 * 5 * 6 * 6 = 4,500 starts.
+CHINCHILLA_GRID = np.array(
+    [(a, b, e, alpha, beta) for alpha, beta, e, a, b in itertools.product(
+        np.arange(0, 2.01, 0.5), np.arange(0, 2.01, 0.5), np.arange(-1, 1.01, 0.5), range(0, 26, 5), range(0, 26, 5))],
+    dtype=float,
+)
+SCREEN_ITERATIONS = 20  # see fit_parametric
+CONTINUED_STARTS = 300
+BOOTSTRAP_GRID_STARTS = 8  # see refit_parametric
+# scipy's default ftol (2.2e-9, absolute below f = 1) stops L-BFGS early on this objective, whose
+# values are ~1e-3 (a sum of Huber losses with delta = 1e-3): the polish runs to these tolerances.
+POLISHED_STARTS = 5
+POLISH_OPTIONS = {"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12}
+BUDGET_TOLERANCE = 0.05  # runs whose FLOPs differ by less than this share an IsoFLOP budget
+FRONTIER_BINS = 40
+MIN_FRONTIER_POINTS = 3  # Approach 1: a power law through >= 3 envelope bins ...
+MIN_FRONTIER_SIZES = 2  # ... reached by >= 2 model sizes
+MIN_SIZES_PER_BUDGET = 3  # Approach 2: a parabola needs 3 sizes ...
+MIN_BUDGETS = 2  # ... and a power law across budgets needs 2 of them
+MIN_POINTS_PARAMETRIC = 5  # Approach 3: as many distinct (N, D) as constants
+MIN_BOOTSTRAP_FITS = 10  # fewer successful refits give no interval
+SMOOTHING_FRACTION = 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and power laws
 
 
 @dataclass(frozen=True)
 class Point:
-    """One finished run: parameters N, tokens D, FLOPs C, final loss, and its IsoFLOP budget if any."""
+    """One finished run: parameters N, tokens D, FLOPs C, final loss, and its IsoFLOP budget if recorded."""
 
     params: float
     tokens: float
@@ -46,12 +66,32 @@ class Point:
 
 @dataclass(frozen=True)
 class Curve:
-    """A run's training curve: (FLOPs, tokens, smoothed loss) along the run, for Approach 1."""
+    """A run's training curve for Approach 1: FLOPs, tokens and (smoothed) loss along the run."""
 
     params: float
     flops: np.ndarray
     tokens: np.ndarray
     loss: np.ndarray
+
+
+@dataclass(frozen=True)
+class FitData:
+    """The runs to fit; curves[i] is run i's training curve, or None where only its final point is known."""
+
+    points: list[Point]
+    curves: list[Curve | None]
+
+    def envelope_curves(self) -> list[Curve]:
+        """Approach 1's input: each run's curve, or its final point (a CSV's loss, a sweep's val_loss) alone."""
+        return [curve if curve is not None else final_point_curve(point)
+                for point, curve in zip(self.points, self.curves, strict=True)]
+
+    def subset(self, indices: ArrayLike) -> FitData:
+        return FitData([self.points[i] for i in indices], [self.curves[i] for i in indices])
+
+
+def final_point_curve(point: Point) -> Curve:
+    return Curve(point.params, np.array([point.flops]), np.array([point.tokens]), np.array([point.loss]))
 
 
 @dataclass(frozen=True)
@@ -61,147 +101,37 @@ class PowerLaw:
     exponent: float
     coefficient: float
 
-    def __call__(self, flops: float | np.ndarray) -> float | np.ndarray:
+    def __call__(self, flops: ArrayLike) -> np.ndarray:
         return self.coefficient * np.asarray(flops, dtype=float) ** self.exponent
 
 
-def fit_power_law(flops: np.ndarray, values: np.ndarray) -> PowerLaw:
-    slope, intercept = np.polyfit(np.log(flops), np.log(values), 1)
-    return PowerLaw(float(slope), float(math.exp(intercept)))
+def fit_power_law(flops: ArrayLike, values: ArrayLike) -> PowerLaw:
+    """Least squares of ln y on ln C; ValueError when the points do not determine a finite law."""
+    with np.errstate(all="ignore"):
+        slope, intercept = np.polyfit(np.log(flops), np.log(values), 1)
+        coefficient = float(np.exp(intercept))
+    if not (math.isfinite(slope) and math.isfinite(coefficient) and coefficient > 0):
+        raise ValueError(f"the optima do not follow a finite power law in C (exponent {slope:.3g})")
+    return PowerLaw(float(slope), coefficient)
 
 
-# ---------------------------------------------------------------------------------------------
-# Approach 3: the parametric loss
+def smooth_training_curve(tokens: ArrayLike, losses: ArrayLike,
+                          fraction: float = SMOOTHING_FRACTION) -> tuple[np.ndarray, np.ndarray]:
+    """A centred rolling mean of the loss over an odd window of `fraction` of the records (at least 1).
 
-
-@dataclass(frozen=True)
-class ParametricFit:
-    E: float
-    A: float
-    B: float
-    alpha: float
-    beta: float
-    objective: float
-
-    @property
-    def a(self) -> float:
-        """N_opt ∝ C^a with a = beta / (alpha + beta) (Hoffmann et al. 2022, eq. 4)."""
-        return self.beta / (self.alpha + self.beta)
-
-    @property
-    def b(self) -> float:
-        return self.alpha / (self.alpha + self.beta)
-
-    def loss(self, params: float | np.ndarray, tokens: float | np.ndarray) -> float | np.ndarray:
-        return self.E + self.A / np.asarray(params, dtype=float) ** self.alpha + self.B / np.asarray(
-            tokens, dtype=float) ** self.beta
-
-    def compute_optimal(self, flops: float) -> tuple[float, float]:
-        """(N*, D*) minimising L on C = 6ND: N* = G (C/6)^a, D* = (C/6)^b / G, G = (alpha A / (beta B))^(1/(alpha+beta))
-        (Hoffmann et al. 2022, eq. 4 and app. D.2)."""
-        g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
-        return g * (flops / 6.0) ** self.a, (flops / 6.0) ** self.b / g
-
-
-def _huber_objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray,
-                     delta: float) -> tuple[float, np.ndarray]:
-    """Sum of Huber(LSE(a - alpha log N, b - beta log D, e) - log L) and its gradient in (a, b, e, alpha, beta)."""
-    a, b, e, alpha, beta = theta
-    terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])
-    residual = logsumexp(terms, axis=0) - log_l
-    small = np.abs(residual) <= delta
-    value = np.where(small, 0.5 * residual**2, delta * (np.abs(residual) - 0.5 * delta)).sum()
-    slope = np.where(small, residual, delta * np.sign(residual))
-    weights = softmax(terms, axis=0) * slope
-    gradient = np.array([weights[0].sum(), weights[1].sum(), weights[2].sum(),
-                         -(weights[0] * log_n).sum(), -(weights[1] * log_d).sum()])
-    return float(value), gradient
-
-
-def fit_parametric(
-    points: list[Point], starts: np.ndarray = CHINCHILLA_GRID, best_starts: int | None = None,
-    delta: float = HUBER_DELTA,
-) -> ParametricFit:
-    """Approach 3: L-BFGS from every start, the lowest objective kept (Hoffmann et al. 2022, app. D.2).
-
-    All 4,500 grid starts take ~10 ms each (45 s for 240 points). `best_starts` runs L-BFGS only
-    from that many starts with the lowest initial objective, which bootstrap refits use.
+    Hoffmann et al. 2022 (sec. 3.1) smooth the training loss before taking the envelope; a centred
+    window, unlike a trailing one or an EMA, does not lag a falling curve (its bias is second order).
+    The first and last half-windows are dropped rather than averaged over fewer records.
     """
-    if len(points) < MIN_POINTS_PARAMETRIC:
-        raise ValueError(f"Approach 3 needs at least {MIN_POINTS_PARAMETRIC} runs (it fits 5 constants); "
-                         f"got {len(points)}")
-    log_n = np.log([p.params for p in points])
-    log_d = np.log([p.tokens for p in points])
-    log_l = np.log([p.loss for p in points])
-    if best_starts is not None and best_starts < len(starts):
-        initial = [_huber_objective(start, log_n, log_d, log_l, delta)[0] for start in starts]
-        starts = starts[np.argsort(initial)[:best_starts]]
-    best = None
-    for start in starts:
-        result = minimize(_huber_objective, start, args=(log_n, log_d, log_l, delta), jac=True, method="L-BFGS-B",
-                          options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12})
-        if np.all(np.isfinite(result.x)) and (best is None or result.fun < best.fun):
-            best = result
-    a, b, e, alpha, beta = best.x
-    return ParametricFit(float(math.exp(e)), float(math.exp(a)), float(math.exp(b)), float(alpha), float(beta),
-                         float(best.fun))
-
-
-def parametric_theta(fit: ParametricFit) -> np.ndarray:
-    return np.array([math.log(fit.A), math.log(fit.B), math.log(fit.E), fit.alpha, fit.beta])
+    tokens, losses = np.asarray(tokens, dtype=float), np.asarray(losses, dtype=float)
+    half = int(fraction * len(losses)) // 2
+    window = 2 * half + 1
+    smoothed = np.convolve(losses, np.ones(window) / window, mode="valid")
+    return tokens[half:len(tokens) - half], smoothed
 
 
 # ---------------------------------------------------------------------------------------------
-# Approach 2: IsoFLOP profiles
-
-
-@dataclass(frozen=True)
-class IsoFlopMinimum:
-    flops: float
-    params_opt: float
-    tokens_opt: float
-    loss_min: float
-    parabola: tuple[float, float, float]  # loss = c2 x^2 + c1 x + c0 with x = log N
-
-
-def group_by_budget(points: list[Point], tolerance: float = 0.05) -> dict[float, list[Point]]:
-    """Points by IsoFLOP budget: the recorded budget, else FLOPs within `tolerance` of each other."""
-    groups: dict[float, list[Point]] = {}
-    for point in sorted(points, key=lambda p: p.budget or p.flops):
-        key = point.budget or next((k for k in groups if abs(point.flops / k - 1) <= tolerance), point.flops)
-        groups.setdefault(key, []).append(point)
-    return groups
-
-
-def isoflop_minima(points: list[Point]) -> list[IsoFlopMinimum]:
-    """Per budget with >= 3 distinct sizes and an upward parabola, its minimum in log N and in log D."""
-    minima = []
-    for budget, group in group_by_budget(points).items():
-        if len({p.params for p in group}) < MIN_SIZES_PER_BUDGET:
-            continue
-        log_n, log_d = np.log([p.params for p in group]), np.log([p.tokens for p in group])
-        losses = np.array([p.loss for p in group])
-        in_n, in_d = np.polyfit(log_n, losses, 2), np.polyfit(log_d, losses, 2)
-        if in_n[0] <= 0 or in_d[0] <= 0:
-            continue  # no minimum: the sizes do not bracket this budget's optimum
-        x_n, x_d = -in_n[1] / (2 * in_n[0]), -in_d[1] / (2 * in_d[0])
-        minima.append(IsoFlopMinimum(float(budget), float(math.exp(x_n)), float(math.exp(x_d)),
-                                     float(np.polyval(in_n, x_n)), tuple(float(c) for c in in_n)))
-    return minima
-
-
-def fit_isoflop(points: list[Point]) -> tuple[PowerLaw, PowerLaw, list[IsoFlopMinimum]]:
-    minima = isoflop_minima(points)
-    if len(minima) < MIN_BUDGETS:
-        raise ValueError(f"Approach 2 needs at least {MIN_BUDGETS} FLOP budgets with >= {MIN_SIZES_PER_BUDGET} "
-                         f"model sizes each whose losses bracket a minimum; got {len(minima)}")
-    flops = np.array([m.flops for m in minima])
-    return (fit_power_law(flops, np.array([m.params_opt for m in minima])),
-            fit_power_law(flops, np.array([m.tokens_opt for m in minima])), minima)
-
-
-# ---------------------------------------------------------------------------------------------
-# Approach 1: the envelope of training curves
+# Approach 1: the envelope of training curves (sec. 3.1)
 
 
 @dataclass(frozen=True)
@@ -212,31 +142,496 @@ class FrontierPoint:
     loss: float
 
 
-def loss_frontier(curves: list[Curve], bins: int = 40) -> list[FrontierPoint]:
-    """The lowest loss in each of `bins` log-spaced FLOP bins over all curves, and the run that reached it."""
-    low = min(float(c.flops[c.flops > 0].min()) for c in curves)
-    high = max(float(c.flops.max()) for c in curves)
-    edges = np.geomspace(low, high * (1 + 1e-9), bins + 1)
+@dataclass(frozen=True)
+class EnvelopeFit:
+    n_law: PowerLaw
+    d_law: PowerLaw
+    frontier: list[FrontierPoint]
+
+    def allocation(self, flops: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        return self.n_law(flops), self.d_law(flops)
+
+    def constants(self) -> dict[str, float]:
+        return {"a": self.n_law.exponent, "b": self.d_law.exponent}
+
+
+def loss_frontier(curves: list[Curve], bins: int = FRONTIER_BINS) -> list[FrontierPoint]:
+    """The lowest loss in each of `bins` log-spaced FLOP bins over all curves, and the run reaching it
+    (Hoffmann et al. 2022, sec. 3.1 and fig. 2 left)."""
+    flops = np.concatenate([c.flops for c in curves])
+    losses = np.concatenate([c.loss for c in curves])
+    run = np.concatenate([np.full(len(c.flops), i) for i, c in enumerate(curves)])
+    offset = np.concatenate([np.arange(len(c.flops)) for c in curves])
+    keep = (flops > 0) & np.isfinite(losses)
+    flops, losses, run, offset = flops[keep], losses[keep], run[keep], offset[keep]
+    if not len(flops):
+        return []
+    edges = np.geomspace(flops.min(), flops.max() * (1 + 1e-9), bins + 1)
+    which = np.searchsorted(edges, flops, side="right") - 1
     frontier = []
-    for lower, upper in itertools.pairwise(edges):
-        best = None
-        for curve in curves:
-            inside = (curve.flops >= lower) & (curve.flops < upper)
-            if inside.any():
-                index = np.flatnonzero(inside)[np.argmin(curve.loss[inside])]
-                if best is None or curve.loss[index] < best.loss:
-                    best = FrontierPoint(float(curve.flops[index]), curve.params, float(curve.tokens[index]),
-                                         float(curve.loss[index]))
-        if best is not None:
-            frontier.append(best)
+    for b in np.unique(which):
+        members = np.flatnonzero(which == b)
+        best = members[np.argmin(losses[members])]
+        curve = curves[run[best]]
+        frontier.append(FrontierPoint(float(flops[best]), float(curve.params), float(curve.tokens[offset[best]]),
+                                      float(losses[best])))
     return frontier
 
 
-def fit_envelope(curves: list[Curve], bins: int = 40) -> tuple[PowerLaw, PowerLaw, list[FrontierPoint]]:
+def fit_envelope(curves: list[Curve], bins: int = FRONTIER_BINS) -> EnvelopeFit:
+    """Approach 1: N_opt ∝ C^a and D_opt ∝ C^b through the frontier's runs (sec. 3.1)."""
     frontier = loss_frontier(curves, bins)
-    if len({point.params for point in frontier}) < 2:
-        raise ValueError("Approach 1 needs runs of at least 2 sizes on the loss-vs-FLOPs frontier; "
-                         f"got {len({point.params for point in frontier})}")
-    flops = np.array([p.flops for p in frontier])
-    return (fit_power_law(flops, np.array([p.params for p in frontier])),
-            fit_power_law(flops, np.array([p.tokens for p in frontier])), frontier)
+    sizes = len({point.params for point in frontier})
+    if len(frontier) < MIN_FRONTIER_POINTS or sizes < MIN_FRONTIER_SIZES:
+        raise ValueError(f"Approach 1 needs a loss-vs-FLOPs frontier of >= {MIN_FRONTIER_POINTS} bins reached by "
+                         f">= {MIN_FRONTIER_SIZES} model sizes; got {len(frontier)} bins from {sizes} size(s)")
+    flops = [p.flops for p in frontier]
+    return EnvelopeFit(fit_power_law(flops, [p.params for p in frontier]),
+                       fit_power_law(flops, [p.tokens for p in frontier]), frontier)
+
+
+# ---------------------------------------------------------------------------------------------
+# Approach 2: IsoFLOP profiles (sec. 3.2)
+
+
+@dataclass(frozen=True)
+class IsoFlopMinimum:
+    """One budget's profile: C (geometric mean of its runs' FLOPs), its recorded budget, the vertices.
+
+    `parabola` is loss = c2 x^2 + c1 x + c0 in x = ln N, `parabola_tokens` the same in x = ln D.
+    """
+
+    flops: float
+    budget: float | None
+    sizes: int
+    n_opt: float
+    d_opt: float
+    loss_min: float
+    parabola: tuple[float, float, float]
+    parabola_tokens: tuple[float, float, float]
+    bracketed: bool  # whether N_opt lies within the sizes trained, rather than extrapolated
+
+
+@dataclass(frozen=True)
+class IsoFlopFit:
+    n_law: PowerLaw
+    d_law: PowerLaw
+    minima: list[IsoFlopMinimum]
+    excluded: list[tuple[float, str]] = field(default_factory=list)  # (C, why) of profiles not used
+
+    def allocation(self, flops: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        return self.n_law(flops), self.d_law(flops)
+
+    def constants(self) -> dict[str, float]:
+        return {"a": self.n_law.exponent, "b": self.d_law.exponent}
+
+
+def group_by_budget(points: list[Point], tolerance: float = BUDGET_TOLERANCE) -> list[list[int]]:
+    """Indices of the points on each IsoFLOP profile: the recorded budget where there is one, else
+    runs whose FLOPs lie within `tolerance` (relative) of the smallest FLOPs of their group."""
+    recorded: dict[float, list[int]] = {}
+    clusters: list[list[int]] = []
+    for index in sorted(range(len(points)), key=lambda i: points[i].flops):
+        point = points[index]
+        if point.budget is not None:
+            recorded.setdefault(point.budget, []).append(index)
+        elif clusters and point.flops <= points[clusters[-1][0]].flops * (1 + tolerance):
+            clusters[-1].append(index)
+        else:
+            clusters.append([index])
+    return list(recorded.values()) + clusters
+
+
+def isoflop_minimum(group: list[Point]) -> IsoFlopMinimum:
+    """The vertex of the parabola of loss in ln N (sec. 3.2, fig. 3), and of the one in ln D.
+
+    D_opt comes from its own parabola rather than C / (6 N_opt): a sweep's runs count exact FLOPs
+    (attention included), so C = 6ND holds only approximately; with C = 6ND exactly both agree.
+    """
+    sizes = len({p.params for p in group})
+    if sizes < MIN_SIZES_PER_BUDGET:
+        raise ValueError(f"{sizes} model size(s); a parabola needs >= {MIN_SIZES_PER_BUDGET}")
+    log_n, log_d = np.log([p.params for p in group]), np.log([p.tokens for p in group])
+    losses = np.array([p.loss for p in group])
+    in_n, in_d = np.polyfit(log_n, losses, 2), np.polyfit(log_d, losses, 2)
+    if in_n[0] <= 0 or in_d[0] <= 0:
+        raise ValueError("the losses do not curve upward in log N, so the profile has no minimum; "
+                         "train sizes on both sides of the optimum")
+    x_n, x_d = -in_n[1] / (2 * in_n[0]), -in_d[1] / (2 * in_d[0])
+    span = log_n.max() - log_n.min()
+    if not log_n.min() - span <= x_n <= log_n.max() + span:
+        raise ValueError(f"the parabola's minimum, N = {math.exp(min(x_n, 700)):.3g}, lies far outside the sizes "
+                         f"trained ({math.exp(log_n.min()):.3g} to {math.exp(log_n.max()):.3g})")
+    flops = float(np.exp(np.mean(np.log([p.flops for p in group]))))
+    return IsoFlopMinimum(flops, group[0].budget, sizes, float(math.exp(x_n)), float(math.exp(x_d)),
+                          float(np.polyval(in_n, x_n)), tuple(float(c) for c in in_n),
+                          tuple(float(c) for c in in_d), bool(log_n.min() <= x_n <= log_n.max()))
+
+
+def fit_isoflop(points: list[Point], tolerance: float = BUDGET_TOLERANCE) -> IsoFlopFit:
+    """Approach 2: each budget's N_opt and D_opt, then power laws across budgets (sec. 3.2)."""
+    minima, excluded = [], []
+    for indices in group_by_budget(points, tolerance):
+        group = [points[i] for i in indices]
+        try:
+            minima.append(isoflop_minimum(group))
+        except ValueError as reason:
+            if len(group) > 1:
+                excluded.append((float(np.exp(np.mean(np.log([p.flops for p in group])))), str(reason)))
+    if len(minima) < MIN_BUDGETS:
+        raise ValueError(
+            f"Approach 2 needs >= {MIN_SIZES_PER_BUDGET} model sizes in each of >= {MIN_BUDGETS} FLOP budgets "
+            f"(runs share a budget through the budget column, or FLOPs within {tolerance:.0%}); "
+            f"{len(minima)} usable budget(s) found" + (f", {len(excluded)} excluded" if excluded else ""))
+    flops = [m.flops for m in minima]
+    return IsoFlopFit(fit_power_law(flops, [m.n_opt for m in minima]),
+                      fit_power_law(flops, [m.d_opt for m in minima]), minima, excluded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Approach 3: the parametric loss (sec. 3.3, app. D.2)
+
+
+@dataclass(frozen=True)
+class ParametricFit:
+    """L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al. 2022, eq. 2), and the fit's objective."""
+
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+    objective: float = math.nan
+    starts: int = 0
+
+    @property
+    def a(self) -> float:
+        """N_opt ∝ C^a with a = beta / (alpha + beta) (eq. 4)."""
+        return self.beta / (self.alpha + self.beta)
+
+    @property
+    def b(self) -> float:
+        return self.alpha / (self.alpha + self.beta)
+
+    def loss(self, params: ArrayLike, tokens: ArrayLike) -> np.ndarray:
+        params, tokens = np.asarray(params, dtype=float), np.asarray(tokens, dtype=float)
+        return self.E + self.A / params**self.alpha + self.B / tokens**self.beta
+
+    def allocation(self, flops: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """(N*, D*) minimising L subject to C = 6ND (eq. 4, app. D.2):
+        N* = G (C/6)^a, D* = G^-1 (C/6)^b, G = (alpha A / (beta B))^(1 / (alpha + beta)).
+        Without positive exponents there is no optimum: NaN."""
+        flops = np.asarray(flops, dtype=float)
+        if self.alpha <= 0 or self.beta <= 0:
+            return np.full_like(flops, math.nan), np.full_like(flops, math.nan)
+        g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
+        return g * (flops / 6.0) ** self.a, (flops / 6.0) ** self.b / g
+
+    def constants(self) -> dict[str, float]:
+        return {"E": self.E, "A": self.A, "B": self.B, "alpha": self.alpha, "beta": self.beta, "a": self.a,
+                "b": self.b}
+
+    def theta(self) -> np.ndarray:
+        """The optimiser's coordinates (a, b, e, alpha, beta) = (ln A, ln B, ln E, alpha, beta)."""
+        return np.array([math.log(self.A), math.log(self.B), math.log(self.E), self.alpha, self.beta])
+
+
+ApproachFit = EnvelopeFit | IsoFlopFit | ParametricFit
+
+
+def huber_objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_l: np.ndarray,
+                    delta: float = HUBER_DELTA) -> tuple[np.ndarray, np.ndarray]:
+    """Sum over runs of Huber_delta(LSE(a - alpha ln N, b - beta ln D, e) - ln L) and its gradient in
+    (a, b, e, alpha, beta) (app. D.2, eq. 10), for K parameter vectors at once.
+
+    theta is (K, 5); the data are (n,), shared by all K, or (K, n), one resample per row. The LSE is
+    ln(A/N^alpha + B/D^beta + E) summed directly, in place: in double precision the terms overflow
+    only for a diverging start, whose value is then inf or NaN and which the optimiser drops.
+    Huber(r) = m (|r| - m/2) with m = min(|r|, delta); its derivative is sign(r) m.
+    """
+    a, b, e, alpha, beta = (column[:, None] for column in theta.T)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        term_n = np.multiply(alpha, log_n)
+        np.exp(np.subtract(a, term_n, out=term_n), out=term_n)
+        term_d = np.multiply(beta, log_d)
+        np.exp(np.subtract(b, term_d, out=term_d), out=term_d)
+        irreducible = np.exp(e)
+        predicted = term_n + term_d
+        predicted += irreducible
+        residual = np.log(predicted)
+        residual -= log_l
+        size = np.abs(residual)
+        capped = np.minimum(size, delta)
+        value = (capped * (size - 0.5 * capped)).sum(axis=1)
+        slope = np.copysign(capped, residual, out=capped)
+        slope /= predicted  # d ln(prediction) / d term = term / prediction
+        term_n *= slope
+        term_d *= slope
+        gradient = np.stack([term_n.sum(axis=1), term_d.sum(axis=1), irreducible[:, 0] * slope.sum(axis=1),
+                             -(term_n * log_n).sum(axis=1), -(term_d * log_d).sum(axis=1)], axis=1)
+    return value, gradient
+
+
+def _scalar_objective(theta: np.ndarray, *data: np.ndarray | float) -> tuple[float, np.ndarray]:
+    value, gradient = huber_objective(theta[None], *data)
+    return float(value[0]), gradient[0]
+
+
+def _two_loop(gradient: np.ndarray, steps: np.ndarray, changes: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """The L-BFGS direction -H g for each problem (Nocedal & Wright 2006, alg. 7.4), newest pair first;
+    an empty memory slot has rho = 0 and changes nothing."""
+    q = gradient.copy()
+    alphas = np.zeros(rho.shape)
+    for i in range(len(rho)):
+        alphas[i] = rho[i] * (steps[i] * q).sum(axis=1)
+        q -= alphas[i][:, None] * changes[i]
+    sy, yy = (steps[0] * changes[0]).sum(axis=1), (changes[0] ** 2).sum(axis=1)
+    first = np.linalg.norm(gradient, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gamma = np.where(rho[0] > 0, sy / yy, 1.0 / np.where(first > 0, first, 1.0))
+    r = gamma[:, None] * q
+    for i in reversed(range(len(rho))):
+        r += (alphas[i] - rho[i] * (changes[i] * r).sum(axis=1))[:, None] * steps[i]
+    return -r
+
+
+def _backtrack(objective: Callable, x: np.ndarray, f: np.ndarray, g: np.ndarray, direction: np.ndarray,
+               problems: np.ndarray, halvings: int = 40) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Armijo backtracking (c1 = 1e-4) from a unit step, for every problem at once. Where no step
+    lowers f, f stays infinite: that problem has converged or stalled. Returns (step, f, gradient)."""
+    slope = (direction * g).sum(axis=1)
+    step = np.ones(len(x))
+    new_f, new_g = np.full(len(x), np.inf), np.zeros_like(x)
+    todo = np.arange(len(x))
+    for _ in range(halvings):
+        trial_f, trial_g = objective(x[todo] + step[todo, None] * direction[todo], problems[todo])
+        accepted = np.isfinite(trial_f) & (trial_f <= f[todo] + 1e-4 * step[todo] * slope[todo])
+        new_f[todo[accepted]], new_g[todo[accepted]] = trial_f[accepted], trial_g[accepted]
+        todo = todo[~accepted]
+        if not len(todo):
+            break
+        step[todo] *= 0.5
+    return step, new_f, new_g
+
+
+def batched_lbfgs(objective: Callable, starts: np.ndarray, memory: int = 10, max_iterations: int = 1000,
+                  ftol: float = 1e-12, gtol: float = 1e-9) -> tuple[np.ndarray, np.ndarray]:
+    """L-BFGS from every start at once: each problem keeps its own curvature pairs and step, and numpy
+    evaluates all of them in one pass (Nocedal & Wright 2006, alg. 7.5, with Armijo backtracking and
+    pairs kept only where s.y > 0). objective(x[k], problems[k]) -> (f, gradient); a problem stops when
+    an iteration lowers f by <= ftol * max(|f|, 1) (scipy's test) or its largest |gradient| <= gtol.
+    Returns the final points and values."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # diverging starts: inf, then dropped
+        return _batched_lbfgs(objective, starts.astype(float), memory, max_iterations, ftol, gtol)
+
+
+def _batched_lbfgs(objective: Callable, x: np.ndarray, memory: int, max_iterations: int, ftol: float,
+                   gtol: float) -> tuple[np.ndarray, np.ndarray]:
+    f, g = objective(x, np.arange(len(x)))
+    steps, changes = np.zeros((memory, *x.shape)), np.zeros((memory, *x.shape))
+    rho = np.zeros((memory, len(x)))
+    active = np.flatnonzero(np.isfinite(f) & np.all(np.isfinite(g), axis=1))
+    for _ in range(max_iterations):
+        if not len(active):
+            break
+        direction = _two_loop(g[active], steps[:, active], changes[:, active], rho[:, active])
+        uphill = ~((direction * g[active]).sum(axis=1) < 0)
+        direction[uphill] = -g[active][uphill]
+        step, new_f, new_g = _backtrack(objective, x[active], f[active], g[active], direction, active)
+        moved = np.isfinite(new_f)
+        s, y = np.where(moved[:, None], step[:, None] * direction, 0.0), new_g - g[active]
+        _remember(steps, changes, rho, active, s, y)
+        previous = f[active]
+        updated = active[moved]
+        x[updated], f[updated], g[updated] = x[updated] + s[moved], new_f[moved], new_g[moved]
+        small_change = previous - f[active] <= ftol * np.maximum(np.maximum(np.abs(previous), np.abs(f[active])), 1)
+        active = active[moved & ~small_change & (np.abs(g[active]).max(axis=1) > gtol)]
+    return x, f
+
+
+def _remember(steps: np.ndarray, changes: np.ndarray, rho: np.ndarray, active: np.ndarray, s: np.ndarray,
+              y: np.ndarray) -> None:
+    """Push each active problem's newest pair (s, y); one without positive curvature s.y is stored empty."""
+    sy = (s * y).sum(axis=1)
+    keep = sy > 1e-12 * np.linalg.norm(s, axis=1) * np.linalg.norm(y, axis=1)
+    for history in (steps, changes, rho):
+        history[:, active] = np.roll(history[:, active], 1, axis=0)
+    steps[0, active], changes[0, active] = s * keep[:, None], y * keep[:, None]
+    rho[0, active] = np.where(keep, 1.0 / np.where(keep, sy, 1.0), 0.0)
+
+
+def _in_chunks(objective: Callable, runs: int, elements: int = 2_000_000) -> Callable:
+    """The objective evaluated over at most `elements` (problem, run) pairs at a time, bounding memory."""
+    size = max(1, elements // max(runs, 1))
+
+    def chunked(theta: np.ndarray, problems: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(theta) <= size:
+            return objective(theta, problems)
+        parts = [objective(theta[i:i + size], problems[i:i + size]) for i in range(0, len(theta), size)]
+        return np.concatenate([value for value, _ in parts]), np.concatenate([gradient for _, gradient in parts])
+
+    return chunked
+
+
+def _parametric_data(params: ArrayLike, tokens: ArrayLike, losses: ArrayLike) -> tuple[np.ndarray, ...]:
+    log_n, log_d, log_l = (np.log(np.asarray(x, dtype=float)) for x in (params, tokens, losses))
+    distinct = len(set(zip(log_n.tolist(), log_d.tolist(), strict=True)))
+    if distinct < MIN_POINTS_PARAMETRIC:
+        raise ValueError(f"Approach 3 needs >= {MIN_POINTS_PARAMETRIC} runs with distinct (N, D) to fit its "
+                         f"5 constants; got {distinct}")
+    return log_n, log_d, log_l
+
+
+def _parametric_fit(theta: np.ndarray, objective: float, starts: int) -> ParametricFit:
+    a, b, e, alpha, beta = (float(v) for v in theta)
+    return ParametricFit(math.exp(e), math.exp(a), math.exp(b), alpha, beta, float(objective), starts)
+
+
+def fit_parametric(params: ArrayLike, tokens: ArrayLike, losses: ArrayLike, starts: np.ndarray = CHINCHILLA_GRID,
+                   continued_starts: int | None = CONTINUED_STARTS, delta: float = HUBER_DELTA) -> ParametricFit:
+    """Approach 3 (sec. 3.3, app. D.2): L-BFGS from every start of the grid, the lowest objective kept.
+
+    The starts run at once in `batched_lbfgs` (numpy, analytic gradient). Every one of the 4,500
+    gets SCREEN_ITERATIONS (20) iterations; the `continued_starts` (300) lowest then run to
+    convergence (None: all of them, as the paper does). On 240 Chinchilla-like runs the best start
+    after 20 iterations is among the best 300 with hundreds to spare, and the final optimum is the
+    same as with all starts run out, in ~1-2 s instead of ~3-5 s on one core; a loop of scipy
+    L-BFGS-B calls takes 8 s with one BLAS thread and over a minute with threaded BLAS, whose
+    overhead its 5-variable steps pay. The POLISHED_STARTS best end points are then refined by
+    scipy.optimize.minimize(method="L-BFGS-B", jac=True) with tight tolerances.
+    """
+    log_n, log_d, log_l = _parametric_data(params, tokens, losses)
+    data = (log_n, log_d, log_l, delta)
+    objective = _in_chunks(lambda theta, _: huber_objective(theta, *data), len(log_n))
+    ends, values = batched_lbfgs(objective, starts, max_iterations=SCREEN_ITERATIONS)
+    ranked = np.argsort(np.where(np.isfinite(values), values, np.inf), kind="stable")
+    ends, values = batched_lbfgs(objective, ends[ranked[:continued_starts]])
+    order = np.argsort(np.where(np.isfinite(values), values, np.inf), kind="stable")[:POLISHED_STARTS]
+    best_theta, best_value = ends[order[0]], values[order[0]]
+    for theta in ends[order]:
+        result = minimize(_scalar_objective, theta, args=data, jac=True, method="L-BFGS-B", options=POLISH_OPTIONS)
+        if np.all(np.isfinite(result.x)) and result.fun < best_value:
+            best_theta, best_value = result.x, result.fun
+    if not np.isfinite(best_value):
+        raise ValueError("Approach 3 found no finite fit from any start; check the losses")
+    return _parametric_fit(best_theta, best_value, len(starts))
+
+
+def refit_parametric(data: FitData, samples: list[np.ndarray], full: ParametricFit,
+                     delta: float = HUBER_DELTA) -> list[ParametricFit | None]:
+    """Approach 3 on every bootstrap resample, all in one batched L-BFGS run.
+
+    Each resample starts from the full-data optimum and the BOOTSTRAP_GRID_STARTS (8) grid starts
+    with the lowest full-data objective, not from all 4,500: its optimum lies near the full-data one,
+    and 100 refits then take about a second. No scipy polish here; batched_lbfgs' tolerances suffice
+    for intervals. A resample with fewer than MIN_POINTS_PARAMETRIC distinct runs gets None.
+    """
+    log_n, log_d, log_l = (np.log([getattr(p, key) for p in data.points]) for key in ("params", "tokens", "loss"))
+    ranked = np.argsort(huber_objective(CHINCHILLA_GRID, log_n, log_d, log_l, delta)[0], kind="stable")
+    starts = np.vstack([full.theta(), CHINCHILLA_GRID[ranked[:BOOTSTRAP_GRID_STARTS]]])
+    usable = [i for i, chosen in enumerate(samples)
+              if len(set(zip(log_n[chosen].tolist(), log_d[chosen].tolist(), strict=True))) >= MIN_POINTS_PARAMETRIC]
+    if not usable:
+        return [None] * len(samples)
+    rows = np.array([samples[i] for i in usable])  # (resamples, runs): every resample has as many runs as data
+    resample_of = np.repeat(np.arange(len(usable)), len(starts))
+
+    def objective(theta: np.ndarray, problems: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        chosen = rows[resample_of[problems]]
+        return huber_objective(theta, log_n[chosen], log_d[chosen], log_l[chosen], delta)
+
+    ends, values = batched_lbfgs(_in_chunks(objective, len(log_n)), np.tile(starts, (len(usable), 1)))
+    fits: list[ParametricFit | None] = [None] * len(samples)
+    for position, sample in enumerate(usable):
+        block = slice(position * len(starts), (position + 1) * len(starts))
+        best = np.argmin(np.where(np.isfinite(values[block]), values[block], np.inf))
+        if np.isfinite(values[block][best]):
+            fits[sample] = _parametric_fit(ends[block][best], values[block][best], len(starts))
+    return fits
+
+
+def compute_optimal(fit: ApproachFit, flops: float) -> dict[str, float]:
+    """N*, D* and D*/N* at budget C from an approach's allocation (its power laws, or eq. 4 for
+    Approach 3, which adds its predicted loss L(N*, D*)); NaN where undefined."""
+    n_opt, d_opt = (float(value) for value in fit.allocation(flops))
+    prediction = {"n_opt": n_opt, "d_opt": d_opt, "tokens_per_param": d_opt / n_opt if n_opt > 0 else math.nan}
+    if isinstance(fit, ParametricFit):
+        prediction["loss"] = float(fit.loss(n_opt, d_opt))
+    return prediction
+
+
+# ---------------------------------------------------------------------------------------------
+# All approaches, and the bootstrap
+
+
+@dataclass
+class ScalingFit:
+    """The fits on all runs, the reasons for the approaches that could not run, and the bootstrap refits
+    (one dict approach -> fit per resample; an approach missing from a resample failed on it)."""
+
+    fits: dict[str, ApproachFit]
+    skipped: dict[str, str]
+    replicates: list[dict[str, ApproachFit]] = field(default_factory=list)
+    seed: int = 0
+
+    def samples(self, approach: str) -> list[ApproachFit]:
+        return [replicate[approach] for replicate in self.replicates if approach in replicate]
+
+
+def fit_approaches(data: FitData, approaches: tuple[str, ...] = APPROACHES) -> tuple[dict[str, ApproachFit],
+                                                                                     dict[str, str]]:
+    """Every approach that can run on these runs, and why the others cannot."""
+    runs = {
+        "approach1": lambda: fit_envelope(data.envelope_curves()),
+        "approach2": lambda: fit_isoflop(data.points),
+        "approach3": lambda: fit_parametric([p.params for p in data.points], [p.tokens for p in data.points],
+                                            [p.loss for p in data.points]),
+    }
+    fits, skipped = {}, {}
+    for name in approaches:
+        try:
+            fits[name] = runs[name]()
+        except ValueError as reason:
+            skipped[name] = str(reason)
+    return fits, skipped
+
+
+def fit_scaling_laws(data: FitData, bootstrap: int = 100, seed: int = 0) -> ScalingFit:
+    """All three approaches on every run, then `bootstrap` refits on resampled runs (see
+    bootstrap_samples; Approach 3's refits as in refit_parametric). Raises ValueError naming every
+    approach's minimum when none can run."""
+    fits, skipped = fit_approaches(data)
+    if not fits:
+        raise ValueError(f"{len(data.points)} runs are too few for any fit: " + "; ".join(skipped.values()))
+    samples = bootstrap_samples(data.points, bootstrap, seed)
+    replicates = [fit_approaches(data.subset(chosen), ("approach1", "approach2"))[0] for chosen in samples]
+    if "approach3" in fits:
+        for replicate, refit in zip(replicates, refit_parametric(data, samples, fits["approach3"]), strict=True):
+            if refit is not None:
+                replicate["approach3"] = refit
+    return ScalingFit(fits, skipped, replicates, seed)
+
+
+def bootstrap_samples(points: list[Point], count: int, seed: int) -> list[np.ndarray]:
+    """`count` resamples of run indices, with replacement within each IsoFLOP profile that has enough
+    sizes for a parabola (so it keeps its count of runs) and across the other runs pooled."""
+    strata, rest = [], []
+    for group in group_by_budget(points):
+        if len({points[i].params for i in group}) >= MIN_SIZES_PER_BUDGET:
+            strata.append(np.array(group))
+        else:
+            rest.extend(group)
+    strata += [np.array(rest)] if rest else []
+    rng = np.random.default_rng(seed)
+    return [np.concatenate([rng.choice(stratum, size=len(stratum)) for stratum in strata]) for _ in range(count)]
+
+
+def percentile_interval(values: ArrayLike, confidence: float = 0.95) -> list[float] | None:
+    """The bootstrap percentile interval of the finite values; None with fewer than MIN_BOOTSTRAP_FITS."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    if len(values) < MIN_BOOTSTRAP_FITS:
+        return None
+    tail = 50 * (1 - confidence)
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return [float(low), float(high)]

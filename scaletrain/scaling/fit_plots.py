@@ -1,127 +1,188 @@
-"""The fit's figures (matplotlib, Agg): IsoFLOP profiles, optimal allocation against compute, loss
-against compute with the frontier, and Approach 3's iso-loss contours, after Hoffmann et al. 2022
-figs. 2-4."""
+"""The fit's figures, after Hoffmann et al. 2022 figs. 2-4 (matplotlib, Agg): IsoFLOP profiles,
+optimal N and D against compute with bootstrap bands, loss against compute with the Approach 1
+frontier, and Approach 3's iso-loss contours with its efficient frontier."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 import numpy as np  # noqa: E402
+from matplotlib.colors import LogNorm  # noqa: E402
 
-from scaletrain.scaling.fit import ParametricFit, group_by_budget  # noqa: E402
+from scaletrain.scaling.fit import (  # noqa: E402
+    MIN_BOOTSTRAP_FITS,
+    MIN_SIZES_PER_BUDGET,
+    FitData,
+    IsoFlopMinimum,
+    ParametricFit,
+    ScalingFit,
+    group_by_budget,
+)
 
-APPROACH_COLORS = {"approach1": "tab:blue", "approach2": "tab:orange", "approach3": "tab:green"}
+APPROACH_STYLE = {"approach1": ("tab:blue", "Approach 1"), "approach2": ("tab:orange", "Approach 2"),
+                  "approach3": ("tab:green", "Approach 3")}
+PLOT_FILES = ("isoflop.png", "optimal_allocation.png", "loss_vs_compute.png", "approach3_contours.png")
+DPI = 110
 
 
-def write_plots(fit: dict[str, Any], inputs: Any, out_dir: Path) -> list[Path]:
-    """Write the four PNGs into out_dir and return their paths."""
-    writers = {"isoflop.png": _isoflop, "optimal_allocation.png": _optimal_allocation,
-               "loss_vs_compute.png": _loss_vs_compute, "approach3_contours.png": _contours}
+def write_plots(result: ScalingFit, data: FitData, targets: list[float], out_dir: Path) -> list[Path]:
+    """Write the four PNGs (PLOT_FILES) into out_dir; returns their paths."""
+    drawings = (plot_isoflop, plot_optimal_allocation, plot_loss_vs_compute, plot_contours)
     paths = []
-    for name, draw in writers.items():
-        figure = draw(fit, inputs)
-        path = out_dir / name
-        figure.savefig(path, dpi=110, bbox_inches="tight")
-        plt.close(figure)
-        paths.append(path)
+    for name, draw in zip(PLOT_FILES, drawings, strict=True):
+        figure = draw(result, data, targets)
+        try:
+            figure.savefig(out_dir / name, dpi=DPI, bbox_inches="tight")
+        finally:
+            plt.close(figure)
+        paths.append(out_dir / name)
     return paths
 
 
-def _isoflop(fit: dict[str, Any], inputs: Any) -> plt.Figure:
-    figure, axis = plt.subplots(figsize=(7, 5))
-    groups = group_by_budget(inputs.points)
-    colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(groups), 1)))
-    minima = {m["flops"]: m for m in fit.get("approach2", {}).get("budgets", [])}
-    for color, (budget, points) in zip(colors, groups.items(), strict=False):
-        params = np.array([p.params for p in points])
-        axis.scatter(params, [p.loss for p in points], color=color, label=f"C = {budget:.2g}")
-        if budget in minima:
-            x = np.linspace(np.log(params.min()) - 0.3, np.log(params.max()) + 0.3, 100)
-            axis.plot(np.exp(x), np.polyval(minima[budget]["parabola"], x), color=color, lw=1)
-            axis.scatter([minima[budget]["n_opt"]], [minima[budget]["loss_min"]], color=color, marker="*", s=180,
-                         edgecolor="black", zorder=3)
-    axis.set(xscale="log", xlabel="parameters N", ylabel="final validation loss",
-             title="IsoFLOP profiles (Approach 2): parabolas in log N, minima starred")
-    axis.legend(fontsize=8)
+def plot_isoflop(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
+    """Loss against N per budget, each profile's parabola in ln N and its vertex (fig. 3 left); the
+    budgets are coloured by C, runs on no profile of >= 3 sizes are grey."""
+    figure, axis = plt.subplots(figsize=(7.5, 5))
+    fit = result.fits.get("approach2")
+    minima = fit.minima if fit is not None else []
+    groups = [group for group in group_by_budget(data.points)
+              if len({data.points[i].params for i in group}) >= MIN_SIZES_PER_BUDGET]
+    profiled = {i for group in groups for i in group}
+    others = [p for i, p in enumerate(data.points) if i not in profiled]
+    if others:
+        axis.scatter([p.params for p in others], [p.loss for p in others], color="lightgrey", s=12,
+                     label="runs on no profile")
+    flops = [math.exp(np.mean(np.log([data.points[i].flops for i in group]))) for group in groups]
+    norm = LogNorm(min(flops, default=1.0), max(flops, default=1.0) * (1 + 1e-9))
+    for group, budget in zip(groups, flops, strict=True):
+        points = [data.points[i] for i in group]
+        color = plt.cm.viridis(norm(budget) * 0.9)
+        axis.scatter([p.params for p in points], [p.loss for p in points], color=color, s=22)
+        minimum = next((m for m in minima if math.isclose(m.flops, budget, rel_tol=1e-9)), None)
+        if minimum is not None:
+            _draw_parabola(axis, minimum, [p.params for p in points], color)
+    if groups:
+        figure.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axis, label="IsoFLOP budget C")
+    status = "parabolas in ln N, minima starred" if fit else f"Approach 2 skipped: {result.skipped['approach2'][:60]}"
+    axis.set(xscale="log", xlabel="parameters N", ylabel="final loss", title=f"IsoFLOP profiles: {status}")
+    if others or minima:
+        axis.legend(fontsize=8, loc="upper right")
     return figure
 
 
-def _optimal_allocation(fit: dict[str, Any], inputs: Any) -> plt.Figure:
-    figure, axes = plt.subplots(1, 2, figsize=(12, 5))
-    targets = [p["flops"] for p in fit["predictions"]]
-    for axis, key, label in ((axes[0], "n_opt", "N_opt (parameters)"), (axes[1], "d_opt", "D_opt (tokens)")):
-        for approach, color in APPROACH_COLORS.items():
-            band = fit.get(approach, {}).get("band")
-            if band is None:
-                continue
-            flops = np.array(band["flops"])
-            exponent = fit[approach]["a" if key == "n_opt" else "b"]
-            axis.plot(flops, band[key], color=color, label=f"{approach}: C^{exponent:.2f}")
-            if band.get(f"{key}_ci"):
-                low, high = np.array(band[f"{key}_ci"]).T
-                axis.fill_between(flops, low, high, color=color, alpha=0.2)
-            axis.scatter(targets, [p[approach][key] for p in fit["predictions"]], color=color, marker="x", s=60)
-        for minimum in fit.get("approach2", {}).get("budgets", []):
-            axis.scatter([minimum["flops"]], [minimum[key]], color="tab:orange", edgecolor="black", zorder=3)
-        axis.axvspan(max(p.flops for p in inputs.points), max(targets), color="grey", alpha=0.08,
-                     label="extrapolation")
+def _draw_parabola(axis: plt.Axes, minimum: IsoFlopMinimum, sizes: list[float], color: Any) -> None:
+    low, high = math.log(min(min(sizes), minimum.n_opt)) - 0.2, math.log(max(max(sizes), minimum.n_opt)) + 0.2
+    x = np.linspace(low, high, 200)
+    axis.plot(np.exp(x), np.polyval(minimum.parabola, x), color=color, lw=1)
+    label = None if axis.get_legend_handles_labels()[1].count("profile minimum") else "profile minimum"
+    axis.scatter([minimum.n_opt], [minimum.loss_min], color=color, marker="*", s=200, edgecolor="black", zorder=3,
+                 label=label)
+
+
+def plot_optimal_allocation(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
+    """N_opt(C) and D_opt(C) for every approach, with 95% bootstrap bands, the data behind them, and
+    the extrapolation to the targets (fig. 1, Table 3)."""
+    figure, axes = plt.subplots(1, 2, figsize=(13, 5))
+    largest = max(p.flops for p in data.points)
+    flops = np.geomspace(min(p.flops for p in data.points) / 2, max(targets) * 2, 120)
+    for index, (axis, label) in enumerate(zip(axes, ("N_opt (parameters)", "D_opt (tokens)"), strict=True)):
+        for approach, fit in result.fits.items():
+            color, name = APPROACH_STYLE[approach]
+            exponent = fit.constants()["ab"[index]]
+            axis.plot(flops, fit.allocation(flops)[index], color=color, label=f"{name}: ∝ C^{exponent:.3f}")
+            band = _band(result, approach, flops, index)
+            if band is not None:
+                axis.fill_between(flops, band[0], band[1], color=color, alpha=0.18)
+            axis.scatter(targets, fit.allocation(np.array(targets))[index], color=color, marker="X", s=80,
+                         edgecolor="black", zorder=4)
+        _allocation_data(axis, result, index)
+        axis.axvspan(largest, flops[-1], color="grey", alpha=0.08, label="extrapolation")
+        for target in targets:
+            axis.axvline(target, color="grey", ls=":", lw=1)
         axis.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=label,
-                 title=f"{label.split()[0]} against compute, 95% bootstrap bands; x: targets")
-        axis.legend(fontsize=8)
+                 title=f"{label.split()[0]} against compute; X: targets, bands: 95% bootstrap")
+        axis.legend(fontsize=7, loc="upper left")  # "best" costs seconds with the bands
     return figure
 
 
-def _loss_vs_compute(fit: dict[str, Any], inputs: Any) -> plt.Figure:
-    figure, axis = plt.subplots(figsize=(7, 5))
-    sizes = sorted({p.params for p in inputs.points})
-    colors = dict(zip(sizes, plt.cm.plasma(np.linspace(0, 0.85, len(sizes))), strict=True))
-    labelled = set()
-    for point, curve in zip(inputs.points, inputs.curves, strict=True):
-        label = None if point.params in labelled else f"N = {point.params:.3g}"
-        labelled.add(point.params)
+def _band(result: ScalingFit, approach: str, flops: np.ndarray, index: int) -> np.ndarray | None:
+    samples = result.samples(approach)
+    if len(samples) < MIN_BOOTSTRAP_FITS:
+        return None
+    curves = np.array([sample.allocation(flops)[index] for sample in samples])
+    curves = curves[np.all(np.isfinite(curves), axis=1)]
+    return np.percentile(curves, [2.5, 97.5], axis=0) if len(curves) >= MIN_BOOTSTRAP_FITS else None
+
+
+def _allocation_data(axis: plt.Axes, result: ScalingFit, index: int) -> None:
+    """The optima the power laws went through: Approach 1's frontier runs and Approach 2's vertices."""
+    if "approach1" in result.fits:
+        frontier = result.fits["approach1"].frontier
+        axis.scatter([p.flops for p in frontier], [(p.params, p.tokens)[index] for p in frontier], s=10,
+                     color=APPROACH_STYLE["approach1"][0], alpha=0.6, label="Approach 1 frontier runs")
+    if "approach2" in result.fits:
+        minima = result.fits["approach2"].minima
+        axis.scatter([m.flops for m in minima], [(m.n_opt, m.d_opt)[index] for m in minima], s=45,
+                     color=APPROACH_STYLE["approach2"][0], edgecolor="black", label="Approach 2 profile minima")
+
+
+def plot_loss_vs_compute(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
+    """Every run's (smoothed) training loss against FLOPs, or its final point, and the lower
+    envelope Approach 1 fits (fig. 2 left)."""
+    figure, axis = plt.subplots(figsize=(7.5, 5))
+    sizes = np.array([p.params for p in data.points])
+    norm = LogNorm(sizes.min(), sizes.max() * (1 + 1e-9))
+    for point, curve in zip(data.points, data.curves, strict=True):
+        color = plt.cm.plasma(norm(point.params))
         if curve is not None:
-            axis.plot(curve.flops, curve.loss, color=colors[point.params], lw=0.8, alpha=0.8, label=label)
-        else:
-            axis.scatter([point.flops], [point.loss], color=colors[point.params], s=15, label=label)
-    frontier = fit.get("approach1", {}).get("frontier", [])
-    if frontier:
-        axis.plot([p["flops"] for p in frontier], [p["loss"] for p in frontier], "k--", lw=1.5,
-                  label="frontier (Approach 1)")
-    axis.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel="training loss (smoothed)",
-             title="Loss against compute for every run, with the lower envelope")
-    axis.legend(fontsize=7, ncol=2)
+            axis.plot(curve.flops, curve.loss, color=color, lw=0.8, alpha=0.8)
+        axis.scatter([point.flops], [point.loss], color=color, s=14, zorder=3)
+    if "approach1" in result.fits:
+        frontier = result.fits["approach1"].frontier
+        axis.plot([p.flops for p in frontier], [p.loss for p in frontier], "k--", lw=1.5, label="frontier (Approach 1)")
+    figure.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="plasma"), ax=axis, label="parameters N")
+    kind = "training curves (smoothed) and final points" if any(c is not None for c in data.curves) else "final points"
+    axis.set(xscale="log", xlabel="training FLOPs C", ylabel="loss", title=f"Loss against compute: {kind}")
+    if "approach1" in result.fits:
+        axis.legend(fontsize=8, loc="upper right")
     return figure
 
 
-def _contours(fit: dict[str, Any], inputs: Any) -> plt.Figure:
-    figure, axis = plt.subplots(figsize=(7, 5))
-    params = np.array([p.params for p in inputs.points])
-    tokens = np.array([p.tokens for p in inputs.points])
-    axis.scatter(params, tokens, c="black", s=12, label="runs", zorder=3)
-    if "approach3" in fit:
-        constants = fit["approach3"]
-        law = ParametricFit(constants["E"], constants["A"], constants["B"], constants["alpha"], constants["beta"], 0)
-        targets = [p["flops"] for p in fit["predictions"]]
-        flops = np.geomspace(min(p.flops for p in inputs.points) / 3, max(targets) * 3, 60)
-        optimal = np.array([law.compute_optimal(c) for c in flops])
-        n_mesh, d_mesh = np.meshgrid(_span(params, optimal[:, 0]), _span(tokens, optimal[:, 1]))
-        contour = axis.contour(n_mesh, d_mesh, law.loss(n_mesh, d_mesh), levels=14, cmap="viridis", linewidths=0.8)
-        axis.clabel(contour, fontsize=7, fmt="%.2f")
-        axis.plot(optimal[:, 0], optimal[:, 1], "r-", lw=2, label="efficient frontier N*(C), D*(C)")
-        axis.scatter([law.compute_optimal(c)[0] for c in targets], [law.compute_optimal(c)[1] for c in targets],
-                     color="red", marker="x", s=70, label="targets", zorder=4)
-        title = f"Approach 3: iso-loss contours, alpha={law.alpha:.2f}, beta={law.beta:.2f}"
+def plot_contours(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
+    """Approach 3's iso-loss contours over (C, N) with D = C / 6N, and its efficient frontier N*(C)
+    (fig. 4 left)."""
+    figure, axis = plt.subplots(figsize=(7.5, 5))
+    axis.scatter([p.flops for p in data.points], [p.params for p in data.points], c="black", s=10, label="runs",
+                 zorder=3)
+    fit = result.fits.get("approach3")
+    if fit is None:
+        axis.set_title(f"Approach 3 skipped: {result.skipped['approach3'][:70]}", fontsize=9)
     else:
-        title = f"Approach 3 skipped: {fit['skipped'].get('approach3', '')[:60]}"
-    axis.set(xscale="log", yscale="log", xlabel="parameters N", ylabel="tokens D", title=title)
-    axis.legend(fontsize=8)
+        _draw_contours(axis, fit, data, targets)
+    axis.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel="parameters N")
+    axis.legend(fontsize=8, loc="upper left")
     return figure
 
 
-def _span(observed: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    return np.geomspace(min(observed.min(), predicted.min()) / 2, max(observed.max(), predicted.max()) * 2, 200)
+def _draw_contours(axis: plt.Axes, fit: ParametricFit, data: FitData, targets: list[float]) -> None:
+    flops = np.geomspace(min(p.flops for p in data.points) / 10, max(targets) * 10, 200)
+    n_opt = fit.allocation(flops)[0]
+    sizes = [p.params for p in data.points] + [n for n in n_opt if np.isfinite(n)]
+    params = np.geomspace(min(sizes) / 10, max(sizes) * 10, 200)
+    c_mesh, n_mesh = np.meshgrid(flops, params)
+    loss = fit.loss(n_mesh, c_mesh / (6 * n_mesh))
+    levels = np.geomspace(loss.min(), np.percentile(loss, 80), 15)
+    contours = axis.contour(c_mesh, n_mesh, loss, levels=levels, cmap="viridis", linewidths=0.8)
+    axis.clabel(contours, fontsize=6, fmt="%.2f")
+    if np.all(np.isfinite(n_opt)):
+        axis.plot(flops, n_opt, color="tab:red", lw=2, label="efficient frontier N*(C)")
+        axis.scatter(targets, fit.allocation(np.array(targets))[0], color="tab:red", marker="X", s=80,
+                     edgecolor="black", zorder=4, label="targets")
+    axis.set_title(f"Approach 3: iso-loss contours; alpha {fit.alpha:.3f}, beta {fit.beta:.3f}, "
+                   f"N* ∝ C^{fit.a:.3f}", fontsize=9)

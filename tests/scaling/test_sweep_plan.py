@@ -119,3 +119,22 @@ def test_plan_command_prints_the_table(small_dataset: Path, tmp_path: Path) -> N
     assert sum(line.startswith("c1.2e10-") or line.startswith("c2.4e10-") for line in lines) == 6
     assert any(line.startswith("total: 6 runs") and "predicted" in line for line in lines)
     assert not (tmp_path / "sweep").exists()
+
+
+def test_each_budget_takes_the_sizes_nearest_its_center(small_dataset: Path, tmp_path: Path) -> None:
+    shapes = [{"num_layers": layers, "hidden_size": 16 * layers, "num_heads": layers} for layers in range(1, 7)]
+    spec = tiny_spec(small_dataset, tmp_path / "sweep", budgets=[3e10, 1e12, 3e13],
+                     models={"shapes": shapes, "sizes_per_budget": 3, "center_tokens_per_param": 20})
+    plan = plan_of(tmp_path, spec)
+    chosen = {}
+    for run in plan.runs:
+        chosen.setdefault(run.budget, []).append(run.shape.num_layers)
+    assert all(len(layers) == 3 for layers in chosen.values())
+    for layers in chosen.values():  # contiguous rungs of the ladder
+        assert layers == list(range(layers[0], layers[0] + 3))
+    firsts = [chosen[budget][0] for budget in sorted(chosen)]
+    assert firsts == sorted(firsts) and firsts[0] < firsts[-1]  # larger budgets move up the ladder
+    for run in plan.runs:  # the kept sizes straddle 20 tokens per parameter, or hug the ladder's end
+        others = [r for r in plan.runs if r.budget == run.budget]
+        ratios = [r.tokens / r.counts.total_params for r in others]
+        assert min(ratios) < 20 < max(ratios) or others[0].shape.num_layers in (1, 4)

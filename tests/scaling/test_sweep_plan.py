@@ -138,3 +138,10 @@ def test_each_budget_takes_the_sizes_nearest_its_center(small_dataset: Path, tmp
         others = [r for r in plan.runs if r.budget == run.budget]
         ratios = [r.tokens / r.counts.total_params for r in others]
         assert min(ratios) < 20 < max(ratios) or others[0].shape.num_layers in (1, 4)
+
+
+@pytest.mark.parametrize("name", ["isoflop_english", "isoflop_shakespeare"])
+def test_shipped_sweep_specs_plan(name: str) -> None:
+    plan = plan_sweep(load_sweep_spec(REPO / "configs" / "sweeps" / f"{name}.yaml"))
+    budgets = {run.budget for run in plan.runs}
+    assert len(budgets) >= 2 and all(len([r for r in plan.runs if r.budget == b]) >= 3 for b in budgets)

@@ -132,3 +132,20 @@ def test_interrupted_sweep_trains_only_unfinished_runs(
     reference = {row["name"]: row for row in read_results(reference_dir)}
     for row in read_results(sweep_dir):
         assert {key: row[key] for key in COMPARED} == {key: reference[row["name"]][key] for key in COMPARED}
+
+
+def test_torchrun_executor_trains_the_same_runs_on_two_ranks(
+    finished_sweep: tuple[Path, Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    """--executor torchrun --nproc 2: every run data-parallel on 2 ranks, same global batch, same model."""
+    _, reference_dir, _ = finished_sweep
+    sweep_dir = tmp_path / "sweep"
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir, budgets=[TINY_BUDGETS[0]]))
+    output = run_scaletrain("sweep", ["run", str(spec_path), "--executor", "torchrun", "--nproc", "2"], timeout=1500)
+    assert f"trained {len(TINY_SHAPES)} runs" in output
+    reference = {row["name"]: row for row in read_results(reference_dir)}
+    for row in read_results(sweep_dir):
+        assert "--nproc_per_node=2" in (sweep_dir / "runs" / row["name"] / "train.log").read_text()
+        assert row["steps"] == reference[row["name"]]["steps"]
+        # data-parallel reductions sum in another order: equal to float32 round-off, grown over the run
+        assert float(row["val_loss"]) == pytest.approx(float(reference[row["name"]]["val_loss"]), rel=2e-3)

@@ -19,13 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        args.handler(args)
+        exit_code = args.handler(args)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         # User-facing errors (config, data, checkpoint) are ValueErrors with a message that
         # names the culprit and the fix; show that, not a traceback.
         print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return exit_code or 0
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -97,15 +97,19 @@ def _prepare(args: argparse.Namespace) -> None:
     print(f"prepared {data_dir} ({totals})")
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int:
+    """Exit 0 when the run trained all its steps, EXIT_STOPPED_EARLY (75) when a signal,
+    train.exit_after or train.exit_after_minutes stopped it at a checkpoint: resume by running again."""
     from scaletrain.parallel.groups import destroy_distributed
     from scaletrain.train.loop import train
+    from scaletrain.train.stopping import EXIT_STOPPED_EARLY
 
     config = load_config(args.config, args.overrides)
     try:
-        train(config)
+        state = train(config)
     finally:
         destroy_distributed()
+    return EXIT_STOPPED_EARLY if state.stopped_by else 0
 
 
 def _plan(args: argparse.Namespace) -> None:

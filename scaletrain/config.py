@@ -97,6 +97,10 @@ class ParallelConfig:
 class TrainConfig:
     steps: int = 100  # length of the LR schedule and of the run
     exit_after: int | None = None  # stop after this many steps in this invocation (checkpointing first)
+    # stop once this invocation has run this long (Megatron's --exit-duration-in-mins), checkpointing first
+    exit_after_minutes: float | None = None
+    # signals that stop the run at the next step boundary with a checkpoint (SLURM preemption and time limits)
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     seed: int = 1234
     lr: float = 6e-4
     min_lr: float = 6e-5
@@ -450,6 +454,14 @@ def _validate_train(config: Config) -> None:
             raise ConfigError(f"train.{key}={getattr(train, key)} must be >= 1")
     if train.exit_after is not None and train.exit_after < 1:
         raise ConfigError(f"train.exit_after={train.exit_after} must be >= 1 (or null for no early exit)")
+    if train.exit_after_minutes is not None and train.exit_after_minutes <= 0:
+        raise ConfigError(
+            f"train.exit_after_minutes={train.exit_after_minutes} must be > 0 (or null for no wall-clock limit)"
+        )
+    catchable = {"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT"}
+    unknown = [name for name in train.stop_signals if name not in catchable]
+    if unknown:
+        raise ConfigError(f"train.stop_signals has {unknown}; use names from {sorted(catchable)}")
     if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} need 0 <= min_lr <= lr, lr > 0")
     if not 0 <= train.warmup_steps < train.steps:

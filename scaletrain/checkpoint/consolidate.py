@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from scaletrain.checkpoint.manager import DEEPSPEED_TAG, CheckpointError, read_meta
+from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
 
 
@@ -40,7 +41,7 @@ def _rank_weights(state_dir: Path, tensor_rank: int, zero_stage: int) -> dict[st
         path = state_dir / f"mp_rank_{tensor_rank:02d}_model_states.pt"
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
-        return _float_tensors(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        return _float_tensors(load_tensors(path)["module"])
     return _zero3_rank_weights(state_dir, tensor_rank)
 
 
@@ -52,7 +53,7 @@ def _pipeline_rank_weights(
     weights = {}
     for path in sorted(state_dir.glob(f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
         layer_index = int(path.name.split("-")[0].removeprefix("layer_"))
-        for name, tensor in _float_tensors(torch.load(path, map_location="cpu", weights_only=False)).items():
+        for name, tensor in _float_tensors(load_tensors(path)).items():
             full_name = name_of(layer_index, name)
             if full_name is not None:
                 weights[full_name] = tensor
@@ -70,6 +71,8 @@ def _zero3_rank_weights(state_dir: Path, tensor_rank: int) -> dict[str, torch.Te
     files = sorted(state_dir.glob(f"*{suffix}_*.pt"))
     if not files:
         raise CheckpointError(f"checkpoint {state_dir} has no ZeRO-3 files for tensor rank {tensor_rank}")
+    for file in files:  # DeepSpeed's reader unpickles anything: let the restricted one see the files first
+        load_tensors(file)
     with tempfile.TemporaryDirectory() as staging:
         tag_dir = Path(staging) / DEEPSPEED_TAG
         tag_dir.mkdir()

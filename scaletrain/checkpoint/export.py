@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -52,7 +53,14 @@ def import_to_file(hf_dir: Path, family: str, out_file: Path) -> Path:
     """A transformers checkpoint as a TP=1 scaletrain state dict file, for `train.init_from`."""
     if family not in FAMILIES:
         raise CheckpointError(f"--family {family!r}; use one of {', '.join(FAMILIES)}")
-    state = import_t5_hf(hf_dir) if family == "t5" else import_hf(hf_dir, family)
+    try:
+        state = import_t5_hf(hf_dir) if family == "t5" else import_hf(hf_dir, family)
+    except (pickle.UnpicklingError, OSError) as error:
+        # transformers reads pytorch_model.bin with torch's restricted unpickler (weights_only=True)
+        raise CheckpointError(
+            f"{hf_dir} could not be read as a {family} model ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            "it must hold config.json and model.safetensors, or a pytorch_model.bin of plain tensors"
+        ) from None
     temporary = out_file.with_name(out_file.name + ".partial")
     torch.save(state, temporary)
     os.replace(temporary, out_file)

@@ -3,7 +3,7 @@
 Layout of RUN_DIR/checkpoints:
     step_00000100/state/...        DeepSpeed's sharded model + optimizer files (its "tag" dir)
     step_00000100/rng/rank_*.pt    per-rank RNG states
-    step_00000100/meta.json        step, consumed samples, layout; written last
+    step_00000100/meta.json        step, consumed samples, layout, every file's size; written last
     step_00000100/config.yaml      the full run config
     latest                         name of the newest complete checkpoint
 Every rank writes into `.staging-step_...`; after a barrier rank 0 renames it into place, so
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, load_tensors
 from scaletrain.config import Config, save_config
 from scaletrain.parallel.groups import Topology
 
@@ -31,6 +33,10 @@ META_FILE = "meta.json"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names it and what to do."""
+
+
+class LayoutMismatchError(CheckpointError):
+    """A checkpoint saved by another parallel layout (every checkpoint of the run shares it)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,10 @@ def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, 
     dist.barrier()
     if topology.rank == 0:
         save_config(config, staging / "config.yaml")
-        meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology)}
+        files = {str(path.relative_to(staging)): path.stat().st_size
+                 for path in sorted(staging.rglob("*")) if path.is_file()}
+        meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology),
+                "files": files}
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
@@ -78,18 +87,31 @@ def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, 
 
 def resolve_resume(config: Config) -> Path | None:
     """train.resume: `never` -> None; `auto` -> the latest checkpoint if any; else a path that must exist."""
+    candidates = resume_candidates(config)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(config: Config) -> list[Path]:
+    """Checkpoints to try in order: for `auto` every complete one, newest first (a newest one that
+    fails to load gives way to the one before); for an explicit path that one only."""
     setting = config.train.resume
     if setting == "never":
-        return None
+        return []
     if setting == "auto":
-        return latest_checkpoint(Path(config.run.dir))
+        latest = latest_checkpoint(Path(config.run.dir))
+        others = sorted((p for p in complete_checkpoints(Path(config.run.dir)) if p != latest), reverse=True)
+        return [latest, *others] if latest else others
     path = Path(setting)
     if not (path / META_FILE).is_file():
         raise CheckpointError(
             f"train.resume={setting}: no complete checkpoint there (missing {META_FILE}); "
             f"use train.resume=auto or a directory under {checkpoint_root(Path(config.run.dir))}"
         )
-    return path
+    return [path]
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in checkpoint_root(run_dir).glob("step_*") if (p / META_FILE).is_file())
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -99,7 +121,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         candidate = root / pointer.read_text().strip()
         if (candidate / META_FILE).is_file():
             return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / META_FILE).is_file())
+    complete = complete_checkpoints(run_dir)
     return complete[-1] if complete else None
 
 
@@ -113,26 +135,46 @@ def read_meta(path: Path) -> CheckpointMeta:
         ) from None
 
 
+def check_files(path: Path) -> None:
+    """Every file that meta.json lists is there with the size it was written with (a cheap check,
+    stat only, that catches truncated or missing files before any rank starts loading)."""
+    listed = json.loads((path / META_FILE).read_text()).get("files", {})
+    for name, size in listed.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} lacks {name}")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path}: {name} has {file.stat().st_size} bytes, {size} were written")
+
+
 def load_checkpoint(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:
     meta = read_meta(path)
     expected = layout_of(config, topology)
     if meta.layout != expected:
-        raise CheckpointError(
+        raise LayoutMismatchError(
             f"checkpoint {path} was saved with layout {meta.layout} but this run uses {expected}; "
             "resume with the same parallel.* settings and world size"
         )
+    check_files(path)
     try:
         loaded_path, _ = engine.load_checkpoint(
-            str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
-    except (OSError, RuntimeError, KeyError) as error:
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {error}") from error
+    except UnsafeCheckpointError as error:
+        raise CheckpointError(str(error)) from None
+    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(error).__name__}: {error}") from None
     if loaded_path is None:
         raise CheckpointError(f"checkpoint {path} has no DeepSpeed state under {DEEPSPEED_TAG}/")
     rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
     if not rng_file.is_file():
         raise CheckpointError(f"checkpoint {path} lacks {rng_file.name}; it was not written by this layout")
-    _restore_rng_state(torch.load(rng_file, weights_only=False))
+    try:
+        _restore_rng_state(load_tensors(rng_file))
+    except UnsafeCheckpointError as error:
+        raise CheckpointError(str(error)) from None
+    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"checkpoint {path}: {rng_file.name} could not be loaded: {error}") from None
     return meta
 
 
@@ -156,6 +198,6 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.glob("step_*") if (p / META_FILE).is_file())
+    complete = complete_checkpoints(root.parent)
     for old in complete[:-keep_last]:
         shutil.rmtree(old)

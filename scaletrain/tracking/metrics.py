@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -12,18 +13,48 @@ from scaletrain.config import Config
 
 
 class JsonlSink:
-    """Appends one JSON object per line and flushes, so a killed run keeps every logged step."""
+    """Appends one JSON object per line and flushes, so a killed run keeps every logged step.
 
-    def __init__(self, path: Path) -> None:
+    The file is strict JSON (RFC 8259): a non-finite value (a diverged loss, an infinite gradient
+    norm) is written as null, never as the bare NaN/Infinity that Python's json emits by default.
+    A resumed run first drops the records after its checkpoint's step, which the run is about to
+    train again, so every step appears exactly once however often the run was killed.
+    """
+
+    def __init__(self, path: Path, resumed_step: int = 0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            _truncate_after_step(path, resumed_step)
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict_json_values(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
+
+
+def strict_json_values(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with non-finite floats replaced by None (JSON null)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
+
+
+def _truncate_after_step(path: Path, step: int) -> None:
+    """Keep the records up to `step` (none when the run starts over at step 0), written atomically;
+    a line cut short by a kill is dropped too."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if step > 0 and isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text("".join(kept), encoding="utf-8")
+    os.replace(staging, path)
 
 
 class WandbSink:
@@ -64,11 +95,13 @@ class MetricsLogger:
 
     @classmethod
     def for_run(
-        cls, config: Config, run_dir: Path, is_logging_rank: bool, run_facts: dict[str, Any] | None = None
+        cls, config: Config, run_dir: Path, is_logging_rank: bool, run_facts: dict[str, Any] | None = None,
+        resumed_step: int = 0,
     ) -> MetricsLogger:
+        """The sinks of a run starting (or resuming) at `resumed_step`."""
         if not is_logging_rank:
             return cls([])
-        sinks: list[JsonlSink | WandbSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+        sinks: list[JsonlSink | WandbSink] = [JsonlSink(run_dir / "metrics.jsonl", resumed_step)]
         if config.tracking.wandb != "disabled":
             sinks.append(WandbSink(config, run_dir, run_facts or {}))
         return cls(sinks)

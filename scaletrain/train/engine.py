@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.checkpoint.safe_load import safe_checkpoint_engine
 from scaletrain.config import Config
 from scaletrain.model import build_model
 from scaletrain.parallel.groups import Topology
 from scaletrain.parallel.mpu import MegatronMPU
-from scaletrain.train.schedule import learning_rate
 
 
 def resolve_precision(config: Config, device: torch.device) -> str:
@@ -74,7 +74,8 @@ def build_training_model(config: Config, topology: Topology) -> nn.Module:
 
 
 def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
-    """Wrap the model in a DeepSpeed engine; the LR schedule is a LambdaLR so its state is checkpointed.
+    """Wrap the model in a DeepSpeed engine. There is no LR scheduler object: the loop sets each
+    step's LR from the config (train/schedule.py), so a resume follows the config as written.
 
     Without pipeline stages DeepSpeed learns megatron's groups from the mpu adapter; with them the
     PipelineModule's topology is the grid, and DeepSpeed wants no mpu.
@@ -84,9 +85,6 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     precision = resolve_precision(config, topology.device)
     model.to(topology.device)
     optimizer = build_optimizer(model, config, topology.device)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: learning_rate(step, config.train) / config.train.lr
-    )
     if config.parallel.zero_stage == 3:
         # ZeRO-3 gathers a module's own parameters around its forward; tied weights used elsewhere
         # must be announced, or the borrowing module sees an empty partition.
@@ -95,8 +93,8 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        lr_scheduler=schedule,
         config=deepspeed_config(config, precision),
         mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
     )
+    safe_checkpoint_engine(engine)
     return engine

@@ -15,7 +15,16 @@ import torch
 from tqdm import tqdm
 
 from scaletrain.checkpoint.consolidate import load_full_state_dict
-from scaletrain.checkpoint.manager import load_checkpoint, resolve_resume, save_checkpoint
+from scaletrain.checkpoint.manager import (
+    CheckpointError,
+    LayoutMismatchError,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_resume,
+    resume_candidates,
+    save_checkpoint,
+)
+from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.data.manifest import load_manifest
 from scaletrain.parallel.groups import Topology, init_distributed, world_size_from_environment
@@ -23,8 +32,12 @@ from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
+from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.objective import Objective, build_objective
+from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
+from scaletrain.train.schedule import learning_rate
 from scaletrain.train.step import evaluation_metrics, train_step
+from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopConditions, stop_with_launcher
 
 RUN_SUMMARY_FILE = "summary.json"
 
@@ -35,28 +48,57 @@ class TrainState:
 
     step: int = 0
     consumed_samples: int = 0
+    stopped_by: str | None = None  # why this invocation stopped before the last step (train/stopping.py)
+    resumed_from: str | None = None  # the checkpoint this invocation started from
 
 
 def train(config: Config) -> TrainState:
+    stop_with_launcher()
     config = resolve_for_world(config, world_size_from_environment())
     topology = init_distributed(config)
     _check_data_matches(config)
+    lock = _lock_run_directory(Path(config.run.dir), topology)
+    try:
+        return _train_locked(config, topology)
+    finally:
+        lock.release()
+
+
+def _train_locked(config: Config, topology: Topology) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks. Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.data_parallel_rank)
+    clear_stale_build_locks()  # before DeepSpeed loads (and maybe JIT-builds) its ops
     model = build_training_model(config, topology)
     if config.train.init_from and resolve_resume(config) is None:
-        weights = torch.load(config.train.init_from, map_location="cpu", weights_only=True)
+        weights = load_tensors(config.train.init_from)
         load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
     engine = build_engine(model, config, topology)
     run_dir = Path(config.run.dir)
     state = _restore_or_start(engine, config, topology, run_dir)
-    logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, _scaling_facts(config, topology))
+    facts = _scaling_facts(config, topology)
+    if topology.is_logging_rank:
+        print(_start_line(config, topology, facts, state), file=sys.stderr, flush=True)
+    logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, facts, resumed_step=state.step)
     try:
         _run(engine, config, topology, state, logger)
     finally:
         logger.close()
     return state
+
+
+def _lock_run_directory(run_dir: Path, topology: Topology) -> RunDirectoryLock:
+    """Rank 0 holds the run directory's lock; if another process has it, every rank stops."""
+    lock = RunDirectoryLock(run_dir)
+    busy: RunDirectoryBusy | None = None
+    if topology.rank == 0:
+        try:
+            lock.acquire()
+        except RunDirectoryBusy as error:
+            busy = error
+    if _failed_on_any_rank(busy is not None, topology):
+        raise ConfigError(str(busy) if busy else f"run.dir={run_dir} is in use by another run")
+    return lock
 
 
 def _run(engine: Any, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger) -> None:
@@ -71,46 +113,80 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
     )
     if state.step == 0 and config.train.eval_every:
         logger.log({"step": 0, **evaluate(engine, objective, topology)})
+    interactive = sys.stderr.isatty()
     progress = tqdm(
-        total=config.train.steps, initial=state.step, disable=not topology.is_logging_rank,
-        desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
-        mininterval=0.5 if sys.stderr.isatty() else 30.0,  # few lines in CI and SLURM logs
+        total=config.train.steps, initial=state.step, disable=not (topology.is_logging_rank and interactive),
+        desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
     )
+    stop = StopConditions(config.train)
+    started = time.perf_counter()
     steps_this_run = 0
     final_metrics: dict[str, float] = {}
-    while state.step < config.train.steps:
-        started = time.perf_counter()
-        record = train_step(engine, batches, config.train.grad_accum)
-        elapsed = time.perf_counter() - started
-        state.step += 1
-        state.consumed_samples += global_batch
-        steps_this_run += 1
-        record.update(step=state.step, tokens=state.step * tokens_per_step, step_time_s=elapsed,
-                      tokens_per_s=tokens_per_step / elapsed)
-        if peak_flops:
-            record["mfu"] = flops_per_step / elapsed / peak_flops
-        if state.step % config.train.log_every == 0:
-            logger.log(record)
-        progress.update(1)
-        progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-        finished = state.step == config.train.steps
-        # Every run ends with an evaluation, so its final validation loss is always measured
-        # on the same fixed set (scaling-law fits read it).
-        if config.train.eval_every and (state.step % config.train.eval_every == 0 or finished):
-            metrics = evaluate(engine, objective, topology)
-            logger.log({"step": state.step, **metrics})
-            if topology.is_logging_rank:
-                progress.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if finished:
-                final_metrics = metrics
-        exiting = config.train.exit_after is not None and steps_this_run >= config.train.exit_after
-        if state.step % config.checkpoint.every == 0 or exiting or finished:
-            save_checkpoint(engine, config, topology, state.step, state.consumed_samples)
-        if finished and topology.is_logging_rank:
-            write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
-        if exiting:
-            break
-    progress.close()
+    try:
+        while state.step < config.train.steps:
+            step_started = time.perf_counter()
+            # The LR is a function of the step and the config as written now, so a resume with a
+            # changed train.lr, min_lr, steps or warmup follows the new schedule from this step.
+            record = train_step(engine, batches, config.train.grad_accum, learning_rate(state.step, config.train))
+            elapsed = time.perf_counter() - step_started
+            state.step += 1
+            state.consumed_samples += global_batch
+            steps_this_run += 1
+            record.update(step=state.step, tokens=state.step * tokens_per_step, step_time_s=elapsed,
+                          tokens_per_s=tokens_per_step / elapsed)
+            if peak_flops:
+                record["mfu"] = flops_per_step / elapsed / peak_flops
+            if state.step % config.train.log_every == 0:
+                logger.log(record)
+                if topology.is_logging_rank and not interactive:
+                    # SLURM and CI logs: one plain line per log_every steps, no carriage returns
+                    print(_log_line(record, config.train.steps), file=sys.stderr, flush=True)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            finished = state.step == config.train.steps
+            # Every run ends with an evaluation, so its final validation loss is always measured
+            # on the same fixed set (scaling-law fits read it).
+            if config.train.eval_every and (state.step % config.train.eval_every == 0 or finished):
+                metrics = evaluate(engine, objective, topology)
+                logger.log({"step": state.step, **metrics})
+                if topology.is_logging_rank:
+                    progress.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                if finished:
+                    final_metrics = metrics
+            state.stopped_by = None if finished else stop.poll(steps_this_run, topology.device)
+            if state.step % config.checkpoint.every == 0 or state.stopped_by or finished:
+                save_checkpoint(engine, config, topology, state.step, state.consumed_samples)
+            if finished and topology.is_logging_rank:
+                write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
+            if state.stopped_by:
+                break
+    finally:
+        stop.close()
+        progress.close()
+    if topology.is_logging_rank:
+        _report_end(config, state, tokens_per_step, time.perf_counter() - started, final_metrics)
+
+
+def _log_line(record: dict[str, float], total_steps: int) -> str:
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
+    if "grad_norm" in record:
+        parts.append(f"grad_norm {record['grad_norm']:.3f}")
+    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    return "train: " + ", ".join(parts)
+
+
+def _report_end(
+    config: Config, state: TrainState, tokens_per_step: int, wall_s: float, final_metrics: dict[str, float]
+) -> None:
+    latest = latest_checkpoint(Path(config.run.dir))
+    if state.stopped_by:
+        print(f"stopped early ({state.stopped_by}) at step {state.step}/{config.train.steps} after {wall_s:.0f} s; "
+              f"checkpoint {latest}; run the same command again to resume (exit code {EXIT_STOPPED_EARLY})",
+              file=sys.stderr)
+        return
+    val = ", ".join(f"{key} {value:.4f}" for key, value in final_metrics.items()) or "no evaluation (eval_every=0)"
+    print(f"finished: {state.step} steps, {state.step * tokens_per_step:,} tokens, {wall_s:.0f} s in this "
+          f"invocation; final {val}; checkpoint {latest}", file=sys.stderr)
 
 
 def write_run_summary(
@@ -142,16 +218,37 @@ def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str,
 
 
 def _restore_or_start(engine: Any, config: Config, topology: Topology, run_dir: Path) -> TrainState:
-    resume_from = resolve_resume(config)
-    if resume_from is None:
+    """Resume from the newest checkpoint that loads (train.resume=auto), naming any that did not, or
+    start at step 0. Every rank takes the same checkpoint: a failure on any rank skips it on all."""
+    candidates = resume_candidates(config)
+    for index, path in enumerate(candidates):
+        error = None
+        try:
+            meta = load_checkpoint(engine, path, config, topology)
+        except LayoutMismatchError:
+            raise
+        except CheckpointError as failure:
+            error = failure
+        if not _failed_on_any_rank(error is not None, topology):
+            return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path))
+        reason = str(error) if error else "it failed to load on another rank"
+        if index + 1 == len(candidates):
+            raise CheckpointError(
+                f"no checkpoint of {run_dir} could be loaded; the last tried: {reason}. Delete the broken "
+                "checkpoints (or set train.resume=never to start over)"
+            )
         if topology.is_logging_rank:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, run_dir / "config.yaml")
-        return TrainState()
-    meta = load_checkpoint(engine, resume_from, config, topology)
+            print(f"warning: skipping checkpoint {path}: {reason}; trying {candidates[index + 1]}", file=sys.stderr)
     if topology.is_logging_rank:
-        print(f"resumed from {resume_from} at step {meta.step}", file=sys.stderr)
-    return TrainState(step=meta.step, consumed_samples=meta.consumed_samples)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir / "config.yaml")
+    return TrainState()
+
+
+def _failed_on_any_rank(failed: bool, topology: Topology) -> bool:
+    flag = torch.tensor([int(failed)], dtype=torch.int32, device=topology.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _check_data_matches(config: Config) -> None:
@@ -169,11 +266,25 @@ def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, tor
 
 
 def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
-    """N, D and C of the whole run (Kaplan et al. 2020 notation), for the tracker's run config."""
+    """N, D and C of the whole run (Kaplan et al. 2020 notation) and the layout's derived sizes,
+    for the tracker's run config."""
     counts = model_counts(config)
-    tokens = config.train.steps * config.global_batch_size(topology.data_parallel_size) * config.model.seq_length
+    global_batch = config.global_batch_size(topology.data_parallel_size)
+    tokens = config.train.steps * global_batch * config.model.seq_length
     return {"params": counts.total_params, "non_embedding_params": counts.non_embedding_params,
-            "flops_per_token": counts.flops_per_token, "tokens": tokens, "flops": tokens * counts.flops_per_token}
+            "flops_per_token": counts.flops_per_token, "tokens": tokens, "flops": tokens * counts.flops_per_token,
+            "world_size": topology.world_size, "data_parallel_size": topology.data_parallel_size,
+            "global_batch_size": global_batch, "tokens_per_step": global_batch * config.model.seq_length}
+
+
+def _start_line(config: Config, topology: Topology, facts: dict[str, float], state: TrainState) -> str:
+    resumed = f"resuming at step {state.step} from {state.resumed_from}" if state.resumed_from else "starting at step 0"
+    return (f"train: {config.model.family}, {facts['params']:,} parameters ({facts['non_embedding_params']:,} "
+            f"non-embedding); world {topology.world_size} = TP {topology.tensor_parallel_size} x "
+            f"DP {topology.data_parallel_size} x PP {topology.pipeline_parallel_size}, "
+            f"ZeRO-{config.parallel.zero_stage}; "
+            f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
+            f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")
 
 
 def _cluster_peak_flops(config: Config, topology: Topology) -> float | None:

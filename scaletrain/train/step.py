@@ -10,10 +10,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
-def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int) -> dict[str, float]:
-    """One optimizer step over grad_accum micro-batches; DeepSpeed scales each loss by 1/grad_accum
-    and all-reduces gradients across data-parallel ranks at the boundary."""
-    lr = engine.get_lr()[0]
+def train_step(
+    engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, lr: float
+) -> dict[str, float]:
+    """One optimizer step at learning rate `lr` over grad_accum micro-batches; DeepSpeed scales each
+    loss by 1/grad_accum and all-reduces gradients across data-parallel ranks at the boundary."""
+    for group in engine.optimizer.param_groups:  # DeepSpeed's ZeRO optimizers share torch's groups
+        group["lr"] = lr
     if is_pipeline(engine):
         # The pipeline engine runs the 1F1B schedule over grad_accum micro-batches itself and
         # returns the loss averaged over them and over data-parallel ranks.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scaletrain.train.stopping import EXIT_STOPPED_EARLY
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "gpt_tiny.yaml"
 
@@ -24,18 +26,36 @@ def tiny_overrides(data_dir: Path, run_dir: Path) -> list[str]:
     ]
 
 
-def run_scaletrain(command: str, args: list[str], nproc: int = 1, timeout: int = 600) -> str:
-    """Run a scaletrain command; fail the test with the tail of its output if it fails."""
+def launcher(nproc: int) -> list[str]:
     if nproc == 1:
-        launcher = [sys.executable, "-m", "scaletrain"]
-    else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    "-m", "scaletrain"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+        return [sys.executable, "-m", "scaletrain"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*torchrun, "-m", "scaletrain"]
+
+
+def scaletrain_environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def run_scaletrain(
+    command: str, args: list[str], nproc: int = 1, timeout: int = 600, stopped_early: bool = False
+) -> str:
+    """Run a scaletrain command; fail the test with the tail of its output if it fails.
+
+    stopped_early: the run must stop at a checkpoint before its last step (train.exit_after...),
+    with exit code 75; under torchrun, which reports any non-zero worker as its own exit 1, each
+    rank's 75 is read from torchrun's failure report.
+    """
     result = subprocess.run(
-        [*launcher, command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [*launcher(nproc), command, *args], cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True,
+        timeout=timeout,
     )
-    if result.returncode != 0:
+    if stopped_early:
+        expected = EXIT_STOPPED_EARLY if nproc == 1 else 1
+        if result.returncode != expected or (nproc > 1 and f"exitcode  : {EXIT_STOPPED_EARLY}" not in result.stderr):
+            raise AssertionError(f"scaletrain {command} should have stopped early (exit {EXIT_STOPPED_EARLY}), "
+                                 f"got {result.returncode}:\n{result.stderr[-4000:]}")
+    elif result.returncode != 0:
         raise AssertionError(f"scaletrain {command} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result.stdout
 

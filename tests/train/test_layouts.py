@@ -45,7 +45,7 @@ def train_twice(
     common = [*tiny_overrides(data_dir, straight), f"train.steps={STEPS}", "train.eval_every=10", *overrides]
     run_scaletrain("train", [config, *common], nproc)
     common = [*tiny_overrides(data_dir, resumed), f"train.steps={STEPS}", "train.eval_every=10", *overrides]
-    run_scaletrain("train", [config, *common, "train.exit_after=10"], nproc)
+    run_scaletrain("train", [config, *common, "train.exit_after=10"], nproc, stopped_early=True)
     run_scaletrain("train", [config, *common, "train.resume=auto"], nproc)
     return LayoutRuns(straight, resumed)
 

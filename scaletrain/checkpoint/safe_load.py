@@ -1,0 +1,67 @@
+"""Load checkpoint files without running code from them.
+
+`torch.load(..., weights_only=False)` unpickles arbitrary objects, so a crafted checkpoint file
+runs code on resume, `generate` or `export` (CVE-2025-32434 is the same hole in older torch). Every
+file this project reads goes through `load_tensors`, torch's restricted unpickler
+(`weights_only=True`), which admits tensors, containers and primitives plus the few classes that
+DeepSpeed writes into its checkpoints, listed in SAFE_DEEPSPEED_GLOBALS.
+DeepSpeed's own loader (`TorchCheckpointEngine.load`) uses `weights_only=False`; the engine is given
+`SafeCheckpointEngine` instead.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _deepspeed_globals() -> list[Any]:
+    """Classes DeepSpeed 0.19 pickles into model and ZeRO optimizer states (besides torch's own)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file that holds something other than tensors and plain data."""
+
+
+def load_tensors(path: str | Path, map_location: str | torch.device | None = "cpu") -> Any:
+    """torch.load restricted to tensors, plain containers and DeepSpeed's checkpoint classes."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{path} holds objects that a checkpoint must not contain, refused without running them "
+            f"({str(error).splitlines()[0]}); it was not written by scaletrain or DeepSpeed, or was "
+            "tampered with: delete it or resume from another checkpoint"
+        ) from None
+
+
+def _safe_globals() -> list[Any]:
+    try:
+        return _deepspeed_globals()
+    except ImportError:  # generate/export read checkpoints without DeepSpeed installed
+        return []
+
+
+def safe_checkpoint_engine(engine: Any) -> None:
+    """Make a DeepSpeed engine read its checkpoints through `load_tensors`."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return load_tensors(path, map_location)
+
+    current = engine.checkpoint_engine
+    if type(current) is not TorchCheckpointEngine:
+        raise RuntimeError(f"DeepSpeed chose {type(current).__name__}; scaletrain expects TorchCheckpointEngine")
+    safe = SafeCheckpointEngine.__new__(SafeCheckpointEngine)
+    safe.__dict__.update(current.__dict__)
+    engine.checkpoint_engine = safe

@@ -1,0 +1,53 @@
+"""A run owns its directory: one `train` at a time, or two would interleave metrics, delete each
+other's checkpoint staging and overwrite config.yaml.
+
+The lock is an flock(2) on RUN_DIR/.lock held by rank 0 for the run's lifetime. The kernel drops it
+when the process dies, however it dies, so a killed run never leaves its directory locked; the
+file itself only says who held it last.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+from typing import IO
+
+LOCK_FILE = ".lock"
+
+
+class RunDirectoryBusy(RuntimeError):
+    """Another process trains in this run directory."""
+
+
+class RunDirectoryLock:
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = self.path.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "an unknown process"
+            handle.close()
+            raise RunDirectoryBusy(
+                f"run.dir={self.path.parent} is in use by {holder}; wait for it to finish, stop it, "
+                "or set run.dir to another directory"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None

@@ -1,0 +1,231 @@
+"""Runs that survive what clusters do to them: preemption signals, kill -9, a second process on the
+same run directory, a broken newest checkpoint, a changed LR on resume. Every interrupted run is
+checked against an uninterrupted one, step by step, bit for bit (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import TrainConfig
+from scaletrain.train.schedule import learning_rate
+from scaletrain.train.stopping import EXIT_STOPPED_EARLY
+from tests.train.runs import (
+    DEMO_CONFIG,
+    REPO,
+    launcher,
+    read_metrics,
+    run_scaletrain,
+    scaletrain_environment,
+    tiny_overrides,
+)
+
+STEPS = 30
+
+
+def overrides(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*tiny_overrides(data_dir, run_dir), f"train.steps={STEPS}", "train.eval_every=10",
+            "checkpoint.every=10", "checkpoint.keep_last=3", *extra]
+
+
+@pytest.fixture(scope="module")
+def straight_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir)])
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def straight_run_two_ranks(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("straight_dp2") / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "parallel.zero_stage=1")], nproc=2)
+    return run_dir
+
+
+def start_training(args: list[str], nproc: int = 1, log: Path | None = None) -> subprocess.Popen:
+    output = log.open("w") if log else subprocess.DEVNULL
+    return subprocess.Popen([*launcher(nproc), "train", str(DEMO_CONFIG), *args], cwd=REPO,
+                            env=scaletrain_environment(), stdout=output, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until metrics.jsonl holds a training record of `step` or later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the run ended (exit {process.returncode}) before step {step}"
+        training, _ = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else ({}, {})
+        if training and max(training) >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)]
+
+
+def assert_same_trajectory(run_dir: Path, reference: Path) -> None:
+    """Every step logged exactly once, and each loss, LR and validation loss equal to the reference's."""
+    assert logged_steps(run_dir) == list(range(1, STEPS + 1))
+    training, validation = read_metrics(run_dir)
+    reference_training, reference_validation = read_metrics(reference)
+    for step in range(1, STEPS + 1):
+        assert training[step]["loss"] == reference_training[step]["loss"], f"step {step}"
+        assert training[step]["lr"] == reference_training[step]["lr"], f"step {step}"
+    assert validation == reference_validation
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_preemption_signal_checkpoints_at_the_step_and_resume_is_exact(
+    nproc: int, small_dataset: Path, straight_run: Path, straight_run_two_ranks: Path, tmp_path: Path
+):
+    """SIGTERM (1 rank) or SIGUSR1 (to every rank, as SLURM's --signal does): the run stops after a
+    complete step, checkpoints there and exits 75; resuming trains the remaining steps exactly."""
+    run_dir = tmp_path / "run"
+    extra = ["parallel.zero_stage=1"] if nproc == 2 else []
+    process = start_training(overrides(small_dataset, run_dir, *extra), nproc, log=tmp_path / "train.log")
+    wait_for_step(run_dir, 4, process)
+    signalled = time.monotonic()
+    if nproc == 1:
+        process.send_signal(signal.SIGTERM)
+    else:
+        # to the ranks, not the torchrun launcher (whose default action on SIGUSR1 is to die)
+        subprocess.run(["pkill", "-USR1", "-f", "--", f"-u -m scaletrain train .*run.dir={run_dir}"], check=True)
+    returncode = process.wait(timeout=120)
+    stop_seconds = time.monotonic() - signalled
+    log = (tmp_path / "train.log").read_text()
+    if nproc == 1:
+        assert returncode == EXIT_STOPPED_EARLY, log[-3000:]
+    else:
+        assert f"exitcode  : {EXIT_STOPPED_EARLY}" in log, log[-3000:]
+    stopped_at = logged_steps(run_dir)[-1]
+    assert 4 <= stopped_at < STEPS
+    assert checkpoint_steps(run_dir)[-1] == stopped_at, "no step lost: the checkpoint is at the last logged step"
+    assert "stopped early (signal" in log and "run the same command again to resume" in log
+    assert "parameters" in log and f"world {nproc} = TP 1 x DP {nproc} x PP 1" in log and "starting at step 0" in log
+    print(f"{nproc} rank(s): stopped at step {stopped_at}, {stop_seconds:.2f} s from signal to exit")
+    resumed = subprocess.run([*launcher(nproc), "train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir, *extra)],
+                             cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {stopped_at} from {run_dir / 'checkpoints' / f'step_{stopped_at:08d}'}" in resumed.stderr
+    assert f"finished: {STEPS} steps" in resumed.stderr and "final val_loss" in resumed.stderr
+    assert_same_trajectory(run_dir, straight_run_two_ranks if nproc == 2 else straight_run)
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_logs_every_step_once(small_dataset: Path, straight_run: Path, tmp_path: Path):
+    """A hard kill after the step-10 checkpoint: the steps after it are trained and logged again,
+    and metrics.jsonl ends with each step once (the resumed run drops the replayed records)."""
+    run_dir = tmp_path / "run"
+    process = start_training(overrides(small_dataset, run_dir))
+    wait_for_step(run_dir, 13, process)
+    process.kill()
+    process.wait()
+    assert checkpoint_steps(run_dir)[-1] == 10 and logged_steps(run_dir)[-1] >= 13
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir)])
+    assert_same_trajectory(run_dir, straight_run)
+
+
+@pytest.mark.slow
+def test_exit_after_and_wall_clock_budget_stop_with_exit_code_75(small_dataset: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.exit_after=3")],
+                   stopped_early=True)
+    assert checkpoint_steps(run_dir) == [3] and not (run_dir / "summary.json").exists()
+    # a budget that has run out after the first step of this invocation
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.exit_after_minutes=1e-6")],
+                   stopped_early=True)
+    assert checkpoint_steps(run_dir) == [3, 4]
+
+
+@pytest.mark.slow
+def test_a_changed_learning_rate_on_resume_takes_effect(small_dataset: Path, tmp_path: Path):
+    """The schedule is recomputed from the config at the resumed step, never scaled by the old LR."""
+    run_dir = tmp_path / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.exit_after=10")],
+                   stopped_early=True)
+    changed = ["train.lr=1e-4", "train.min_lr=2e-5", "train.warmup_steps=12"]
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, *changed)])
+    training, _ = read_metrics(run_dir)
+    written = TrainConfig(steps=STEPS, lr=1e-4, min_lr=2e-5, warmup_steps=12)
+    original = TrainConfig(steps=STEPS, lr=3e-3, min_lr=3e-4, warmup_steps=2)
+    assert [training[step]["lr"] for step in range(1, 11)] == [learning_rate(s, original) for s in range(10)]
+    assert [training[step]["lr"] for step in range(11, STEPS + 1)] == [
+        learning_rate(s, written) for s in range(10, STEPS)]
+
+
+@pytest.mark.slow
+def test_a_second_train_on_the_same_run_dir_is_refused(small_dataset: Path, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    first = start_training(overrides(small_dataset, run_dir, "train.steps=100000", "train.eval_every=0"))
+    try:
+        wait_for_step(run_dir, 2, first)
+        second = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir)],
+                                cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2
+        assert f"run.dir={run_dir} is in use by pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    # a killed holder leaves no stale lock: the next run starts
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.resume=never",
+                                                          "train.steps=3", "train.eval_every=0")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_resume_auto_falls_back_past_a_broken_newest_checkpoint(
+    damage: str, small_dataset: Path, straight_run: Path, tmp_path: Path
+):
+    run_dir = tmp_path / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.exit_after=20")],
+                   stopped_early=True)
+    broken = run_dir / "checkpoints" / "step_00000020" / "state" / "mp_rank_00_model_states.pt"
+    content = broken.read_bytes()
+    broken.write_bytes(content[: len(content) // 2] if damage == "truncated" else bytes(len(content)))
+    result = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir)],
+                            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"skipping checkpoint {broken.parents[1]}" in result.stderr
+    assert "resuming at step 10" in result.stderr
+    assert_same_trajectory(run_dir, straight_run)
+
+
+@pytest.mark.slow
+def test_workers_stop_when_the_torchrun_launcher_is_killed(small_dataset: Path, tmp_path: Path):
+    """SIGKILL to torchrun alone: its ranks get SIGTERM from the kernel, checkpoint and exit."""
+    run_dir = tmp_path / "run"
+    launcher_process = start_training(
+        overrides(small_dataset, run_dir, "parallel.zero_stage=1", "train.steps=100000", "train.eval_every=0"), 2)
+    wait_for_step(run_dir, 3, launcher_process)
+    workers = subprocess.run(["pgrep", "-P", str(launcher_process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    launcher_process.kill()
+    launcher_process.wait()
+    deadline = time.monotonic() + 120
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, workers)), "orphaned workers train on"
+    assert checkpoint_steps(run_dir)[-1] == logged_steps(run_dir)[-1], "they stopped at a checkpoint"
+
+
+def running(pid: str) -> bool:
+    """The process exists and is not a zombie waiting for its new parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

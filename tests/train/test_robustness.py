@@ -210,16 +210,22 @@ def test_workers_stop_when_the_torchrun_launcher_is_killed(small_dataset: Path, 
     run_dir = tmp_path / "run"
     launcher_process = start_training(
         overrides(small_dataset, run_dir, "parallel.zero_stage=1", "train.steps=100000", "train.eval_every=0"), 2)
-    wait_for_step(run_dir, 3, launcher_process)
-    workers = subprocess.run(["pgrep", "-P", str(launcher_process.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2
-    launcher_process.kill()
-    launcher_process.wait()
-    deadline = time.monotonic() + 120
-    while any(map(running, workers)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(running, workers)), "orphaned workers train on"
-    assert checkpoint_steps(run_dir)[-1] == logged_steps(run_dir)[-1], "they stopped at a checkpoint"
+    workers: list[str] = []
+    try:
+        wait_for_step(run_dir, 3, launcher_process)
+        workers = subprocess.run(["pgrep", "-P", str(launcher_process.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert len(workers) == 2
+        launcher_process.kill()
+        launcher_process.wait()
+        deadline = time.monotonic() + 120
+        while any(map(running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(running, workers)), "orphaned workers train on"
+        assert checkpoint_steps(run_dir)[-1] == logged_steps(run_dir)[-1], "they stopped at a checkpoint"
+    finally:  # never leave a 100,000-step run behind
+        launcher_process.kill()
+        subprocess.run(["kill", "-9", *workers], capture_output=True)
 
 
 def running(pid: str) -> bool:

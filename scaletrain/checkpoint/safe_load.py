@@ -11,7 +11,9 @@ DeepSpeed's own loader (`TorchCheckpointEngine.load`) uses `weights_only=False`;
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import torch
 
 def _deepspeed_globals() -> list[Any]:
     """Classes DeepSpeed 0.19 pickles into model and ZeRO optimizer states (besides torch's own)."""
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed announces its accelerator on stdout
+        import deepspeed  # noqa: F401
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -32,10 +36,17 @@ class UnsafeCheckpointError(ValueError):
 
 
 def load_tensors(path: str | Path, map_location: str | torch.device | None = "cpu") -> Any:
-    """torch.load restricted to tensors, plain containers and DeepSpeed's checkpoint classes."""
+    """torch.load restricted to tensors, plain containers and DeepSpeed's checkpoint classes.
+
+    DeepSpeed is imported only for a file that names one of its classes (importing it costs
+    seconds and prints to stdout, which `generate` keeps for the text)."""
     try:
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            return _restricted_load(path, map_location, [])
+        except pickle.UnpicklingError as error:
+            if "deepspeed." not in str(error):
+                raise
+            return _restricted_load(path, map_location, _deepspeed_globals())
     except pickle.UnpicklingError as error:
         raise UnsafeCheckpointError(
             f"{path} holds objects that a checkpoint must not contain, refused without running them "
@@ -44,11 +55,9 @@ def load_tensors(path: str | Path, map_location: str | torch.device | None = "cp
         ) from None
 
 
-def _safe_globals() -> list[Any]:
-    try:
-        return _deepspeed_globals()
-    except ImportError:  # generate/export read checkpoints without DeepSpeed installed
-        return []
+def _restricted_load(path: str | Path, map_location: str | torch.device | None, allowed: list[Any]) -> Any:
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def safe_checkpoint_engine(engine: Any) -> None:

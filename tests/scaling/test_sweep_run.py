@@ -128,7 +128,7 @@ def test_interrupted_sweep_trains_only_unfinished_runs(
     assert f"trained {NUM_RUNS - 1} runs, skipped 1 already done, 0 failed" in output
     resumed = json.loads((sweep_dir / "runs" / planned[1] / "status.json").read_text())
     assert resumed["attempts"] == 2
-    assert "resumed from" in (sweep_dir / "runs" / planned[1] / "train.log").read_text()
+    assert "resuming at step" in (sweep_dir / "runs" / planned[1] / "train.log").read_text()
     reference = {row["name"]: row for row in read_results(reference_dir)}
     for row in read_results(sweep_dir):
         assert {key: row[key] for key in COMPARED} == {key: reference[row["name"]][key] for key in COMPARED}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
 
+from scaletrain import __version__
 from scaletrain.config import ConfigError, load_config
 from scaletrain.scaling.fit_source import add_fit_arguments, fit_from_args
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
@@ -17,29 +19,56 @@ def main(argv: list[str] | None = None) -> int:
     # apex and TransformerEngine are optional accelerators; megatron-core warns on every import without them.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args = _parse_arguments(parser, argv)
     try:
         exit_code = args.handler(args)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         # User-facing errors (config, data, checkpoint) are ValueErrors with a message that
         # names the culprit and the fix; show that, not a traceback.
-        print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
+        if _is_reporting_rank():
+            print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
         return 2
     return exit_code or 0
 
 
+def _parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Dotted overrides may come before or after options (`train CONFIG a.b=1 --x c.d=2`).
+
+    argparse stops filling a `nargs="*"` positional at the first option, and its intermixed parser
+    does not support subcommands, so the overrides it leaves over are appended here, in order.
+    """
+    args, leftovers = parser.parse_known_args(argv)
+    if leftovers and hasattr(args, "overrides"):
+        unknown = [item for item in leftovers if item.startswith("-") or "=" not in item]
+        if not unknown:
+            args.overrides = [*args.overrides, *leftovers]
+            return args
+        leftovers = unknown
+    if leftovers:
+        parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
+    return args
+
+
+def _is_reporting_rank() -> bool:
+    """Under torchrun or srun every rank meets the same config or data error: rank 0 alone prints
+    it, so the user reads it once. Errors that one rank alone meets (a checkpoint file that fails to
+    load) are agreed across ranks before they are raised, so rank 0 names them too."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scaletrain", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     prepare = commands.add_parser("prepare", help="train the tokenizer and write token shards")
-    prepare.add_argument("config", type=Path)
+    prepare.add_argument("config", type=Path, help="the run's YAML config, e.g. configs/gpt_tiny.yaml")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.vocab_size=4096")
     prepare.add_argument("--force", action="store_true", help="rebuild even if data.dir is already prepared")
     prepare.set_defaults(handler=_prepare)
 
     train = commands.add_parser("train", help="train a model (run under torchrun for several ranks)")
-    train.add_argument("config", type=Path)
+    train.add_argument("config", type=Path, help="the run's YAML config, e.g. configs/gpt_tiny.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tensor=2")
     train.set_defaults(handler=_train)
 
@@ -56,24 +85,25 @@ def _build_parser() -> argparse.ArgumentParser:
     fit.set_defaults(handler=_fit)
 
     export = commands.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model")
-    export.add_argument("run_dir", type=Path)
-    export.add_argument("out_dir", type=Path)
-    export.add_argument("--format", choices=["hf"], default="hf")
+    export.add_argument("run_dir", type=Path, help="the run directory (run.dir); its latest checkpoint is exported")
+    export.add_argument("out_dir", type=Path, help="where to write the Hugging Face model (config + weights)")
+    export.add_argument("--format", choices=["hf"], default="hf", help="output format: Hugging Face transformers")
     export.set_defaults(handler=_export)
 
     import_ = commands.add_parser("import", help="convert a Hugging Face model into weights for train.init_from")
-    import_.add_argument("hf_dir", type=Path)
-    import_.add_argument("out_file", type=Path)
-    import_.add_argument("--family", required=True, choices=["gpt", "bert", "t5"])
+    import_.add_argument("hf_dir", type=Path, help="a Hugging Face model directory (config.json + weights)")
+    import_.add_argument("out_file", type=Path, help="the weights file to write, for train.init_from")
+    import_.add_argument("--family", required=True, choices=["gpt", "bert", "t5"],
+                         help="the model family to import into")
     import_.set_defaults(handler=_import)
 
     generate = commands.add_parser("generate", help="sample text from a run's latest checkpoint")
-    generate.add_argument("run_dir", type=Path)
-    generate.add_argument("--prompt", default="")
-    generate.add_argument("--max-new-tokens", type=int, default=100)
-    generate.add_argument("--temperature", type=float, default=0.8)
-    generate.add_argument("--top-k", type=int, default=50)
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its latest checkpoint samples")
+    generate.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    generate.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: 100)")
+    generate.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default: 0.8)")
+    generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(handler=_generate)
     return parser
 

@@ -79,7 +79,7 @@ def run_plan(
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The `scaletrain plan` arguments; `plan_from_args` consumes them."""
-    parser.add_argument("config", type=Path)
+    parser.add_argument("config", type=Path, help="the model's YAML config, e.g. configs/gpt3_175b.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.global_batch_size=512")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
@@ -91,12 +91,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NVLink GB/s per GPU and direction")
     parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
                         help="network GB/s per GPU and direction")
-    parser.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE)
+    parser.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
+                        help=f"GPUs joined by NVLink in one node (default: {DEFAULT_GPUS_PER_NODE})")
     parser.add_argument("--memory-reserve", type=float, default=DEFAULT_MEMORY_RESERVE,
                         help="fraction of GPU memory kept free for what is not modelled")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                         help="flash: SDPA flash kernels, no s x s tensors (default); math: keeps them")
-    parser.add_argument("--max-micro-batch", type=int, default=DEFAULT_MAX_MICRO_BATCH)
+    parser.add_argument("--max-micro-batch", type=int, default=DEFAULT_MAX_MICRO_BATCH,
+                        help=f"largest micro-batch to consider (default: {DEFAULT_MAX_MICRO_BATCH})")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="how many layouts to list")
 
 

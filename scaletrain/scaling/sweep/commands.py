@@ -22,11 +22,11 @@ EXECUTORS = ("local", "torchrun", "slurm")
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="sweep_command", required=True)
     plan = commands.add_parser("plan", help="the table of runs a sweep spec expands into, with totals")
-    plan.add_argument("spec", type=Path)
+    plan.add_argument("spec", type=Path, help="the sweep spec, e.g. configs/sweeps/isoflop_shakespeare.yaml")
     plan.set_defaults(sweep_handler=_plan)
 
     run = commands.add_parser("run", help="train the sweep's unfinished runs (idempotent), then fit")
-    run.add_argument("spec", type=Path)
+    run.add_argument("spec", type=Path, help="the sweep spec, e.g. configs/sweeps/isoflop_shakespeare.yaml")
     run.add_argument("--executor", choices=EXECUTORS, default="local",
                      help="local: one process per run; torchrun: --nproc ranks per run; slurm: a job array")
     run.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun and slurm)")
@@ -41,8 +41,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     finalize.set_defaults(sweep_handler=_finalize)
 
     run_one_parser = commands.add_parser("run-one", help="train one run directory of a sweep (SLURM array tasks)")
-    run_one_parser.add_argument("run_dir", type=Path)
-    run_one_parser.add_argument("--nproc", type=int, default=1)
+    run_one_parser.add_argument("run_dir", type=Path, help="a run directory the sweep planned (holds config.yaml)")
+    run_one_parser.add_argument("--nproc", type=int, default=1, help="ranks for the run (torchrun when > 1)")
     run_one_parser.set_defaults(sweep_handler=_run_one)
 
 

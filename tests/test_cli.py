@@ -1,0 +1,72 @@
+"""The command line as users type it: --version, --help for every subcommand, overrides anywhere."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from scaletrain import __version__
+from scaletrain.cli import _build_parser, _parse_arguments, main
+from tests.train.runs import REPO, launcher, scaletrain_environment
+
+
+def _subcommand_parsers(parser: argparse.ArgumentParser, prefix: str = "scaletrain"):
+    """(name, parser) of every command and nested subcommand."""
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                yield from _subcommand_parsers(subparser, f"{prefix} {name}")
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"scaletrain {__version__}"
+
+
+def test_every_argument_of_every_subcommand_says_what_it_is():
+    undocumented = [
+        f"{command}: {action.dest}"
+        for command, parser in _subcommand_parsers(_build_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction) and not action.help
+    ]
+    assert not undocumented, f"arguments without --help text: {undocumented}"
+
+
+def test_overrides_may_come_before_and_after_options_in_order():
+    args = _parse_arguments(_build_parser(), ["prepare", "c.yaml", "data.vocab_size=8", "--force", "data.seed=1",
+                                              "data.vocab_size=16"])
+    assert args.force
+    assert args.overrides == ["data.vocab_size=8", "data.seed=1", "data.vocab_size=16"]
+
+
+def test_an_override_after_options_takes_effect(capsys):
+    plan = ["plan", "configs/gpt3_350m.yaml", "--gpus", "8", "--gpu-memory", "80GiB", "--top", "1"]
+    assert main([*plan, "train.global_batch_size=64"]) == 0
+    assert "global batch: 64 sequences" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["prepare", "c.yaml", "--forse"], ["prepare", "c.yaml", "--force", "stray"],
+                                  ["generate", "runs/x", "a.b=1"]])
+def test_unknown_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_arguments(_build_parser(), argv)
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_an_error_under_torchrun_is_printed_once():
+    result = subprocess.run(
+        [*launcher(2), "train", "configs/gpt_tiny.yaml", "parallel.tensor=3"], cwd=REPO,
+        env=scaletrain_environment(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train: error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "parallel.tensor=3" in errors[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -72,3 +73,18 @@ def test_missing_files_are_clear_errors(dataset_copy: Path, tmp_path: Path) -> N
     (dataset_copy / MANIFEST_NAME).write_text("{ not json")
     with pytest.raises(DataError, match="manifest.json is unreadable"):
         load_manifest(dataset_copy)
+
+
+def test_a_loader_worker_error_reaches_the_user_as_its_one_line_message(dataset_copy: Path) -> None:
+    from scaletrain.data.loader import build_train_loader
+
+    for shard in dataset_copy.glob("train-*.tar"):
+        os.truncate(shard, shard.stat().st_size - 1024)
+    loader = build_train_loader(dataset_copy, seq_length=64, seed=0, micro_batch_size=2, data_parallel_rank=0,
+                                data_parallel_size=1, consumed_samples=0, num_workers=1)
+    with pytest.raises(DataError) as error:
+        next(iter(loader))
+    message = str(error.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    assert re.fullmatch(r"shard .*train-0000\d\.tar is \d+ bytes, the manifest says \d+: truncated or overwritten; "
+                        r"re-run `scaletrain prepare CONFIG` \(in DataLoader worker process 0\)", message), message

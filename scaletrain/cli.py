@@ -10,6 +10,7 @@ from pathlib import Path
 
 from scaletrain import __version__
 from scaletrain.config import ConfigError, load_config
+from scaletrain.disk import DiskWriteError
 from scaletrain.scaling.fit_source import add_fit_arguments, fit_from_args
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
@@ -22,9 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_arguments(parser, argv)
     try:
         exit_code = args.handler(args)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+    except (ConfigError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, DiskWriteError) as error:
         # User-facing errors (config, data, checkpoint) are ValueErrors with a message that
-        # names the culprit and the fix; show that, not a traceback.
+        # names the culprit and the fix, and file errors name the path and the cause; show
+        # that, not a traceback.
         if _is_reporting_rank():
             print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
         return 2

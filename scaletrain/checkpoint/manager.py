@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, load_tensors
+from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, load_tensors, take_write_failure
 from scaletrain.config import Config, save_config
+from scaletrain.disk import write_failure
 from scaletrain.parallel.groups import Topology
 
 DEEPSPEED_TAG = "state"
@@ -60,29 +62,65 @@ def layout_of(config: Config, topology: Topology) -> dict[str, int]:
 
 
 def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int) -> Path:
+    """Write every rank's files into a staging directory, then publish it in one rename. A failed
+    write on any rank (a full disk) removes the staging directory on all and raises one
+    CheckpointError naming the file and the cause; the previous checkpoints stay as they were."""
     root = checkpoint_root(Path(config.run.dir))
     name = f"step_{step:08d}"
     staging, final = root / f".staging-{name}", root / name
+    failure = None
     if topology.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-        (staging / "rng").mkdir(parents=True)
-    dist.barrier()
-    engine.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, save_latest=False)
-    torch.save(_rng_state(), staging / "rng" / f"rank_{topology.rank:05d}.pt")
-    dist.barrier()
+        failure = _attempt_write(lambda: (staging / "rng").mkdir(parents=True), staging)
+    _raise_if_any_failed(failure, staging, topology)
+    # DeepSpeed's writes go through the checkpoint engine, which records a failure instead of
+    # raising it between DeepSpeed's barriers (checkpoint/safe_load.py); what else fails is caught
+    # here, which is enough on one rank (on several, the others wait in DeepSpeed's last barrier).
+    failure = _attempt_write(lambda: engine.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, save_latest=False),
+                             staging)
+    failure = take_write_failure(engine) or failure
+    if failure is None:
+        rng_file = staging / "rng" / f"rank_{topology.rank:05d}.pt"
+        failure = _attempt_write(lambda: torch.save(_rng_state(), rng_file), rng_file)
+    _raise_if_any_failed(failure, staging, topology)
     if topology.rank == 0:
-        save_config(config, staging / "config.yaml")
-        files = {str(path.relative_to(staging)): path.stat().st_size
-                 for path in sorted(staging.rglob("*")) if path.is_file()}
-        meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology),
-                "files": files}
-        (staging / META_FILE).write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        _write_atomically(root / "latest", name)
-        _prune(root, config.checkpoint.keep_last)
-    dist.barrier()
+        failure = _attempt_write(lambda: _publish(staging, final, config, topology, step, consumed_samples), staging)
+    _raise_if_any_failed(failure, staging, topology)
     return final
+
+
+def _publish(staging: Path, final: Path, config: Config, topology: Topology, step: int, consumed_samples: int) -> None:
+    """Rank 0, once every rank's files are in: config, meta.json (last), rename, `latest`, pruning."""
+    save_config(config, staging / "config.yaml")
+    files = {str(path.relative_to(staging)): path.stat().st_size
+             for path in sorted(staging.rglob("*")) if path.is_file()}
+    meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology), "files": files}
+    (staging / META_FILE).write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    root = final.parent
+    _write_atomically(root / "latest", final.name)
+    _prune(root, config.checkpoint.keep_last)
+
+
+def _attempt_write(write: Callable[[], Any], path: Path) -> str | None:
+    try:
+        write()
+    except (OSError, RuntimeError) as error:
+        return str(write_failure(path, error))
+    return None
+
+
+def _raise_if_any_failed(failure: str | None, staging: Path, topology: Topology) -> None:
+    """Every rank learns the first rank's failure (a barrier too): all raise it, none waits forever."""
+    failures: list[str | None] = [None] * topology.world_size
+    dist.all_gather_object(failures, failure)
+    first = next((message for message in failures if message), None)
+    if first is None:
+        return
+    if topology.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise CheckpointError(f"checkpoint not saved: {first}; the previous checkpoints are intact")
 
 
 def resolve_resume(config: Config) -> Path | None:

@@ -6,7 +6,8 @@ file this project reads goes through `load_tensors`, torch's restricted unpickle
 (`weights_only=True`), which admits tensors, containers and primitives plus the few classes that
 DeepSpeed writes into its checkpoints, listed in SAFE_DEEPSPEED_GLOBALS.
 DeepSpeed's own loader (`TorchCheckpointEngine.load`) uses `weights_only=False`; the engine is given
-`SafeCheckpointEngine` instead.
+`SafeCheckpointEngine` instead, which also keeps a failed write (a full disk) as a message to agree on
+across ranks rather than an exception that leaves the other ranks waiting in DeepSpeed's barrier.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from scaletrain.disk import write_failure
 
 
 def _deepspeed_globals() -> list[Any]:
@@ -61,12 +64,23 @@ def _restricted_load(path: str | Path, map_location: str | torch.device | None, 
 
 
 def safe_checkpoint_engine(engine: Any) -> None:
-    """Make a DeepSpeed engine read its checkpoints through `load_tensors`."""
+    """Make a DeepSpeed engine read its checkpoints through `load_tensors` and record, not raise,
+    a failed write: `take_write_failure(engine)` returns it after `engine.save_checkpoint`."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class SafeCheckpointEngine(TorchCheckpointEngine):
+        write_failure: str | None = None
+
         def load(self, path: str, map_location: Any = None) -> Any:
             return load_tensors(path, map_location)
+
+        def save(self, state_dict: Any, path: str) -> None:
+            if self.write_failure is not None:  # the checkpoint is lost already; skip its other files
+                return
+            try:
+                super().save(state_dict, path)
+            except (OSError, RuntimeError) as error:
+                self.write_failure = str(write_failure(path, error))
 
     current = engine.checkpoint_engine
     if type(current) is not TorchCheckpointEngine:
@@ -74,3 +88,26 @@ def safe_checkpoint_engine(engine: Any) -> None:
     safe = SafeCheckpointEngine.__new__(SafeCheckpointEngine)
     safe.__dict__.update(current.__dict__)
     engine.checkpoint_engine = safe
+    _record_recovery_script_failures(engine, safe)
+
+
+def _record_recovery_script_failures(engine: Any, checkpoint_engine: Any) -> None:
+    """Rank 0 also copies DeepSpeed's zero_to_fp32.py into a ZeRO checkpoint, outside the checkpoint
+    engine (engine.py, `_copy_recovery_script`); a full disk there must be recorded the same way."""
+    copy = engine._copy_recovery_script
+
+    def copy_or_record(save_path: str) -> None:
+        if checkpoint_engine.write_failure is not None:
+            return
+        try:
+            copy(save_path)
+        except OSError as error:
+            checkpoint_engine.write_failure = str(write_failure(save_path, error))
+
+    engine._copy_recovery_script = copy_or_record
+
+
+def take_write_failure(engine: Any) -> str | None:
+    """The first failed write of the engine's last save (None if all went well), then forget it."""
+    failure, engine.checkpoint_engine.write_failure = engine.checkpoint_engine.write_failure, None
+    return failure

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import Config
+from scaletrain.disk import write_failure
 
 
 class JsonlSink:
@@ -25,11 +26,15 @@ class JsonlSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             _truncate_after_step(path, resumed_step)
+        self._path = path
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(strict_json_values(record), allow_nan=False) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(strict_json_values(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise write_failure(self._path, error, "the run stopped; resume it once the disk has room") from None
 
     def close(self) -> None:
         self._file.close()

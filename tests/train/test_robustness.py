@@ -235,3 +235,41 @@ def running(pid: str) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs (room for one 2.8 MB checkpoint of the tiny model, not two); root only."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({mounted.stderr.strip()}); needs root")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_names_the_file_keeps_the_last_checkpoint_and_resumes(
+    small_dataset: Path, straight_run: Path, small_disk: Path
+):
+    """The step-20 checkpoint does not fit: the run stops with one message naming the file and the
+    full disk, leaves no staging directory, and resumes exactly from step 10 once there is room."""
+    run_dir = small_disk / "run"
+    result = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir)],
+                            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    staging = run_dir / "checkpoints" / ".staging-step_00000020"
+    assert f"checkpoint not saved: could not write {staging}/" in errors[0], errors[0]
+    assert "no space left on device" in errors[0] and "the previous checkpoints are intact" in errors[0]
+    assert checkpoint_steps(run_dir) == [10] and not staging.exists()
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000010"
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir)])
+    assert resumed is not None
+    assert_same_trajectory(run_dir, straight_run)

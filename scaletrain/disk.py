@@ -1,0 +1,45 @@
+"""Failed reads and writes (a full disk above all) as messages that name the file and the cause."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+# Below this much free space a failed write is reported as a full disk: torch.save's C++ writer
+# reports ENOSPC as "unexpected pos 4224 vs 4116" or "file write failed", without the errno.
+NEARLY_FULL_BYTES = 64 << 20
+FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class DiskWriteError(OSError):
+    """A file that could not be written; str() is the user-facing message."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def write_failure(path: str | Path, error: BaseException, fix: str = "") -> DiskWriteError:
+    """The error to raise for a failed write of `path`: the file, the cause, the free space and the fix."""
+    free = free_bytes(Path(path))
+    full = (isinstance(error, OSError) and error.errno in FULL_DISK_ERRNOS) or (
+        free is not None and free < NEARLY_FULL_BYTES)
+    if full:
+        cause = "no space left on device"
+    elif isinstance(error, OSError) and error.strerror:
+        cause = error.strerror
+    else:
+        cause = str(error).splitlines()[0]
+    where = f"{free:,} bytes free on its disk" if free is not None else "its directory does not exist"
+    message = f"could not write {path}: {cause} ({where})"
+    if full:
+        message += "; free space there or point the run elsewhere"
+    return DiskWriteError(f"{message}; {fix}" if fix else message)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system that holds `path` (its nearest existing ancestor)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return None

@@ -122,7 +122,7 @@ def _prepare(args: argparse.Namespace) -> None:
     manifest = prepare_dataset(
         config.data.raw, data_dir, vocab_size=config.data.vocab_size, num_sentinels=config.data.num_sentinels,
         val_fraction=config.data.val_fraction, max_tokens_per_shard=config.data.max_tokens_per_shard,
-        num_workers=config.data.prepare_workers, seed=config.train.seed, overwrite=args.force,
+        num_workers=config.data.prepare_workers, seed=config.train.seed, overwrite=args.force, show_progress=True,
     )
     totals = ", ".join(f"{name}: {split.num_docs} documents, {split.num_tokens} tokens in {len(split.shards)} shards"
                        for name, split in manifest.splits.items())

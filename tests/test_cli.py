@@ -69,3 +69,22 @@ def test_an_error_under_torchrun_is_printed_once():
     errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train: error:")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert "parallel.tensor=3" in errors[0]
+
+
+def test_prepare_reports_its_stages_and_progress_as_plain_lines_in_a_log(small_dataset_raw, tmp_path):
+    raw_dir = tmp_path / "raw"
+    raw_dir.mkdir()
+    for path in small_dataset_raw:
+        (raw_dir / path.name).write_bytes(path.read_bytes())
+    result = subprocess.run(
+        [*launcher(1), "prepare", "configs/gpt_tiny.yaml", f"data.raw=[{raw_dir}]", f"data.dir={tmp_path / 'data'}",
+         "data.vocab_size=1024", "data.num_sentinels=16", "data.val_fraction=0.3"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert "prepare: training a 1,024-token sentencepiece model on 6 files" in lines
+    progress = [line for line in lines if line.startswith("prepare: tokenized ")]
+    assert "\r" not in result.stderr and 1 <= len(progress) <= 10, lines
+    assert progress[-1].startswith(f"prepare: tokenized {len(small_dataset_raw)}/{len(small_dataset_raw)} documents")
+    assert result.stdout.startswith(f"prepared {tmp_path / 'data'}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from scaletrain.data.documents import assign_splits, iter_texts, list_documents, resolve_raw_paths
 from scaletrain.data.errors import DataError
@@ -32,12 +34,14 @@ def prepare_dataset(
     num_workers: int,
     seed: int,
     overwrite: bool = False,
+    show_progress: bool = False,
 ) -> Manifest:
     """Train the tokenizer on `raw_paths`, tokenize every document, write shards + index + manifest.
 
     Everything is built in a staging directory beside `data_dir` and renamed
     into place at the end, so an interrupted or failed prepare leaves either
-    the previous dataset or nothing, never a half-written one.
+    the previous dataset or nothing, never a half-written one. `show_progress` reports each stage
+    and the documents tokenized on stderr (a bar on a terminal, plain lines in job logs).
     """
     data_dir = Path(data_dir)
     _check_target(data_dir, overwrite)
@@ -48,13 +52,18 @@ def prepare_dataset(
     staging = Path(tempfile.mkdtemp(dir=data_dir.parent, prefix=f".{data_dir.name}.staging-"))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the dataset from other users' jobs
+        progress = PrepareProgress(len(documents), show_progress)
+        progress.note(f"training a {vocab_size:,}-token sentencepiece model on {len(files)} files")
         model_path = train_tokenizer(files, staging / TOKENIZER_PREFIX, vocab_size, num_sentinels, seed=seed)
         tokenizer = Tokenizer.load(model_path)
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {split: SplitShardWriter(staging, split, max_tokens_per_shard, dtype) for split in SPLITS}
         token_arrays = tokenize_texts(model_path, iter_texts(documents), num_workers, dtype)
+        progress.note(f"tokenizing {len(documents):,} documents with {num_workers} workers")
         for doc_id, (split, tokens) in enumerate(zip(splits, token_arrays, strict=True)):
             writers[split].add(doc_id, tokens)
+            progress.update(len(tokens))
+        progress.close()
         manifest = Manifest(
             tokenizer_file=model_path.name,
             tokenizer_sha256=file_sha256(model_path),
@@ -72,6 +81,35 @@ def prepare_dataset(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return load_manifest(data_dir)
+
+
+class PrepareProgress:
+    """Documents tokenized so far: a tqdm bar on a terminal; elsewhere (SLURM, CI) a plain line at
+    every tenth of the documents, as the training loop logs without carriage returns."""
+
+    def __init__(self, num_documents: int, enabled: bool) -> None:
+        self.enabled, self.num_documents = enabled, num_documents
+        self.documents = self.tokens = 0
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=num_documents, desc="tokenize", unit="doc", file=sys.stderr, dynamic_ncols=True,
+                        disable=not (enabled and self.interactive), mininterval=0.5)
+        self.next_line = 1
+
+    def note(self, stage: str) -> None:
+        if self.enabled:
+            self.bar.write(f"prepare: {stage}", file=sys.stderr)
+
+    def update(self, num_tokens: int) -> None:
+        self.documents += 1
+        self.tokens += num_tokens
+        self.bar.update(1)
+        if self.enabled and not self.interactive and self.documents * 10 >= self.next_line * self.num_documents:
+            print(f"prepare: tokenized {self.documents:,}/{self.num_documents:,} documents, {self.tokens:,} tokens",
+                  file=sys.stderr, flush=True)
+            self.next_line = self.documents * 10 // self.num_documents + 1
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _finish_splits(writers: dict[str, SplitShardWriter], staging: Path) -> dict[str, SplitInfo]:

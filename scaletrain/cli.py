@@ -11,7 +11,7 @@ from pathlib import Path
 from scaletrain import __version__
 from scaletrain.config import ConfigError, load_config
 from scaletrain.disk import DiskWriteError
-from scaletrain.scaling.fit_source import add_fit_arguments, fit_from_args
+from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
 
@@ -155,6 +155,8 @@ def _sweep(args: argparse.Namespace) -> None:
 
 
 def _fit(args: argparse.Namespace) -> None:
+    from scaletrain.scaling.fit_source import fit_from_args
+
     print(fit_from_args(args), end="")
 
 

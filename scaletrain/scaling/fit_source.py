@@ -55,12 +55,11 @@ from scaletrain.scaling.fit import (
     percentile_interval,
     smooth_training_curve,
 )
+from scaletrain.scaling.fit_arguments import DEFAULT_BOOTSTRAP, PARAMS_COLUMNS
 from scaletrain.scaling.fit_plots import write_plots
 
-PARAMS_COLUMNS = ("params", "non_embedding_params")
 SWEEP_COLUMNS = ("name", "status", "budget", "tokens", "flops", "flops_per_token", "val_loss")
 FIT_FILE = "fit.json"
-DEFAULT_BOOTSTRAP = 100
 # N_opt ∝ C^a, D_opt ∝ C^b: Hoffmann et al. 2022, Table 2; Kaplan et al. 2020, sec. 6.1 (N ∝ C^0.73).
 PUBLISHED = {
     "Chinchilla approach 1": {"a": 0.50, "b": 0.50}, "Chinchilla approach 2": {"a": 0.49, "b": 0.51},
@@ -68,20 +67,6 @@ PUBLISHED = {
 }
 APPROACH_TITLES = {"approach1": "1 envelope (sec. 3.1)", "approach2": "2 IsoFLOP (sec. 3.2)",
                    "approach3": "3 parametric (sec. 3.3)"}
-
-
-def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `scaletrain fit` arguments; `fit_from_args` consumes them."""
-    parser.add_argument("source", type=Path, help="a sweep directory, or a CSV with columns params,tokens,loss")
-    parser.add_argument("--target-flops", type=float, nargs="+", metavar="C",
-                        help="budgets to predict the compute-optimal N, D for (default: 10x and 100x the largest run)")
-    parser.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
-                        help="bootstrap resamples for the 95%% intervals (0: none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
-    parser.add_argument("--out", type=Path,
-                        help="output directory (default: SWEEP/fit, or CSV_STEM_fit beside the CSV)")
-    parser.add_argument("--params-column", choices=PARAMS_COLUMNS, default="params",
-                        help="N: all parameters (Chinchilla) or without embeddings (Kaplan et al. 2020)")
 
 
 def fit_from_args(args: argparse.Namespace) -> str:

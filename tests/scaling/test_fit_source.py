@@ -16,8 +16,9 @@ import pytest
 
 from scaletrain.scaling import fit_source
 from scaletrain.scaling.fit import ParametricFit, fit_isoflop
+from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.fit_plots import PLOT_FILES
-from scaletrain.scaling.fit_source import add_fit_arguments, fit_from_args, fit_sweep_directory
+from scaletrain.scaling.fit_source import fit_from_args, fit_sweep_directory
 from scaletrain.scaling.sweep.results import RESULT_COLUMNS
 
 CHINCHILLA = ParametricFit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)

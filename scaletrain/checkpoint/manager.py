@@ -44,6 +44,8 @@ class CheckpointMeta:
     step: int
     consumed_samples: int
     layout: dict[str, int]
+    skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradients), in all
+    consecutive_skipped_steps: int = 0  # of those, how many in a row up to this step
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -59,7 +61,10 @@ def layout_of(config: Config, topology: Topology) -> dict[str, int]:
     }
 
 
-def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int) -> Path:
+def save_checkpoint(
+    engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int,
+    skipped_steps: int = 0, consecutive_skipped_steps: int = 0,
+) -> Path:
     root = checkpoint_root(Path(config.run.dir))
     name = f"step_{step:08d}"
     staging, final = root / f".staging-{name}", root / name
@@ -75,6 +80,7 @@ def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, 
         files = {str(path.relative_to(staging)): path.stat().st_size
                  for path in sorted(staging.rglob("*")) if path.is_file()}
         meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology),
+                "skipped_steps": skipped_steps, "consecutive_skipped_steps": consecutive_skipped_steps,
                 "files": files}
         (staging / META_FILE).write_text(json.dumps(meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
@@ -128,7 +134,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def read_meta(path: Path) -> CheckpointMeta:
     try:
         raw = json.loads((path / META_FILE).read_text())
-        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]))
+        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
+                              int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)))
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"

@@ -195,7 +195,7 @@ def _stop_if_diverged(config: Config, state: TrainState) -> None:
 def _save_finite_checkpoint(engine: Any, config: Config, topology: Topology, state: TrainState) -> None:
     """A checkpoint, unless any rank's weights are non-finite: then none, as it would replace (and
     prune) the good ones."""
-    if not weights_are_finite(engine, topology.device):
+    if not weights_are_finite(engine.module, topology.device):
         raise TrainingDiverged(
             f"training diverged: the weights are non-finite after step {state.step}; no checkpoint was "
             f"saved. {_last_good_checkpoint(config)}"

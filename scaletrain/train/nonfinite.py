@@ -87,9 +87,9 @@ class NonFiniteGuard:
         return self._optimizer_step(*args, **kwargs)
 
 
-def weights_are_finite(engine: Any, device: torch.device) -> bool:
-    """Whether every rank's weights are finite (ZeRO-3 ranks hold a partition: `ds_tensor`)."""
-    local = _norm((getattr(p, "ds_tensor", p) for p in engine.module.parameters()), device)
+def weights_are_finite(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every rank's weights are finite (under ZeRO-3 a rank holds a partition: `ds_tensor`)."""
+    local = _norm((getattr(p, "ds_tensor", p) for p in module.parameters()), device)
     return not any_rank(not bool(torch.isfinite(local)), device)
 
 

@@ -25,6 +25,7 @@ from scaletrain.model import build_model  # noqa: E402
 from scaletrain.parallel.groups import destroy_distributed, init_distributed, world_size_from_environment  # noqa: E402
 from scaletrain.tracking.flops import device_peak_flops, model_flops_per_token  # noqa: E402
 from scaletrain.train.engine import build_engine, resolve_precision  # noqa: E402
+from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
 
 
@@ -82,8 +83,9 @@ def main() -> None:
     precision = resolve_precision(config, topology.device)
     engine = build_engine(build_model(config), config, topology)
     batches = random_batches(config, topology.device, seed=topology.data_parallel_rank)
-    ours = time_steps(lambda: train_step(engine, batches, config.train.grad_accum), args.steps, args.warmup,
-                      topology.device)
+    guard = NonFiniteGuard(engine, topology.device)
+    ours = time_steps(lambda: train_step(engine, guard, batches, config.train.grad_accum, config.train.lr),
+                      args.steps, args.warmup, topology.device)
     tokens = config.global_batch_size(topology.data_parallel_size) * config.model.seq_length
     flops = model_flops_per_token(config.model, config.padded_vocab_size) * tokens
     device_name = torch.cuda.get_device_name() if topology.device.type == "cuda" else "cpu"

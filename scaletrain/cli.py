@@ -131,14 +131,20 @@ def _prepare(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     """Exit 0 when the run trained all its steps, EXIT_STOPPED_EARLY (75) when a signal,
-    train.exit_after or train.exit_after_minutes stopped it at a checkpoint: resume by running again."""
+    train.exit_after or train.exit_after_minutes stopped it at a checkpoint: resume by running again;
+    EXIT_DIVERGED (3) when it stopped on non-finite losses or weights: change the config first."""
     from scaletrain.parallel.groups import destroy_distributed
     from scaletrain.train.loop import train
+    from scaletrain.train.nonfinite import EXIT_DIVERGED, TrainingDiverged
     from scaletrain.train.stopping import EXIT_STOPPED_EARLY
 
     config = load_config(args.config, args.overrides)
     try:
         state = train(config)
+    except TrainingDiverged as error:
+        if _is_reporting_rank():
+            print(f"scaletrain train: error: {error}", file=sys.stderr)
+        return EXIT_DIVERGED
     finally:
         destroy_distributed()
     return EXIT_STOPPED_EARLY if state.stopped_by else 0

@@ -121,6 +121,12 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     activation_checkpoint_interval: int = 0  # recompute activations of every chunk of k layers; 0 = off
     log_every: int = 1
+    # A step whose loss or gradient norm is non-finite is skipped (no update; its batch is consumed);
+    # this many skipped in a row stop the run (exit 3), naming the last good checkpoint.
+    max_skipped_steps: int = 10
+    # Fault injection for tests (in the spirit of Megatron-LM's --error-injection-rate): at these
+    # steps (1-based, as logged) the first data-parallel rank's loss is made NaN. Leave empty.
+    inject_nonfinite_loss_at: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -446,7 +452,7 @@ def _validate_pipeline_partition(config: Config) -> None:
 
 def _validate_train(config: Config) -> None:
     train = config.train
-    positive = ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_samples")
+    positive = ("steps", "micro_batch_size", "grad_accum", "log_every", "eval_samples", "max_skipped_steps")
     if train.global_batch_size is not None and train.global_batch_size < 1:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} must be >= 1")
     for key in positive:
@@ -462,6 +468,13 @@ def _validate_train(config: Config) -> None:
     unknown = [name for name in train.stop_signals if name not in catchable]
     if unknown:
         raise ConfigError(f"train.stop_signals has {unknown}; use names from {sorted(catchable)}")
+    if any(step < 1 for step in train.inject_nonfinite_loss_at):
+        raise ConfigError(
+            f"train.inject_nonfinite_loss_at={train.inject_nonfinite_loss_at} must list steps >= 1 (a test "
+            "fault injection; leave it empty to train normally)"
+        )
+    if not (math.isfinite(train.lr) and math.isfinite(train.min_lr)):
+        raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} must be finite numbers")
     if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} need 0 <= min_lr <= lr, lr > 0")
     if not 0 <= train.warmup_steps < train.steps:

@@ -53,6 +53,9 @@ def test_gpt3_175b_shape_and_batch():
         (["train.typo=1"], "unknown key train.typo"),
         (["trainlr=1"], "must look like section.key=value"),
         (["data.vocab_size=100"], "data.vocab_size=100 leaves too few learned pieces"),
+        (["train.max_skipped_steps=0"], "train.max_skipped_steps=0 must be >= 1"),
+        (["train.inject_nonfinite_loss_at=[3, 0]"], "train.inject_nonfinite_loss_at=[3, 0] must list steps >= 1"),
+        (["train.lr=.inf"], "train.lr=inf and train.min_lr=0.0002 must be finite numbers"),
     ],
 )
 def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):

@@ -46,6 +46,8 @@ class CheckpointMeta:
     step: int
     consumed_samples: int
     layout: dict[str, int]
+    skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradients), in all
+    consecutive_skipped_steps: int = 0  # of those, how many in a row up to this step
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -61,7 +63,10 @@ def layout_of(config: Config, topology: Topology) -> dict[str, int]:
     }
 
 
-def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int) -> Path:
+def save_checkpoint(
+    engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int,
+    skipped_steps: int = 0, consecutive_skipped_steps: int = 0,
+) -> Path:
     """Write every rank's files into a staging directory, then publish it in one rename. A failed
     write on any rank (a full disk) removes the staging directory on all and raises one
     CheckpointError naming the file and the cause; the previous checkpoints stay as they were."""
@@ -84,18 +89,20 @@ def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, 
         failure = _attempt_write(lambda: torch.save(_rng_state(), rng_file), rng_file)
     _raise_if_any_failed(failure, staging, topology)
     if topology.rank == 0:
-        failure = _attempt_write(lambda: _publish(staging, final, config, topology, step, consumed_samples), staging)
+        meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology),
+                "skipped_steps": skipped_steps, "consecutive_skipped_steps": consecutive_skipped_steps}
+        failure = _attempt_write(lambda: _publish(staging, final, config, meta), staging)
     _raise_if_any_failed(failure, staging, topology)
     return final
 
 
-def _publish(staging: Path, final: Path, config: Config, topology: Topology, step: int, consumed_samples: int) -> None:
-    """Rank 0, once every rank's files are in: config, meta.json (last), rename, `latest`, pruning."""
+def _publish(staging: Path, final: Path, config: Config, meta: dict[str, Any]) -> None:
+    """Rank 0, once every rank's files are in: config, meta.json (last, with every file's size),
+    rename, `latest`, pruning."""
     save_config(config, staging / "config.yaml")
     files = {str(path.relative_to(staging)): path.stat().st_size
              for path in sorted(staging.rglob("*")) if path.is_file()}
-    meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology), "files": files}
-    (staging / META_FILE).write_text(json.dumps(meta, indent=2))
+    (staging / META_FILE).write_text(json.dumps({**meta, "files": files}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     root = final.parent
@@ -166,7 +173,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def read_meta(path: Path) -> CheckpointMeta:
     try:
         raw = json.loads((path / META_FILE).read_text())
-        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]))
+        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
+                              int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)))
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"

@@ -33,6 +33,7 @@ from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
 from scaletrain.train.jit_ops import clear_stale_build_locks
+from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged, weights_are_finite
 from scaletrain.train.objective import Objective, build_objective
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
 from scaletrain.train.schedule import learning_rate
@@ -50,6 +51,8 @@ class TrainState:
     consumed_samples: int = 0
     stopped_by: str | None = None  # why this invocation stopped before the last step (train/stopping.py)
     resumed_from: str | None = None  # the checkpoint this invocation started from
+    skipped_steps: int = 0  # steps whose update was skipped for a non-finite loss or gradient norm
+    consecutive_skipped_steps: int = 0
 
 
 def train(config: Config) -> TrainState:
@@ -74,6 +77,7 @@ def _train_locked(config: Config, topology: Topology) -> TrainState:
         weights = load_tensors(config.train.init_from)
         load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
     engine = build_engine(model, config, topology)
+    guard = NonFiniteGuard(engine, topology.device)
     run_dir = Path(config.run.dir)
     state = _restore_or_start(engine, config, topology, run_dir)
     facts = _scaling_facts(config, topology)
@@ -81,7 +85,7 @@ def _train_locked(config: Config, topology: Topology) -> TrainState:
         print(_start_line(config, topology, facts, state), file=sys.stderr, flush=True)
     logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, facts, resumed_step=state.step)
     try:
-        _run(engine, config, topology, state, logger)
+        _run(engine, guard, config, topology, state, logger)
     finally:
         logger.close()
     return state
@@ -101,7 +105,9 @@ def _lock_run_directory(run_dir: Path, topology: Topology) -> RunDirectoryLock:
     return lock
 
 
-def _run(engine: Any, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger) -> None:
+def _run(
+    engine: Any, guard: NonFiniteGuard, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger
+) -> None:
     global_batch = config.global_batch_size(topology.data_parallel_size)
     tokens_per_step = global_batch * config.model.seq_length
     flops_per_step = model_counts(config).flops_per_token * tokens_per_step
@@ -125,15 +131,20 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
     try:
         while state.step < config.train.steps:
             step_started = time.perf_counter()
+            guard.start_step(inject_nonfinite_loss=state.step + 1 in config.train.inject_nonfinite_loss_at
+                             and topology.data_parallel_rank == 0)
             # The LR is a function of the step and the config as written now, so a resume with a
             # changed train.lr, min_lr, steps or warmup follows the new schedule from this step.
-            record = train_step(engine, batches, config.train.grad_accum, learning_rate(state.step, config.train))
+            record = train_step(
+                engine, guard, batches, config.train.grad_accum, learning_rate(state.step, config.train))
             elapsed = time.perf_counter() - step_started
             state.step += 1
-            state.consumed_samples += global_batch
+            state.consumed_samples += global_batch  # a skipped step consumes its batch too (as Megatron's)
+            state.skipped_steps += guard.skipped
+            state.consecutive_skipped_steps = state.consecutive_skipped_steps + 1 if guard.skipped else 0
             steps_this_run += 1
             record.update(step=state.step, tokens=state.step * tokens_per_step, step_time_s=elapsed,
-                          tokens_per_s=tokens_per_step / elapsed)
+                          tokens_per_s=tokens_per_step / elapsed, skipped_steps=state.skipped_steps)
             if peak_flops:
                 record["mfu"] = flops_per_step / elapsed / peak_flops
             if state.step % config.train.log_every == 0:
@@ -141,6 +152,7 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
                 if topology.is_logging_rank and not interactive:
                     # SLURM and CI logs: one plain line per log_every steps, no carriage returns
                     print(_log_line(record, config.train.steps), file=sys.stderr, flush=True)
+            _stop_if_diverged(config, state)
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             finished = state.step == config.train.steps
@@ -155,7 +167,7 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
                     final_metrics = metrics
             state.stopped_by = None if finished else stop.poll(steps_this_run, topology.device)
             if state.step % config.checkpoint.every == 0 or state.stopped_by or finished:
-                save_checkpoint(engine, config, topology, state.step, state.consumed_samples)
+                _save_finite_checkpoint(engine, config, topology, state)
             if finished and topology.is_logging_rank:
                 write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
             if state.stopped_by:
@@ -165,6 +177,39 @@ def _run(engine: Any, config: Config, topology: Topology, state: TrainState, log
         progress.close()
     if topology.is_logging_rank:
         _report_end(config, state, tokens_per_step, time.perf_counter() - started, final_metrics)
+
+
+def _stop_if_diverged(config: Config, state: TrainState) -> None:
+    """Every rank counts the same skips, so every rank stops at the same step."""
+    limit = config.train.max_skipped_steps
+    if state.consecutive_skipped_steps < limit:
+        return
+    first = state.step - state.consecutive_skipped_steps + 1
+    raise TrainingDiverged(
+        f"training diverged: the loss or gradient norm was non-finite at {limit} steps in a row (steps "
+        f"{first}-{state.step}, train.max_skipped_steps={limit}); their updates were skipped and the run "
+        f"stopped at step {state.step}. {_last_good_checkpoint(config)}"
+    )
+
+
+def _save_finite_checkpoint(engine: Any, config: Config, topology: Topology, state: TrainState) -> None:
+    """A checkpoint, unless any rank's weights are non-finite: then none, as it would replace (and
+    prune) the good ones."""
+    if not weights_are_finite(engine.module, topology.device):
+        raise TrainingDiverged(
+            f"training diverged: the weights are non-finite after step {state.step}; no checkpoint was "
+            f"saved. {_last_good_checkpoint(config)}"
+        )
+    save_checkpoint(engine, config, topology, state.step, state.consumed_samples, state.skipped_steps,
+                    state.consecutive_skipped_steps)
+
+
+def _last_good_checkpoint(config: Config) -> str:
+    latest = latest_checkpoint(Path(config.run.dir))
+    if latest is None:
+        return "No checkpoint was saved before; lower train.lr (or raise train.warmup_steps) and start again."
+    return (f"The last good checkpoint is {latest}; lower train.lr (or raise train.warmup_steps) and run again "
+            f"to resume from it (train.resume=auto), or pass train.resume=<an earlier checkpoint>.")
 
 
 def _log_line(record: dict[str, float], total_steps: int) -> str:
@@ -230,7 +275,9 @@ def _restore_or_start(engine: Any, config: Config, topology: Topology, run_dir: 
         except CheckpointError as failure:
             error = failure
         if not _failed_on_any_rank(error is not None, topology):
-            return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path))
+            return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
+                              skipped_steps=meta.skipped_steps,
+                              consecutive_skipped_steps=meta.consecutive_skipped_steps)
         reason = str(error) if error else "it failed to load on another rank"
         if index + 1 == len(candidates):
             raise CheckpointError(

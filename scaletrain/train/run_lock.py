@@ -1,9 +1,12 @@
 """A run owns its directory: one `train` at a time, or two would interleave metrics, delete each
 other's checkpoint staging and overwrite config.yaml.
 
-The lock is an flock(2) on RUN_DIR/.lock held by rank 0 for the run's lifetime. The kernel drops it
-when the process dies, however it dies, so a killed run never leaves its directory locked; the
-file itself only says who held it last.
+The lock is a POSIX record lock (fcntl F_SETLK via lockf) on RUN_DIR/.lock, held by rank 0 for the
+run's lifetime. The kernel drops it when the process dies, however it dies, so a killed run never
+leaves its directory locked; the file itself only says who held it last. Not flock(2): an flock
+belongs to the open file, which forked children share, so a DataLoader worker orphaned by a kill -9
+kept the directory locked until it noticed (seconds later); a record lock belongs to the process.
+It is also released when the process closes any descriptor of the file, so nothing else opens it.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ class RunDirectoryLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         handle = self.path.open("a+", encoding="utf-8")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EAGAIN or EACCES, as POSIX allows either
             handle.seek(0)
             holder = handle.read().strip() or "an unknown process"
             handle.close()
@@ -48,6 +51,6 @@ class RunDirectoryLock:
 
     def release(self) -> None:
         if self._file is not None:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
+            fcntl.lockf(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None

@@ -9,12 +9,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from scaletrain.train.nonfinite import NonFiniteGuard
+
 
 def train_step(
-    engine: Any, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, lr: float
+    engine: Any, guard: NonFiniteGuard, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, lr: float
 ) -> dict[str, float]:
     """One optimizer step at learning rate `lr` over grad_accum micro-batches; DeepSpeed scales each
-    loss by 1/grad_accum and all-reduces gradients across data-parallel ranks at the boundary."""
+    loss by 1/grad_accum and all-reduces gradients across data-parallel ranks at the boundary.
+    The guard sees every micro-batch loss and skips the update if any is non-finite (guard.skipped)."""
     for group in engine.optimizer.param_groups:  # DeepSpeed's ZeRO optimizers share torch's groups
         group["lr"] = lr
     if is_pipeline(engine):
@@ -25,7 +28,7 @@ def train_step(
     losses = []
     for _ in range(grad_accum):
         batch = next(batches)
-        loss = engine(**model_inputs(batch))
+        loss = guard.watch_loss(engine(**model_inputs(batch)))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())

@@ -1,0 +1,106 @@
+"""Non-finite losses and gradients: such a step is skipped on every rank and counted, a run that
+keeps producing them stops, and no checkpoint is written with non-finite weights (issue 9).
+
+As in Megatron-LM (`skipped_iter` in megatron/training/training.py), a skipped step still
+consumes its batch and advances the step counter; only the update is dropped. DeepSpeed's ZeRO-1/2/3
+optimizers already skip a step whose gradients overflow; ZeRO-0 and the pipeline engine do not,
+and none of them looks at the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A run that stopped because it diverged: not a temporary failure (75 asks a job script to requeue,
+# and resubmitting the same command would diverge again), not a config error (2).
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(RuntimeError):
+    """The run stopped: too many non-finite steps in a row, or non-finite weights before a save."""
+
+
+class NonFiniteGuard:
+    """Decides before each optimizer step, identically on every rank, whether to skip its update.
+
+    Both DeepSpeed engines (plain and pipeline) take every optimizer step through the engine's
+    `_take_model_step`; the guard runs first there and agrees on one flag over the world group: a
+    non-finite micro-batch loss, or a non-finite gradient norm, on any rank. On a skip DeepSpeed
+    still does its own bookkeeping (gradients cleared, step counted) but the torch optimizer's
+    `step` does nothing, so weights, Adam moments and Adam's step count stay as they were. Steps
+    that ZeRO skips itself (`overflow`, agreed over its groups) count as skipped too.
+    """
+
+    def __init__(self, engine: Any, device: torch.device) -> None:
+        self._engine = engine
+        self._device = device
+        self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=device)
+        self._inject = False
+        self._skip_update = False
+        self.skipped = False  # whether the last step's update was skipped
+        self._take_model_step = engine._take_model_step
+        engine._take_model_step = self._guarded_model_step
+        optimizer = engine.client_optimizer  # the torch optimizer that ZeRO and the engine step
+        self._optimizer_step = optimizer.step
+        optimizer.step = self._guarded_optimizer_step
+        loss_fn = getattr(engine.module, "loss_fn", None)  # the pipeline's last stage computes the loss
+        if loss_fn is not None:
+            engine.module.loss_fn = self._watched(loss_fn)
+
+    def start_step(self, inject_nonfinite_loss: bool = False) -> None:
+        """Forget losses seen since the last step (evaluation's); with inject_nonfinite_loss, this
+        step's first micro-batch loss on this rank becomes NaN (train.inject_nonfinite_loss_at)."""
+        self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self._device)
+        self._inject = inject_nonfinite_loss
+
+    def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch loss on its way to backward: noted if non-finite (no host sync)."""
+        if self._inject:
+            self._inject = False
+            loss = loss * float("nan")
+        self._nonfinite_loss = self._nonfinite_loss | ~torch.isfinite(loss.detach()).all()
+        return loss
+
+    def _watched(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def watched_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return self.watch_loss(loss_fn(*args, **kwargs))
+
+        return watched_loss
+
+    def _guarded_model_step(self, *args: Any, **kwargs: Any) -> None:
+        local = self._nonfinite_loss | ~torch.isfinite(
+            _norm((p.grad for p in self._engine.module.parameters()), self._device))
+        self._skip_update = any_rank(bool(local), self._device)
+        try:
+            self._take_model_step(*args, **kwargs)
+        finally:
+            self.skipped = self._skip_update or bool(getattr(self._engine.optimizer, "overflow", False))
+            self._skip_update = False
+
+    def _guarded_optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._skip_update:
+            return None
+        return self._optimizer_step(*args, **kwargs)
+
+
+def weights_are_finite(module: torch.nn.Module, device: torch.device) -> bool:
+    """Whether every rank's weights are finite (under ZeRO-3 a rank holds a partition: `ds_tensor`)."""
+    local = _norm((getattr(p, "ds_tensor", p) for p in module.parameters()), device)
+    return not any_rank(not bool(torch.isfinite(local)), device)
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank of the world group."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _norm(tensors: Iterable[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The 2-norm of all tensors together: non-finite if any element is (or the sum overflows)."""
+    norms = [torch.linalg.vector_norm(t.detach().float()) for t in tensors if t is not None and t.numel()]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=device)

@@ -1,0 +1,26 @@
+"""The benchmarks run (their figures are measured by hand or on a GPU; here only that they work)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs import REPO, scaletrain_environment
+
+
+@pytest.mark.slow
+def test_gpt_throughput_times_scaletrain_and_the_plain_reference(small_dataset: Path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpt_throughput.py", "configs/gpt_tiny.yaml", f"data.dir={small_dataset}",
+         "data.vocab_size=1024", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+         "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=8", "--steps", "2",
+         "--warmup", "1"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"scaletrain: +[\d.]+ ms/step", result.stdout), result.stdout
+    assert re.search(r"step time ratio scaletrain / plain PyTorch: [\d.]+", result.stdout), result.stdout

@@ -16,7 +16,8 @@ import json
 import os
 import pickle
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ class CheckpointError(ValueError):
 
 
 class LayoutMismatchError(CheckpointError):
-    """A checkpoint saved by another parallel layout (every checkpoint of the run shares it)."""
+    """A checkpoint that cannot be resumed in this run's parallel layout; the message names those that can."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class CheckpointMeta:
     step: int
     consumed_samples: int
     layout: dict[str, int]
+    files: dict[str, int] = field(default_factory=dict)  # path under the checkpoint -> size in bytes
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -85,15 +87,9 @@ def save_checkpoint(engine: Any, config: Config, topology: Topology, step: int, 
     return final
 
 
-def resolve_resume(config: Config) -> Path | None:
-    """train.resume: `never` -> None; `auto` -> the latest checkpoint if any; else a path that must exist."""
-    candidates = resume_candidates(config)
-    return candidates[0] if candidates else None
-
-
 def resume_candidates(config: Config) -> list[Path]:
-    """Checkpoints to try in order: for `auto` every complete one, newest first (a newest one that
-    fails to load gives way to the one before); for an explicit path that one only."""
+    """train.resume as checkpoints to try in order: `never` none; `auto` every complete one, newest
+    first (a newest one that fails to load gives way to the one before); an explicit path that one."""
     setting = config.train.resume
     if setting == "never":
         return []
@@ -128,18 +124,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def read_meta(path: Path) -> CheckpointMeta:
     try:
         raw = json.loads((path / META_FILE).read_text())
-        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]))
+        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
+                              dict(raw.get("files", {})))
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"
         ) from None
 
 
-def check_files(path: Path) -> None:
+def check_files(path: Path, meta: CheckpointMeta) -> None:
     """Every file that meta.json lists is there with the size it was written with (a cheap check,
     stat only, that catches truncated or missing files before any rank starts loading)."""
-    listed = json.loads((path / META_FILE).read_text()).get("files", {})
-    for name, size in listed.items():
+    for name, size in meta.files.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} lacks {name}")
@@ -147,35 +143,39 @@ def check_files(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path}: {name} has {file.stat().st_size} bytes, {size} were written")
 
 
-def load_checkpoint(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:
-    meta = read_meta(path)
+def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Config, topology: Topology) -> None:
+    """Load a checkpoint written by this run's layout (`meta` from read_meta, its files checked):
+    DeepSpeed's sharded state through its own loader, then this rank's RNG state. Another layout's
+    checkpoint goes through checkpoint/reshard.py instead."""
     expected = layout_of(config, topology)
     if meta.layout != expected:
         raise LayoutMismatchError(
-            f"checkpoint {path} was saved with layout {meta.layout} but this run uses {expected}; "
-            "resume with the same parallel.* settings and world size"
+            f"checkpoint {path} was saved with layout {meta.layout}, this run uses {expected}; "
+            "load it with checkpoint.reshard.load_resharded"
         )
-    check_files(path)
-    try:
-        loaded_path, _ = engine.load_checkpoint(
+    loaded_path, _ = _translate_load_errors(
+        path, DEEPSPEED_TAG, lambda: engine.load_checkpoint(
             str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
-    except UnsafeCheckpointError as error:
-        raise CheckpointError(str(error)) from None
-    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(error).__name__}: {error}") from None
+    )
     if loaded_path is None:
         raise CheckpointError(f"checkpoint {path} has no DeepSpeed state under {DEEPSPEED_TAG}/")
     rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
     if not rng_file.is_file():
-        raise CheckpointError(f"checkpoint {path} lacks {rng_file.name}; it was not written by this layout")
+        raise CheckpointError(f"checkpoint {path} lacks rng/{rng_file.name}; it was not written by this layout")
+    _restore_rng_state(_translate_load_errors(path, f"rng/{rng_file.name}", lambda: load_tensors(rng_file)))
+
+
+def _translate_load_errors(path: Path, part: str, load: Callable[[], Any]) -> Any:
+    """Run `load`; a refused or unreadable file becomes a CheckpointError naming the checkpoint and part."""
     try:
-        _restore_rng_state(load_tensors(rng_file))
+        return load()
     except UnsafeCheckpointError as error:
         raise CheckpointError(str(error)) from None
     except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {path}: {rng_file.name} could not be loaded: {error}") from None
-    return meta
+        raise CheckpointError(
+            f"checkpoint {path}: {part} could not be loaded: {type(error).__name__}: {error}"
+        ) from None
 
 
 def _rng_state() -> dict[str, Any]:

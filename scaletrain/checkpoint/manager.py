@@ -153,7 +153,7 @@ def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Confi
             f"checkpoint {path} was saved with layout {meta.layout}, this run uses {expected}; "
             "load it with checkpoint.reshard.load_resharded"
         )
-    loaded_path, _ = _translate_load_errors(
+    loaded_path, _ = translate_load_errors(
         path, DEEPSPEED_TAG, lambda: engine.load_checkpoint(
             str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
@@ -163,16 +163,16 @@ def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Confi
     rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
     if not rng_file.is_file():
         raise CheckpointError(f"checkpoint {path} lacks rng/{rng_file.name}; it was not written by this layout")
-    _restore_rng_state(_translate_load_errors(path, f"rng/{rng_file.name}", lambda: load_tensors(rng_file)))
+    _restore_rng_state(translate_load_errors(path, f"rng/{rng_file.name}", lambda: load_tensors(rng_file)))
 
 
-def _translate_load_errors(path: Path, part: str, load: Callable[[], Any]) -> Any:
+def translate_load_errors(path: Path, part: str, load: Callable[[], Any]) -> Any:
     """Run `load`; a refused or unreadable file becomes a CheckpointError naming the checkpoint and part."""
     try:
         return load()
     except UnsafeCheckpointError as error:
         raise CheckpointError(str(error)) from None
-    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
+    except (OSError, RuntimeError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as error:
         raise CheckpointError(
             f"checkpoint {path}: {part} could not be loaded: {type(error).__name__}: {error}"
         ) from None

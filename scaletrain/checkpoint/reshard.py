@@ -37,8 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.checkpoint.manager import DEEPSPEED_TAG, CheckpointError, CheckpointMeta, LayoutMismatchError, layout_of
-from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, load_tensors
+from scaletrain.checkpoint.manager import (
+    DEEPSPEED_TAG,
+    CheckpointError,
+    CheckpointMeta,
+    LayoutMismatchError,
+    layout_of,
+    translate_load_errors,
+)
+from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config
 from scaletrain.model.bert import BERT
 from scaletrain.model.gpt import GPT
@@ -98,12 +105,9 @@ def load_resharded(engine: Any, path: Path, meta: CheckpointMeta, config: Config
               file=sys.stderr, flush=True)
     name_of = _layer_name_map(config)
     local = dict(_local_parameters(engine.module, topology, name_of))
-    try:
-        state = read_layout_free_state(path, meta.layout, local, name_of)
-    except UnsafeCheckpointError as error:
-        raise CheckpointError(str(error)) from None
-    except (OSError, RuntimeError, KeyError, IndexError, EOFError) as error:
-        raise CheckpointError(f"checkpoint {path} could not be resharded: {type(error).__name__}: {error}") from None
+    state = translate_load_errors(
+        path, f"{DEEPSPEED_TAG}/ (for resharding)", lambda: read_layout_free_state(path, meta.layout, local, name_of)
+    )
     _write_into_engine(engine, state, local, topology)
     engine.global_steps = meta.step
     engine.global_samples = meta.consumed_samples

@@ -18,11 +18,11 @@ Data order depends only on (seed, consumed_samples), so the loader needs nothing
 dropout RNG cannot map across layouts: a resharded run reseeds it, so with dropout > 0 the masks
 after the resume differ from an uninterrupted run's.
 
-Cost at scale: every rank reads the source files that hold its pipeline stage's parameters (all TP
-ranks' and all DP partitions', since a flat ZeRO partition spans many parameters) and keeps the
-merged fp32 weight and both moments of its stage's parameters: 12 bytes per parameter of the stage
-plus one source file at a time, and TP x DP times the reads of a same-layout resume. For billions of
-parameters per stage, reshard once on a large-memory node and resume that.
+Cost at scale: every rank reads every model and optimizer file of the old checkpoint, one file at
+a time (a flat ZeRO partition spans many parameters, so there is no cheaper cut), and keeps the
+merged fp32 weight and both moments of its own pipeline stage's parameters: 12 bytes per parameter
+of the stage, plus one source file. I/O is world-size times that of a same-layout resume. With
+billions of parameters per stage that needs a large-memory node; resume there once and save.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def load_resharded(engine: Any, path: Path, meta: CheckpointMeta, config: Config
         print(f"resharding checkpoint {path} from {describe_layout(meta.layout)} to {describe_layout(target)}"
               + ("; dropout masks will differ from an uninterrupted run's" if config.model.dropout else ""),
               file=sys.stderr, flush=True)
-    name_of = _layer_name_map(config)
+    name_of = layer_name_map(config)
     local = dict(_local_parameters(engine.module, topology, name_of))
     state = translate_load_errors(
         path, f"{DEEPSPEED_TAG}/ (for resharding)", lambda: read_layout_free_state(path, meta.layout, local, name_of)
@@ -211,7 +211,7 @@ def pipeline_to_model_name(name: str, name_of: LayerName | None) -> str | None:
     return name_of(int(layer), name_in_layer)
 
 
-def _layer_name_map(config: Config) -> LayerName | None:
+def layer_name_map(config: Config) -> LayerName | None:
     """The family's flat-layer name map. It reads only `config.num_layers`, so it is called on a
     stand-in instead of a built model (building one would allocate every weight of the model)."""
     family = PIPELINE_FAMILIES.get(config.model.family)

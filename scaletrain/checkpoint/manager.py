@@ -17,7 +17,7 @@ import os
 import pickle
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ class CheckpointError(ValueError):
 
 
 class LayoutMismatchError(CheckpointError):
-    """A checkpoint saved by another parallel layout (every checkpoint of the run shares it)."""
+    """A checkpoint that cannot be resumed in this run's parallel layout; the message names those that can."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class CheckpointMeta:
     layout: dict[str, int]
     skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradients), in all
     consecutive_skipped_steps: int = 0  # of those, how many in a row up to this step
+    files: dict[str, int] = field(default_factory=dict)  # path under the checkpoint -> size in bytes
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -130,15 +131,9 @@ def _raise_if_any_failed(failure: str | None, staging: Path, topology: Topology)
     raise CheckpointError(f"checkpoint not saved: {first}; the previous checkpoints are intact")
 
 
-def resolve_resume(config: Config) -> Path | None:
-    """train.resume: `never` -> None; `auto` -> the latest checkpoint if any; else a path that must exist."""
-    candidates = resume_candidates(config)
-    return candidates[0] if candidates else None
-
-
 def resume_candidates(config: Config) -> list[Path]:
-    """Checkpoints to try in order: for `auto` every complete one, newest first (a newest one that
-    fails to load gives way to the one before); for an explicit path that one only."""
+    """train.resume as checkpoints to try in order: `never` none; `auto` every complete one, newest
+    first (a newest one that fails to load gives way to the one before); an explicit path that one."""
     setting = config.train.resume
     if setting == "never":
         return []
@@ -174,18 +169,18 @@ def read_meta(path: Path) -> CheckpointMeta:
     try:
         raw = json.loads((path / META_FILE).read_text())
         return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
-                              int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)))
+                              int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)),
+                              dict(raw.get("files", {})))
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"
         ) from None
 
 
-def check_files(path: Path) -> None:
+def check_files(path: Path, meta: CheckpointMeta) -> None:
     """Every file that meta.json lists is there with the size it was written with (a cheap check,
     stat only, that catches truncated or missing files before any rank starts loading)."""
-    listed = json.loads((path / META_FILE).read_text()).get("files", {})
-    for name, size in listed.items():
+    for name, size in meta.files.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} lacks {name}")
@@ -193,35 +188,39 @@ def check_files(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path}: {name} has {file.stat().st_size} bytes, {size} were written")
 
 
-def load_checkpoint(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:
-    meta = read_meta(path)
+def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Config, topology: Topology) -> None:
+    """Load a checkpoint written by this run's layout (`meta` from read_meta, its files checked):
+    DeepSpeed's sharded state through its own loader, then this rank's RNG state. Another layout's
+    checkpoint goes through checkpoint/reshard.py instead."""
     expected = layout_of(config, topology)
     if meta.layout != expected:
         raise LayoutMismatchError(
-            f"checkpoint {path} was saved with layout {meta.layout} but this run uses {expected}; "
-            "resume with the same parallel.* settings and world size"
+            f"checkpoint {path} was saved with layout {meta.layout}, this run uses {expected}; "
+            "load it with checkpoint.reshard.load_resharded"
         )
-    check_files(path)
-    try:
-        loaded_path, _ = engine.load_checkpoint(
+    loaded_path, _ = translate_load_errors(
+        path, DEEPSPEED_TAG, lambda: engine.load_checkpoint(
             str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
-    except UnsafeCheckpointError as error:
-        raise CheckpointError(str(error)) from None
-    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(error).__name__}: {error}") from None
+    )
     if loaded_path is None:
         raise CheckpointError(f"checkpoint {path} has no DeepSpeed state under {DEEPSPEED_TAG}/")
     rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
     if not rng_file.is_file():
-        raise CheckpointError(f"checkpoint {path} lacks {rng_file.name}; it was not written by this layout")
+        raise CheckpointError(f"checkpoint {path} lacks rng/{rng_file.name}; it was not written by this layout")
+    _restore_rng_state(translate_load_errors(path, f"rng/{rng_file.name}", lambda: load_tensors(rng_file)))
+
+
+def translate_load_errors(path: Path, part: str, load: Callable[[], Any]) -> Any:
+    """Run `load`; a refused or unreadable file becomes a CheckpointError naming the checkpoint and part."""
     try:
-        _restore_rng_state(load_tensors(rng_file))
+        return load()
     except UnsafeCheckpointError as error:
         raise CheckpointError(str(error)) from None
-    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {path}: {rng_file.name} could not be loaded: {error}") from None
-    return meta
+    except (OSError, RuntimeError, KeyError, IndexError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(
+            f"checkpoint {path}: {part} could not be loaded: {type(error).__name__}: {error}"
+        ) from None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -17,13 +17,17 @@ from tqdm import tqdm
 from scaletrain.checkpoint.consolidate import load_full_state_dict
 from scaletrain.checkpoint.manager import (
     CheckpointError,
+    CheckpointMeta,
     LayoutMismatchError,
+    check_files,
     latest_checkpoint,
+    layout_of,
     load_checkpoint,
-    resolve_resume,
+    read_meta,
     resume_candidates,
     save_checkpoint,
 )
+from scaletrain.checkpoint.reshard import load_resharded
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.data.manifest import load_manifest
@@ -72,14 +76,15 @@ def _train_locked(config: Config, topology: Topology) -> TrainState:
     # activations get identical masks. Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.data_parallel_rank)
     clear_stale_build_locks()  # before DeepSpeed loads (and maybe JIT-builds) its ops
+    candidates = resume_candidates(config)
     model = build_training_model(config, topology)
-    if config.train.init_from and resolve_resume(config) is None:
+    if config.train.init_from and not candidates:
         weights = load_tensors(config.train.init_from)
         load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
     engine = build_engine(model, config, topology)
     guard = NonFiniteGuard(engine, topology.device)
     run_dir = Path(config.run.dir)
-    state = _restore_or_start(engine, config, topology, run_dir)
+    state = _restore_or_start(engine, config, topology, run_dir, candidates)
     facts = _scaling_facts(config, topology)
     if topology.is_logging_rank:
         print(_start_line(config, topology, facts, state), file=sys.stderr, flush=True)
@@ -262,14 +267,16 @@ def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str,
     return evaluation_metrics(engine, list(_device_batches(loader, topology.device)))
 
 
-def _restore_or_start(engine: Any, config: Config, topology: Topology, run_dir: Path) -> TrainState:
-    """Resume from the newest checkpoint that loads (train.resume=auto), naming any that did not, or
-    start at step 0. Every rank takes the same checkpoint: a failure on any rank skips it on all."""
-    candidates = resume_candidates(config)
+def _restore_or_start(
+    engine: Any, config: Config, topology: Topology, run_dir: Path, candidates: list[Path]
+) -> TrainState:
+    """Resume from the first of `candidates` (manager.resume_candidates) that loads, naming any that
+    did not, or start at step 0. Every rank takes the same checkpoint: a failure on any rank skips
+    it on all. A refused reshard stops the run instead of quietly falling back to an older checkpoint."""
     for index, path in enumerate(candidates):
         error = None
         try:
-            meta = load_checkpoint(engine, path, config, topology)
+            meta = _load_any_layout(engine, path, config, topology)
         except LayoutMismatchError:
             raise
         except CheckpointError as failure:
@@ -290,6 +297,17 @@ def _restore_or_start(engine: Any, config: Config, topology: Topology, run_dir: 
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.yaml")
     return TrainState()
+
+
+def _load_any_layout(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:
+    """The checkpoint's own layout loads through DeepSpeed; another layout is resharded."""
+    meta = read_meta(path)
+    check_files(path, meta)
+    if meta.layout == layout_of(config, topology):
+        load_checkpoint(engine, path, meta, config, topology)
+    else:
+        load_resharded(engine, path, meta, config, topology)
+    return meta
 
 
 def _failed_on_any_rank(failed: bool, topology: Topology) -> bool:

@@ -74,6 +74,12 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 parallel.tensor=2")
     train.set_defaults(handler=_train)
 
+    check = commands.add_parser("check", help="validate a run before launching it: config, data, layout, run dir")
+    check.add_argument("config", type=Path)
+    check.add_argument("overrides", nargs="*", help="the dotted overrides `train` will get")
+    check.add_argument("--world-size", type=int, default=1, help="ranks the run will start (default 1)")
+    check.set_defaults(handler=_check)
+
     plan = commands.add_parser("plan", help="rank the parallel layouts that fit a model on N GPUs")
     add_plan_arguments(plan)
     plan.set_defaults(handler=_plan)
@@ -148,6 +154,12 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         destroy_distributed()
     return EXIT_STOPPED_EARLY if state.stopped_by else 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    from scaletrain.train.preflight import preflight
+
+    print(preflight(args.config, args.overrides, args.world_size).summary())
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,11 @@ class SlurmCluster:
                                  f"{self.log_tails()}")
         return result.stdout
 
-    def submit(self, args: list[str], cwd: Path | str) -> int:
-        """`sbatch --parsable ARGS` run in `cwd`; returns the job id (of the whole array, for arrays)."""
-        result = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=self.env, capture_output=True,
-                                text=True, timeout=30)
+    def submit(self, args: list[str], cwd: Path | str, env: dict[str, str] | None = None) -> int:
+        """`sbatch --parsable ARGS` run in `cwd`; returns the job id (of the whole array, for arrays).
+        `env` adds to the environment sbatch exports to the job."""
+        result = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env={**self.env, **(env or {})},
+                                capture_output=True, text=True, timeout=30)
         if result.returncode != 0:
             raise AssertionError(f"sbatch {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return int(result.stdout.strip().split(";")[0])
@@ -80,6 +82,19 @@ class SlurmCluster:
             if state is not None:
                 records.append((task.group(1) if task else "0", state.group(1)))
         return records
+
+    def job_fields(self, job_id: int) -> dict[str, str]:
+        """The KEY=VALUE fields `scontrol show job` gives for a plain job (JobState, ExitCode, Restarts, ...)."""
+        return dict(re.findall(r"(\w+)=(\S*)", self.run(["scontrol", "--oneliner", "show", "job", str(job_id)])))
+
+    def time_limit_checks(self) -> list[float]:
+        """When (epoch seconds) slurmctld has looked at the running jobs' time limits, which it does
+        every 30 s (PERIODIC_TIMEOUT, slurmctld/controller.c) and is when it sends a job's --signal;
+        logged from the first call on (it raises slurmctld's log level to debug2)."""
+        self.run(["scontrol", "setdebug", "debug2"])
+        log = (self.directory / "slurmctld.log").read_text(errors="replace")
+        stamps = re.findall(r"^\[([\d\-T:.]+)\] debug2: Testing job time limits", log, flags=re.MULTILINE)
+        return [datetime.fromisoformat(stamp).timestamp() for stamp in stamps]
 
     def wait(self, job_id: int, timeout: float = 60.0) -> dict[int, str]:
         """Poll until no task of the job (array tasks included) can still run; final JobState by task id."""
@@ -148,6 +163,9 @@ def write_conf(directory: Path, node: str) -> Path:
         # No munge daemon: both authentication and job credentials are plugins that do nothing.
         "AuthType": "auth/none",
         "CredType": "cred/none",
+        # A requeued job waits cred_expire + 1 s before it may start again (slurmctld/job_mgr.c,
+        # _job_requeue_op), 121 s by default; 10 s keeps a step's launch credential valid on a busy host.
+        "AuthInfo": "cred_expire=10",
         # No cgroups or systemd in containers: track job processes by parent pid, bind nothing.
         "ProctrackType": "proctrack/linuxproc",
         "TaskPlugin": "task/none",

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from scaletrain.config import Config
+from scaletrain.config import Config, ConfigError
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,12 @@ def destroy_distributed() -> None:
 
 
 def world_size_from_environment() -> int:
-    """The launcher's world size (torchrun sets WORLD_SIZE); 1 when run directly."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The launcher's world size: torchrun's WORLD_SIZE, else the srun step's SLURM_NTASKS; 1 when run directly."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if _started_by_srun():
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
 
 
 def _select_device() -> torch.device:
@@ -85,11 +89,28 @@ def _select_device() -> torch.device:
 
 
 def _default_single_process_environment() -> None:
-    """Let `scaletrain train` run without a launcher: a world of one on a free local port."""
-    if "RANK" in os.environ:  # torchrun (also under SLURM's srun, see launch/) set the world up
+    """Fill in torch.distributed's variables where torchrun did not: from the srun step's tasks
+    (launch/slurm.sbatch starts one per rank), else a world of one on a free local port."""
+    if "RANK" in os.environ:  # torchrun set the world up
+        return
+    if _started_by_srun() and int(os.environ["SLURM_NTASKS"]) > 1:
+        if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+            raise ConfigError(
+                f"srun started {os.environ['SLURM_NTASKS']} tasks but MASTER_ADDR and MASTER_PORT are not both "
+                "set; export them before srun (the first node of $SLURM_JOB_NODELIST and a free port, as "
+                "launch/slurm.sbatch does)"
+            )
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                          WORLD_SIZE=os.environ["SLURM_NTASKS"])
         return
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _started_by_srun() -> bool:
+    """A task of an srun step; the batch script itself also has SLURM_PROCID and the job's
+    SLURM_NTASKS, but no SLURM_STEP_ID, and is a world of one."""
+    return {"SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"} <= os.environ.keys()
 
 
 def _free_port() -> int:

@@ -30,7 +30,6 @@ from scaletrain.checkpoint.manager import (
 from scaletrain.checkpoint.reshard import load_resharded
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
-from scaletrain.data.manifest import load_manifest
 from scaletrain.parallel.groups import Topology, init_distributed, world_size_from_environment
 from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import device_peak_flops
@@ -39,6 +38,7 @@ from scaletrain.train.engine import build_engine, build_training_model
 from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged, weights_are_finite
 from scaletrain.train.objective import Objective, build_objective
+from scaletrain.train.preflight import check_data_matches
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
 from scaletrain.train.schedule import learning_rate
 from scaletrain.train.step import evaluation_metrics, train_step
@@ -63,7 +63,7 @@ def train(config: Config) -> TrainState:
     stop_with_launcher()
     config = resolve_for_world(config, world_size_from_environment())
     topology = init_distributed(config)
-    _check_data_matches(config)
+    check_data_matches(config)
     lock = _lock_run_directory(Path(config.run.dir), topology)
     try:
         return _train_locked(config, topology)
@@ -314,15 +314,6 @@ def _failed_on_any_rank(failed: bool, topology: Topology) -> bool:
     flag = torch.tensor([int(failed)], dtype=torch.int32, device=topology.device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def _check_data_matches(config: Config) -> None:
-    manifest = load_manifest(Path(config.data.dir))
-    if manifest.vocab_size != config.data.vocab_size:
-        raise ConfigError(
-            f"data.vocab_size={config.data.vocab_size} but {config.data.dir} was prepared with "
-            f"vocab_size={manifest.vocab_size}; set data.vocab_size={manifest.vocab_size} or re-run prepare"
-        )
 
 
 def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:

@@ -49,6 +49,19 @@ class RunDirectoryLock:
         handle.flush()
         self._file = handle
 
+    def holder(self) -> str | None:
+        """Who holds the lock now (what the lock file says), or None if nobody does; leaves the
+        directory and the file as they are (for `scaletrain check`)."""
+        if not self.path.is_file():
+            return None
+        with self.path.open("r", encoding="utf-8") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip() or "an unknown process"
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
+
     def release(self) -> None:
         if self._file is not None:
             fcntl.lockf(self._file, fcntl.LOCK_UN)

@@ -1,0 +1,93 @@
+"""`scaletrain check`: what `train` would refuse, found before any rank starts.
+
+A job that waited hours in a queue should not learn of a typo in an override after its ranks have
+imported DeepSpeed and joined torch.distributed. The check reads the config and overrides, the
+prepared data's manifest, the layout for the world size, the run directory's lock and its latest
+checkpoint, and builds no model and no process group; launch/slurm.sbatch runs it before srun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from scaletrain.checkpoint.manager import LayoutMismatchError, read_meta, resolve_resume
+from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
+from scaletrain.data.manifest import Manifest, load_manifest
+from scaletrain.scaling.counts import model_counts
+from scaletrain.train.run_lock import RunDirectoryLock
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a `train` of this config on `world_size` ranks would start from."""
+
+    config: Config  # resolved for the world size
+    world_size: int
+    manifest: Manifest
+    resume_step: int | None
+    resume_path: Path | None
+
+    def summary(self) -> str:
+        config, counts = self.config, model_counts(self.config)
+        parallel = config.parallel
+        global_batch = config.global_batch_size(parallel.data)
+        tokens_per_step = global_batch * config.model.seq_length
+        start = (f"resumes at step {self.resume_step} of {config.train.steps} from {self.resume_path}"
+                 if self.resume_path else "starts at step 0")
+        return "\n".join([
+            f"ok: {config.model.family}, {counts.total_params:,} parameters "
+            f"({counts.non_embedding_params:,} non-embedding)",
+            f"layout: world {self.world_size} = TP {parallel.tensor} x DP {parallel.data} x PP {parallel.pipeline}, "
+            f"ZeRO-{parallel.zero_stage}",
+            f"batch: global {global_batch} = micro {config.train.micro_batch_size} x grad_accum "
+            f"{config.train.grad_accum} x DP {parallel.data}; {tokens_per_step:,} tokens per step, "
+            f"{config.train.steps} steps, {config.train.steps * tokens_per_step:,} tokens",
+            f"data: {config.data.dir}, vocab {self.manifest.vocab_size}, "
+            + ", ".join(f"{name} {split.num_tokens:,} tokens" for name, split in self.manifest.splits.items()),
+            f"run: {config.run.dir} {start}",
+        ])
+
+
+def preflight(config_path: Path, overrides: list[str], world_size: int) -> Preflight:
+    """Raise ConfigError (or the data's or checkpoint's ValueError) naming what `train` would fail on."""
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: give the number of ranks the job will start (1 or more)")
+    config = resolve_for_world(load_config(config_path, overrides), world_size)
+    manifest = check_data_matches(config)
+    run_dir = Path(config.run.dir)
+    holder = RunDirectoryLock(run_dir).holder()
+    if holder is not None:
+        raise ConfigError(f"run.dir={run_dir} is in use by {holder}; wait for it to finish, stop it, "
+                          "or set run.dir to another directory")
+    resume_path = resolve_resume(config)
+    resume_step = _check_resume_layout(config, resume_path) if resume_path else None
+    if resume_path is None and config.train.init_from and not Path(config.train.init_from).is_file():
+        raise ConfigError(f"train.init_from={config.train.init_from} does not exist; give the file "
+                          "`scaletrain import` wrote, or leave train.init_from unset")
+    return Preflight(config, world_size, manifest, resume_step, resume_path)
+
+
+def check_data_matches(config: Config) -> Manifest:
+    """The prepared dataset at data.dir (its manifest and checksums), with the config's vocabulary size."""
+    manifest = load_manifest(Path(config.data.dir))
+    if manifest.vocab_size != config.data.vocab_size:
+        raise ConfigError(
+            f"data.vocab_size={config.data.vocab_size} but {config.data.dir} was prepared with "
+            f"vocab_size={manifest.vocab_size}; set data.vocab_size={manifest.vocab_size} or re-run prepare"
+        )
+    return manifest
+
+
+def _check_resume_layout(config: Config, path: Path) -> int:
+    """The step of the checkpoint a resume would load, which must have been saved by this layout."""
+    meta = read_meta(path)
+    parallel = config.parallel
+    layout = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "data": parallel.data,
+              "zero_stage": parallel.zero_stage}
+    if meta.layout != layout:
+        raise LayoutMismatchError(
+            f"checkpoint {path} was saved with layout {meta.layout} but this run would use {layout}; "
+            "resume with the same parallel.* settings and world size (or set train.resume=never to start over)"
+        )
+    return meta.step

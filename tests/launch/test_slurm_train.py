@@ -1,0 +1,150 @@
+"""launch/slurm.sbatch on a real one-node SLURM, CPU ranks on gloo: two ranks started by srun train
+bit for bit like torchrun's, and a job that gets its time-limit signal checkpoints at the step it
+stopped, requeues itself and finishes with the losses of an uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.slurm_cluster import (  # noqa: F401 (slurm_cluster_fixture registers the fixture)
+    FINAL_STATES,
+    SlurmCluster,
+    slurm_cluster_fixture,
+)
+from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+SCRIPT = REPO / "launch" / "slurm.sbatch"
+# The script header's overrides for a node without GPUs: two ranks, one core each.
+CPU_NODE = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
+# --time=3 with --signal=B:USR1@170: the signal is due once fewer than 170 + 30 s are left, that is at
+# the first time-limit check after the job starts; the 3 minutes leave a busy host time to start the
+# ranks and stop them before the limit itself.
+TIME_LIMIT = ["--time=3", "--signal=B:USR1@170"]
+
+
+def overrides(data_dir: Path, run_dir: Path) -> list[str]:
+    # No periodic checkpoint before the last step: a checkpoint mid-run can only come from the signal.
+    return [*tiny_overrides(data_dir, run_dir), f"train.steps={STEPS}", f"train.eval_every={STEPS // 2}",
+            f"checkpoint.every={STEPS}", "parallel.zero_stage=1"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir)], nproc=2)
+    return run_dir
+
+
+def submit_training(cluster: SlurmCluster, data_dir: Path, run_dir: Path, log: Path, sbatch_args: list[str]) -> int:
+    """sbatch launch/slurm.sbatch from the repository, with this Python first on PATH for the job."""
+    environment = {"PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}", "OMP_NUM_THREADS": "1",
+                   "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "STOP_REPEAT_S": "1"}
+    return cluster.submit([*CPU_NODE, *sbatch_args, f"--output={log}", str(SCRIPT), str(DEMO_CONFIG),
+                           *overrides(data_dir, run_dir)], cwd=REPO, env=environment)
+
+
+def assert_same_losses(run_dir: Path, reference: Path) -> None:
+    """Every step logged once, each loss and LR and every validation loss equal to the reference's."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records if "loss" in record] == list(range(1, STEPS + 1)), "each step once"
+    training, validation = read_metrics(run_dir)
+    reference_training, reference_validation = read_metrics(reference)
+    assert sorted(training) == list(range(1, STEPS + 1))
+    for step in training:
+        assert training[step]["loss"] == reference_training[step]["loss"], f"step {step}"
+        assert training[step]["lr"] == reference_training[step]["lr"], f"step {step}"
+    assert validation == reference_validation
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*"))
+
+
+def script_log_time(log: str, event: str) -> float:
+    """When the job script logged `event` (its lines start with a [date time.ms] stamp)."""
+    line = next(line for line in log.splitlines() if "slurm.sbatch" in line and event in line)
+    return datetime.fromisoformat(line[1:line.index("]")]).timestamp()
+
+
+def test_two_ranks_started_by_srun_train_like_torchrun(
+    slurm_cluster: SlurmCluster, small_dataset: Path, torchrun_run: Path, tmp_path: Path
+) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    started = time.monotonic()
+    job_id = submit_training(slurm_cluster, small_dataset, run_dir, log, [])
+
+    assert slurm_cluster.wait(job_id, timeout=600) == {0: "COMPLETED"}, log.read_text()[-3000:]
+    print(f"SLURM job of {STEPS} steps: {time.monotonic() - started:.0f} s from sbatch to COMPLETED")
+    fields = slurm_cluster.job_fields(job_id)
+    assert (fields["ExitCode"], fields["Restarts"]) == ("0:0", "0")
+    text = log.read_text()
+    assert "2 ranks (1 nodes x 2)" in text and "ok: gpt" in text, "scaletrain check ran before srun"
+    assert "world 2 = TP 1 x DP 2 x PP 1" in text and "starting at step 0" in text
+    assert "training finished" in text
+    assert checkpoint_steps(run_dir) == [STEPS]
+    assert_same_losses(run_dir, torchrun_run)
+
+
+def submit_before_a_time_limit_check(cluster: SlurmCluster, submit: Callable[[], int],
+                                     lead_s: tuple[float, float] = (2, 6)) -> int:
+    """Submit when slurmctld's next time-limit check is lead_s seconds away, so the job's signal comes
+    at that check, while the job script starts up, on a fast host as on a slow one."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        checks = cluster.time_limit_checks()
+        if checks:
+            next_check = checks[-1] + 30  # the controller's loop may add up to a second
+            if lead_s[0] <= next_check - time.time() <= lead_s[1]:
+                return submit()
+        time.sleep(0.2)
+    raise AssertionError(f"no time-limit check logged in 90 s\n{cluster.log_tails()}")
+
+
+def test_time_limit_signal_checkpoints_at_the_step_requeues_and_resumes_exactly(
+    slurm_cluster: SlurmCluster, small_dataset: Path, torchrun_run: Path, tmp_path: Path
+) -> None:
+    """slurmctld sends --signal only at its time-limit checks, every 30 s: the signal is placed at a
+    check just after the job starts, while the ranks start up, so it is the same on any host. The ranks
+    ignore USR1 until their handler is in; the script repeats it every STOP_REPEAT_S (1 s here)."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    started = time.monotonic()
+    job_id = submit_before_a_time_limit_check(
+        slurm_cluster, lambda: submit_training(slurm_cluster, small_dataset, run_dir, log, TIME_LIMIT))
+
+    deadline = time.monotonic() + 600
+    while (fields := slurm_cluster.job_fields(job_id))["Restarts"] == "0":
+        state = fields["JobState"]  # RUNNING, also SIGNALING while slurmctld sends the signal
+        assert state not in FINAL_STATES, f"{state} before any requeue:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no requeue in 600 s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    first_start = log.read_text()
+    stopped_at = max(read_metrics(run_dir)[0])
+    assert 1 <= stopped_at < STEPS
+    assert checkpoint_steps(run_dir) == [stopped_at], "no step lost: the checkpoint is at the last logged step"
+    assert f"stopped early (signal SIGUSR1) at step {stopped_at}/{STEPS}" in first_start
+    assert "requeueing the job" in first_start
+    signal_to_exit = script_log_time(first_start, "requeueing") - script_log_time(first_start, "USR1")
+    # Each start has the full time limit again, so a run longer than one limit is requeued once per
+    # limit; lifting the limit while the job waits to start again lets this one finish in its second.
+    slurm_cluster.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=30"])
+
+    assert slurm_cluster.wait(job_id, timeout=600) == {0: "COMPLETED"}, log.read_text()[-3000:]
+    print(f"time-limit signal at start-up -> ranks stopped at step {stopped_at} and exited: {signal_to_exit:.1f} s; "
+          f"sbatch to COMPLETED after one requeue: {time.monotonic() - started:.0f} s")
+    fields = slurm_cluster.job_fields(job_id)
+    assert (fields["ExitCode"], fields["Restarts"]) == ("0:0", "1")
+    text = log.read_text()
+    assert text.startswith(first_start), "--open-mode=append keeps the first start's log"
+    assert f"resuming at step {stopped_at} from {run_dir / 'checkpoints' / f'step_{stopped_at:08d}'}" in text
+    assert "training finished" in text
+    assert_same_losses(run_dir, torchrun_run)

@@ -1,0 +1,89 @@
+"""`scaletrain check`: a summary and exit 0 for a run `train` would start, one clear error and exit 2
+for one it would refuse (bad override, layout, missing data, busy run directory, foreign checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.train.run_lock import RunDirectoryLock
+from tests.train.runs import DEMO_CONFIG, tiny_overrides
+
+
+def check(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    exit_code = main(["check", str(DEMO_CONFIG), *args])
+    captured = capsys.readouterr()
+    return exit_code, captured.out, captured.err
+
+
+def test_a_good_run_is_summarised(small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    exit_code, out, err = check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"), "train.steps=30",
+                                "--world-size", "2")
+
+    assert (exit_code, err) == (0, "")
+    assert "ok: gpt, 167,680 parameters (100,096 non-embedding)" in out
+    assert "layout: world 2 = TP 1 x DP 2 x PP 1" in out
+    assert "batch: global 8 = micro 4 x grad_accum 1 x DP 2; 256 tokens per step, 30 steps, 7,680 tokens" in out
+    assert f"data: {small_dataset}, vocab 1024, train " in out
+    assert f"run: {tmp_path / 'run'} starts at step 0" in out
+    assert not (tmp_path / "run").exists(), "check creates nothing"
+
+
+def test_a_bad_override_is_named(small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    exit_code, out, err = check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"), "train.lr=fast")
+
+    assert (exit_code, out) == (2, "")
+    assert err.startswith("scaletrain check: error: ") and "train.lr" in err and "fast" in err
+
+
+def test_a_world_size_the_layout_cannot_use(small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    exit_code, _, err = check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"), "parallel.tensor=2",
+                              "--world-size", "3")
+
+    assert exit_code == 2
+    assert "world size 3 is not divisible by parallel.tensor x parallel.pipeline = 2 x 1" in err
+
+
+def test_missing_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    exit_code, _, err = check(capsys, *tiny_overrides(tmp_path / "nowhere", tmp_path / "run"))
+
+    assert exit_code == 2
+    assert f"no manifest.json in {tmp_path / 'nowhere'}" in err and "scaletrain prepare" in err
+
+
+def test_a_vocabulary_the_data_was_not_prepared_with(small_dataset: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    exit_code, _, err = check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"), "data.vocab_size=2048")
+
+    assert exit_code == 2
+    assert "data.vocab_size=2048" in err and "set data.vocab_size=1024" in err
+
+
+def test_a_run_directory_in_use(small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    lock = RunDirectoryLock(tmp_path / "run")
+    lock.acquire()  # as a training rank 0 holds it
+    try:
+        exit_code, _, err = check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"))
+    finally:
+        lock.release()
+
+    assert exit_code == 2
+    assert f"run.dir={tmp_path / 'run'} is in use by pid " in err
+    assert check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"))[0] == 0, "free once released"
+
+
+def test_a_checkpoint_of_another_layout(small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000010"
+    checkpoint.mkdir(parents=True)
+    layout = {"tensor": 1, "pipeline": 1, "data": 2, "zero_stage": 1}
+    (checkpoint / "meta.json").write_text(json.dumps({"step": 10, "consumed_samples": 80, "layout": layout}))
+    overrides = [*tiny_overrides(small_dataset, tmp_path / "run"), "parallel.zero_stage=1"]
+
+    exit_code, out, _ = check(capsys, *overrides, "--world-size", "2")
+    assert exit_code == 0 and f"resumes at step 10 of 300 from {checkpoint}" in out
+    exit_code, _, err = check(capsys, *overrides, "--world-size", "1")
+    assert exit_code == 2
+    assert f"checkpoint {checkpoint} was saved with layout" in err and "'data': 1" in err

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.checkpoint.manager import LayoutMismatchError, read_meta, resolve_resume
+from scaletrain.checkpoint.manager import read_meta, resume_candidates
+from scaletrain.checkpoint.reshard import check_reshardable, describe_layout
 from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
 from scaletrain.data.manifest import Manifest, load_manifest
 from scaletrain.scaling.counts import model_counts
@@ -27,6 +28,7 @@ class Preflight:
     manifest: Manifest
     resume_step: int | None
     resume_path: Path | None
+    resharded_from: str | None = None  # the checkpoint's own layout, when it differs from this run's
 
     def summary(self) -> str:
         config, counts = self.config, model_counts(self.config)
@@ -35,6 +37,8 @@ class Preflight:
         tokens_per_step = global_batch * config.model.seq_length
         start = (f"resumes at step {self.resume_step} of {config.train.steps} from {self.resume_path}"
                  if self.resume_path else "starts at step 0")
+        if self.resharded_from:
+            start += f" (resharded from {self.resharded_from})"
         return "\n".join([
             f"ok: {config.model.family}, {counts.total_params:,} parameters "
             f"({counts.non_embedding_params:,} non-embedding)",
@@ -60,12 +64,13 @@ def preflight(config_path: Path, overrides: list[str], world_size: int) -> Prefl
     if holder is not None:
         raise ConfigError(f"run.dir={run_dir} is in use by {holder}; wait for it to finish, stop it, "
                           "or set run.dir to another directory")
-    resume_path = resolve_resume(config)
-    resume_step = _check_resume_layout(config, resume_path) if resume_path else None
+    candidates = resume_candidates(config)
+    resume_path = candidates[0] if candidates else None
+    resume_step, resharded_from = _check_resume_layout(config, resume_path) if resume_path else (None, None)
     if resume_path is None and config.train.init_from and not Path(config.train.init_from).is_file():
         raise ConfigError(f"train.init_from={config.train.init_from} does not exist; give the file "
                           "`scaletrain import` wrote, or leave train.init_from unset")
-    return Preflight(config, world_size, manifest, resume_step, resume_path)
+    return Preflight(config, world_size, manifest, resume_step, resume_path, resharded_from)
 
 
 def check_data_matches(config: Config) -> Manifest:
@@ -79,15 +84,14 @@ def check_data_matches(config: Config) -> Manifest:
     return manifest
 
 
-def _check_resume_layout(config: Config, path: Path) -> int:
-    """The step of the checkpoint a resume would load, which must have been saved by this layout."""
+def _check_resume_layout(config: Config, path: Path) -> tuple[int, str | None]:
+    """The step of the checkpoint a resume would load, and its layout if it differs from this run's
+    (then it must be one that checkpoint/reshard.py maps, or this raises naming those that can)."""
     meta = read_meta(path)
     parallel = config.parallel
     layout = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "data": parallel.data,
               "zero_stage": parallel.zero_stage}
-    if meta.layout != layout:
-        raise LayoutMismatchError(
-            f"checkpoint {path} was saved with layout {meta.layout} but this run would use {layout}; "
-            "resume with the same parallel.* settings and world size (or set train.resume=never to start over)"
-        )
-    return meta.step
+    if meta.layout == layout:
+        return meta.step, None
+    check_reshardable(path, meta.layout, layout)
+    return meta.step, describe_layout(meta.layout)

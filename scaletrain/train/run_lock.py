@@ -51,15 +51,16 @@ class RunDirectoryLock:
 
     def holder(self) -> str | None:
         """Who holds the lock now (what the lock file says), or None if nobody does; leaves the
-        directory and the file as they are (for `scaletrain check`)."""
+        directory and the file as they are (for `scaletrain check`, in a process that does not
+        hold the lock: closing the file would drop a lock this process held)."""
         if not self.path.is_file():
             return None
         with self.path.open("r", encoding="utf-8") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
+            try:  # a shared record lock is refused while another process holds the exclusive one
+                fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
                 return handle.read().strip() or "an unknown process"
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.lockf(handle, fcntl.LOCK_UN)
         return None
 
     def release(self) -> None:

@@ -4,13 +4,14 @@ for one it would refuse (bad override, layout, missing data, busy run directory,
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from scaletrain.cli import main
-from scaletrain.train.run_lock import RunDirectoryLock
-from tests.train.runs import DEMO_CONFIG, tiny_overrides
+from tests.train.runs import DEMO_CONFIG, REPO, tiny_overrides
 
 
 def check(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
@@ -63,15 +64,21 @@ def test_a_vocabulary_the_data_was_not_prepared_with(small_dataset: Path, tmp_pa
 
 
 def test_a_run_directory_in_use(small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    lock = RunDirectoryLock(tmp_path / "run")
-    lock.acquire()  # as a training rank 0 holds it
+    # as a training rank 0 holds it: in another process (a POSIX record lock belongs to its process)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from scaletrain.train.run_lock import "
+         f"RunDirectoryLock; lock = RunDirectoryLock(Path({str(tmp_path / 'run')!r})); lock.acquire(); print('locked', "
+         "flush=True); sys.stdin.read()"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
     try:
+        assert holder.stdout.readline().strip() == "locked"
         exit_code, _, err = check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"))
     finally:
-        lock.release()
+        holder.communicate("")
 
     assert exit_code == 2
-    assert f"run.dir={tmp_path / 'run'} is in use by pid " in err
+    assert f"run.dir={tmp_path / 'run'} is in use by pid {holder.pid} " in err
     assert check(capsys, *tiny_overrides(small_dataset, tmp_path / "run"))[0] == 0, "free once released"
 
 
@@ -84,6 +91,8 @@ def test_a_checkpoint_of_another_layout(small_dataset: Path, tmp_path: Path, cap
 
     exit_code, out, _ = check(capsys, *overrides, "--world-size", "2")
     assert exit_code == 0 and f"resumes at step 10 of 300 from {checkpoint}" in out
-    exit_code, _, err = check(capsys, *overrides, "--world-size", "1")
+    exit_code, out, _ = check(capsys, *overrides, "--world-size", "1")
+    assert exit_code == 0 and f"resumes at step 10 of 300 from {checkpoint} (resharded from DP2 ZeRO-1)" in out
+    exit_code, _, err = check(capsys, *overrides, "parallel.zero_stage=3", "--world-size", "1")
     assert exit_code == 2
-    assert f"checkpoint {checkpoint} was saved with layout" in err and "'data': 1" in err
+    assert f"resharding checkpoint {checkpoint} from DP2 ZeRO-1 into TP1 ZeRO-3 is not supported" in err

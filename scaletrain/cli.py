@@ -1,4 +1,4 @@
-"""Command line: `scaletrain prepare|train|plan|sweep|fit|generate|export|import` (also `python -m scaletrain ...`)."""
+"""Command line: `scaletrain prepare|train|check|plan|sweep|fit|generate|export|import` (also `python -m scaletrain`)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_train)
 
     check = commands.add_parser("check", help="validate a run before launching it: config, data, layout, run dir")
-    check.add_argument("config", type=Path)
+    check.add_argument("config", type=Path, help="the run's YAML config, as `train` will get it")
     check.add_argument("overrides", nargs="*", help="the dotted overrides `train` will get")
     check.add_argument("--world-size", type=int, default=1, help="ranks the run will start (default 1)")
     check.set_defaults(handler=_check)

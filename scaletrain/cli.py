@@ -1,4 +1,4 @@
-"""Command line: `scaletrain prepare|train|check|plan|sweep|fit|generate|export|import` (also `python -m scaletrain`)."""
+"""Command line: `scaletrain prepare|train|check|plan|sweep|fit|generate|export|import` (or `python -m scaletrain`)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,13 @@ SRUN_TASK = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SL
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No launch variables during a test, and after it the test process's own again: the code under
+    test sets RANK and WORLD_SIZE in os.environ, and a leaked RANK=3 makes every later subprocess
+    a rank of a world that never forms. (delenv of an absent name records nothing to undo;
+    setenv first does.)"""
     for name in LAUNCH_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def launch_environment() -> dict[str, str | None]:

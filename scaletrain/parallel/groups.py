@@ -64,6 +64,13 @@ def init_distributed(config: Config) -> Topology:
     )
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank of the world group."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -30,7 +30,7 @@ from scaletrain.checkpoint.manager import (
 from scaletrain.checkpoint.reshard import load_resharded
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
-from scaletrain.parallel.groups import Topology, init_distributed, world_size_from_environment
+from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
 from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
@@ -105,7 +105,7 @@ def _lock_run_directory(run_dir: Path, topology: Topology) -> RunDirectoryLock:
             lock.acquire()
         except RunDirectoryBusy as error:
             busy = error
-    if _failed_on_any_rank(busy is not None, topology):
+    if any_rank(busy is not None, topology.device):
         raise ConfigError(str(busy) if busy else f"run.dir={run_dir} is in use by another run")
     return lock
 
@@ -281,7 +281,7 @@ def _restore_or_start(
             raise
         except CheckpointError as failure:
             error = failure
-        if not _failed_on_any_rank(error is not None, topology):
+        if not any_rank(error is not None, topology.device):
             return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
                               skipped_steps=meta.skipped_steps,
                               consecutive_skipped_steps=meta.consecutive_skipped_steps)
@@ -308,12 +308,6 @@ def _load_any_layout(engine: Any, path: Path, config: Config, topology: Topology
     else:
         load_resharded(engine, path, meta, config, topology)
     return meta
-
-
-def _failed_on_any_rank(failed: bool, topology: Topology) -> bool:
-    flag = torch.tensor([int(failed)], dtype=torch.int32, device=topology.device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:

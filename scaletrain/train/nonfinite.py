@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from scaletrain.parallel.groups import any_rank
 
 # A run that stopped because it diverged: not a temporary failure (75 asks a job script to requeue,
 # and resubmitting the same command would diverge again), not a config error (2).
@@ -91,13 +92,6 @@ def weights_are_finite(module: torch.nn.Module, device: torch.device) -> bool:
     """Whether every rank's weights are finite (under ZeRO-3 a rank holds a partition: `ds_tensor`)."""
     local = _norm((getattr(p, "ds_tensor", p) for p in module.parameters()), device)
     return not any_rank(not bool(torch.isfinite(local)), device)
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if `flag` is true on any rank of the world group."""
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
 
 
 def _norm(tensors: Iterable[torch.Tensor | None], device: torch.device) -> torch.Tensor:

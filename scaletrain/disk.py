@@ -22,24 +22,21 @@ class DiskWriteError(OSError):
 def write_failure(path: str | Path, error: BaseException, fix: str = "") -> DiskWriteError:
     """The error to raise for a failed write of `path`: the file, the cause, the free space and the fix."""
     free = free_bytes(Path(path))
-    full = (isinstance(error, OSError) and error.errno in FULL_DISK_ERRNOS) or (
-        free is not None and free < NEARLY_FULL_BYTES)
+    full = (isinstance(error, OSError) and error.errno in FULL_DISK_ERRNOS) or free < NEARLY_FULL_BYTES
     if full:
         cause = "no space left on device"
     elif isinstance(error, OSError) and error.strerror:
         cause = error.strerror
     else:
         cause = str(error).splitlines()[0]
-    where = f"{free:,} bytes free on its disk" if free is not None else "its directory does not exist"
-    message = f"could not write {path}: {cause} ({where})"
+    message = f"could not write {path}: {cause} ({free:,} bytes free on its disk)"
     if full:
         message += "; free space there or point the run elsewhere"
     return DiskWriteError(f"{message}; {fix}" if fix else message)
 
 
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the file system that holds `path` (its nearest existing ancestor)."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return None
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds `path`: its nearest existing ancestor (the last of
+    `parents`, `/` or `.`, always exists)."""
+    existing = next(candidate for candidate in (path, *path.parents) if candidate.exists())
+    return shutil.disk_usage(existing).free

@@ -11,6 +11,7 @@ from pathlib import Path
 from scaletrain import __version__
 from scaletrain.config import ConfigError, load_config
 from scaletrain.disk import DiskWriteError
+from scaletrain.model.registry import FAMILY_MODULES
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
@@ -101,7 +102,7 @@ def _build_parser() -> argparse.ArgumentParser:
     import_ = commands.add_parser("import", help="convert a Hugging Face model into weights for train.init_from")
     import_.add_argument("hf_dir", type=Path, help="a Hugging Face model directory (config.json + weights)")
     import_.add_argument("out_file", type=Path, help="the weights file to write, for train.init_from")
-    import_.add_argument("--family", required=True, choices=["gpt", "bert", "t5"],
+    import_.add_argument("--family", required=True, choices=list(FAMILY_MODULES),
                          help="the model family to import into")
     import_.set_defaults(handler=_import)
 

@@ -19,10 +19,14 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """What every family's `model:` section has; each family's file extends it with its own keys
+    (model/gpt.py GPTConfig, bert.py BertConfig, t5.py T5Config, llama.py LlamaConfig)."""
+
     family: str = "gpt"
     num_layers: int = 2
     hidden_size: int = 128
     num_heads: int = 4
+    head_dim: int | None = None  # None: hidden_size / num_heads
     ffn_hidden_size: int | None = None  # None: 4 * hidden_size, as in GPT-2/3
     seq_length: int = 128
     # Megatron pads the vocabulary so every tensor-parallel shard has equal rows; we pad to a
@@ -31,16 +35,6 @@ class ModelConfig:
     dropout: float = 0.0
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
-    # BERT
-    layernorm_position: str | None = None  # post | pre; None: the family's original (BERT post, GPT pre)
-    type_vocab_size: int = 2  # segment embeddings
-    # T5 (model.seq_length is the encoder length; the decoder length follows from the objective)
-    num_decoder_layers: int | None = None  # None: model.num_layers
-    head_dim: int | None = None  # T5's d_kv; None: hidden_size / num_heads
-    ffn_activation: str = "gated-gelu"  # relu (T5) | gated-gelu (T5 v1.1)
-    tie_embeddings: bool = True  # T5: tied output with d_model**-0.5 scaling (original) or untied (v1.1)
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
 
     @property
     def ffn_size(self) -> int:
@@ -49,6 +43,17 @@ class ModelConfig:
     @property
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def num_query_groups(self) -> int:
+        """Key/value heads; families with grouped-query attention override it."""
+        return self.num_heads
+
+
+def _default_model() -> ModelConfig:
+    from scaletrain.model.registry import get_family
+
+    return get_family("gpt").config_class()
 
 
 @dataclass
@@ -76,10 +81,14 @@ class ObjectiveConfig:
     mean_noise_span_length: float = 3.0
 
     def resolved_kind(self, family: str) -> str:
-        return FAMILY_OBJECTIVES[family][0] if self.kind == "auto" else self.kind
+        return family_objectives(family)[0] if self.kind == "auto" else self.kind
 
 
-FAMILY_OBJECTIVES = {"gpt": ("causal_lm", "prefix_lm"), "bert": ("mlm",), "t5": ("span_corruption", "prefix_lm")}
+def family_objectives(family: str) -> tuple[str, ...]:
+    """The objectives a family trains, its default first (the family's spec says)."""
+    from scaletrain.model.registry import get_family
+
+    return get_family(family).objectives
 
 
 @dataclass
@@ -154,7 +163,7 @@ class RunConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=_default_model)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -252,12 +261,24 @@ def _build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
     values = {}
     for name, value in raw.items():
         hint = hints[name]
+        if cls is Config and name == "model":
+            hint = _model_section_class(value, source)
         nested = _nested_dataclass(hint, value)
         if nested is not None:
             values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", source)
         else:
             values[name] = _coerce(value, hint, f"{prefix}{name}", source)
     return cls(**values)
+
+
+def _model_section_class(raw: Any, source: str) -> type:
+    """The `model:` section's schema is its family's config class (e.g. llama adds num_kv_heads)."""
+    from scaletrain.model.registry import FAMILY_MODULES, get_family
+
+    family = raw.get("family", "gpt") if isinstance(raw, dict) else "gpt"
+    if family not in FAMILY_MODULES:
+        raise ConfigError(f"{source}: model.family={family!r} is not supported; use one of {', '.join(FAMILY_MODULES)}")
+    return get_family(family).config_class
 
 
 def _nested_dataclass(hint: Any, value: Any) -> type | None:
@@ -313,9 +334,6 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Validation: every rule lives here, so a bad config fails at load time with one message.
 
-SUPPORTED_FAMILIES = tuple(FAMILY_OBJECTIVES)
-
-
 def validate(config: Config) -> None:
     _validate_model(config)
     _validate_objective(config)
@@ -331,17 +349,21 @@ def validate(config: Config) -> None:
 
 
 def _validate_model(config: Config) -> None:
+    """Rules every family shares (shapes that tensor parallelism splits); the family's own
+    `validate` checks its keys."""
+    from scaletrain.model.registry import get_family
+
     model, tensor = config.model, config.parallel.tensor
-    if model.family not in SUPPORTED_FAMILIES:
-        raise ConfigError(f"model.family={model.family!r} is not supported; use one of {SUPPORTED_FAMILIES}")
     for key in ("num_layers", "hidden_size", "num_heads", "seq_length"):
         if getattr(model, key) < 1:
             raise ConfigError(f"model.{key}={getattr(model, key)} must be >= 1")
     if model.head_dim is None and model.hidden_size % model.num_heads:
         raise ConfigError(
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}; "
-            f"use a head count from {_divisors(model.hidden_size)}"
+            f"use a head count from {_divisors(model.hidden_size)} or set model.head_dim"
         )
+    if model.head_dim is not None and model.head_dim < 1:
+        raise ConfigError(f"model.head_dim={model.head_dim} must be >= 1 (or unset: hidden_size / num_heads)")
     if model.num_heads % tensor:
         raise ConfigError(
             f"parallel.tensor={tensor} does not divide model.num_heads={model.num_heads}; "
@@ -356,31 +378,12 @@ def _validate_model(config: Config) -> None:
         )
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
-    allowed_layernorm = {"gpt": (None, "pre"), "bert": (None, "post", "pre"), "t5": (None, "pre")}[model.family]
-    if model.layernorm_position not in allowed_layernorm:
-        raise ConfigError(
-            f"model.layernorm_position={model.layernorm_position!r} is not available for {model.family}; "
-            f"use {' or '.join(str(option) for option in allowed_layernorm[1:])} or leave it unset"
-        )
-    if model.ffn_activation not in ("relu", "gated-gelu"):
-        raise ConfigError(f"model.ffn_activation={model.ffn_activation!r}; use relu or gated-gelu")
-    if model.family != "t5" and not model.tie_embeddings:
-        raise ConfigError(f"model.tie_embeddings=false is a T5 v1.1 option; {model.family} ties its output layer")
-    buckets, distance = model.relative_attention_num_buckets, model.relative_attention_max_distance
-    if buckets < 4 or buckets % 2 or distance <= buckets // 2:
-        raise ConfigError(
-            f"model.relative_attention_num_buckets={buckets} must be even and >= 4, and "
-            f"model.relative_attention_max_distance={distance} > num_buckets / 2 (T5's log buckets need the room)"
-        )
-    if model.family == "t5" and config.train.activation_checkpoint_interval:
-        raise ConfigError("train.activation_checkpoint_interval is not available for t5 yet; set it to 0")
-    if model.family == "t5" and model.num_heads * model.attention_head_dim % tensor:
-        raise ConfigError(f"parallel.tensor={tensor} must divide the T5 attention size num_heads x head_dim")
+    get_family(model.family).validate(config)
 
 
 def _validate_objective(config: Config) -> None:
     objective, family = config.objective, config.model.family
-    kinds = FAMILY_OBJECTIVES[family]
+    kinds = family_objectives(family)
     if objective.kind != "auto" and objective.kind not in kinds:
         raise ConfigError(
             f"objective.kind={objective.kind!r} does not train a {family}; use auto or {' / '.join(kinds)}"
@@ -391,14 +394,8 @@ def _validate_objective(config: Config) -> None:
         raise ConfigError(f"objective.mean_noise_span_length={objective.mean_noise_span_length} must be >= 1")
     if objective.sentence_pairs not in ("none", "nsp", "sop"):
         raise ConfigError(f"objective.sentence_pairs={objective.sentence_pairs!r}; use none, nsp or sop")
-    if objective.sentence_pairs != "none" and family != "bert":
-        raise ConfigError("objective.sentence_pairs (NSP/SOP) is a BERT objective; set it to none")
-    minimum_types = 2 if objective.sentence_pairs != "none" else 1
-    if config.model.type_vocab_size < minimum_types:
-        raise ConfigError(
-            f"model.type_vocab_size={config.model.type_vocab_size}; sentence pairs need segment ids 0 and 1, "
-            f"so use >= {minimum_types}"
-        )
+    if objective.sentence_pairs != "none" and objective.resolved_kind(family) != "mlm":
+        raise ConfigError("objective.sentence_pairs (NSP/SOP) goes with BERT's masked LM; set it to none")
 
 
 def _validate_parallel(config: Config) -> None:
@@ -415,12 +412,11 @@ def _validate_parallel(config: Config) -> None:
             f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
             "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
         )
-    if parallel.pipeline > 1 and config.objective.resolved_kind(config.model.family) not in ("causal_lm", "mlm"):
+    kind = config.objective.resolved_kind(config.model.family)
+    if parallel.pipeline > 1 and kind not in _pipeline_objectives(config.model.family):
         raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline}: pipeline stages are implemented for the GPT causal LM and "
-            "BERT's masked LM; "
-            f"train {config.model.family} ({config.objective.resolved_kind(config.model.family)}) with "
-            "tensor and data parallelism (parallel.pipeline=1)"
+            f"parallel.pipeline={parallel.pipeline}: pipeline stages are not available for "
+            f"{config.model.family} ({kind}); train it with tensor and data parallelism (parallel.pipeline=1)"
         )
     if parallel.pipeline > config.model.num_layers:
         raise ConfigError(
@@ -428,6 +424,12 @@ def _validate_parallel(config: Config) -> None:
             "every stage needs at least one block"
         )
     _validate_pipeline_partition(config)
+
+
+def _pipeline_objectives(family: str) -> tuple[str, ...]:
+    from scaletrain.model.registry import get_family
+
+    return get_family(family).pipeline_objectives
 
 
 def _validate_pipeline_partition(config: Config) -> None:

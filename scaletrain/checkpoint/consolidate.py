@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,8 +19,7 @@ def consolidated_state_dict(checkpoint_dir: Path, reference: nn.Module) -> dict[
     tensor_parallel_size = meta.layout["tensor"]
     state_dir = checkpoint_dir / DEEPSPEED_TAG
     if meta.layout["pipeline"] > 1:
-        name_of = reference.flat_layer_parameter_name
-        per_rank = [_pipeline_rank_weights(state_dir, rank, name_of) for rank in range(tensor_parallel_size)]
+        per_rank = [_pipeline_rank_weights(state_dir, rank) for rank in range(tensor_parallel_size)]
     else:
         per_rank = [_rank_weights(state_dir, rank, meta.layout["zero_stage"]) for rank in range(tensor_parallel_size)]
     merged = {}
@@ -45,18 +43,13 @@ def _rank_weights(state_dir: Path, tensor_rank: int, zero_stage: int) -> dict[st
     return _zero3_rank_weights(state_dir, tensor_rank)
 
 
-def _pipeline_rank_weights(
-    state_dir: Path, tensor_rank: int, name_of: Callable[[int, str], str | None]
-) -> dict[str, torch.Tensor]:
-    """DeepSpeed's pipeline engine saves one file per layer and tensor rank:
-    layer_XX-model_YY-model_states.pt, with names local to the layer."""
+def _pipeline_rank_weights(state_dir: Path, tensor_rank: int) -> dict[str, torch.Tensor]:
+    """DeepSpeed's pipeline engine saves one file per layer and tensor rank,
+    layer_XX-model_YY-model_states.pt; our pipeline layers keep the model's parameter names
+    (parallel/pipeline.py), so the files merge by name."""
     weights = {}
     for path in sorted(state_dir.glob(f"layer_*-model_{tensor_rank:02d}-model_states.pt")):
-        layer_index = int(path.name.split("-")[0].removeprefix("layer_"))
-        for name, tensor in _float_tensors(load_tensors(path)).items():
-            full_name = name_of(layer_index, name)
-            if full_name is not None:
-                weights[full_name] = tensor
+        weights.update(_float_tensors(load_tensors(path)))
     if not weights:
         raise CheckpointError(f"checkpoint {state_dir} has no pipeline layer files for tensor rank {tensor_rank}")
     return weights

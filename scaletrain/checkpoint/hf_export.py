@@ -23,8 +23,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import SPECIAL_IDS
+from scaletrain.model.family import HFAdapter
 
 StateDict = dict[str, torch.Tensor]
 
@@ -211,6 +212,17 @@ HF_CONVERSIONS: dict[str, HFConversion] = {
     "gpt": HFConversion(write=_saved_with_transformers(gpt_to_hf), read=gpt_from_hf),
     "bert": HFConversion(write=_saved_with_transformers(bert_to_hf), read=bert_from_hf),
 }
+
+
+def _adapter(family: str, model_class: str) -> HFAdapter:
+    def export(state: StateDict, config: Config, out_dir: Path) -> None:
+        export_hf(state, family, config.model, config.padded_vocab_size, out_dir)
+
+    return HFAdapter(model_class=model_class, export=export, import_=lambda hf_dir: import_hf(hf_dir, family))
+
+
+GPT_ADAPTER = _adapter("gpt", "GPT2LMHeadModel")
+BERT_ADAPTER = _adapter("bert", "BertForMaskedLM")
 
 
 def _conversion(family: str) -> HFConversion:

@@ -107,9 +107,9 @@ def _weight_map(architecture: T5Architecture) -> dict[str, tuple[str, ...]]:
         for index in range(num_layers):
             ours, hf = f"{stack}.layers.{index}", f"{stack}.block.{index}.layer"
             weight_map |= {
-                f"{ours}.self_attention_norm.weight": (f"{hf}.0.layer_norm.weight",),
-                f"{ours}.self_attention.qkv.weight": tuple(f"{hf}.0.SelfAttention.{p}.weight" for p in "qkv"),
-                f"{ours}.self_attention.output.weight": (f"{hf}.0.SelfAttention.o.weight",),
+                f"{ours}.attention_norm.weight": (f"{hf}.0.layer_norm.weight",),
+                f"{ours}.attention.qkv.weight": tuple(f"{hf}.0.SelfAttention.{p}.weight" for p in "qkv"),
+                f"{ours}.attention.output.weight": (f"{hf}.0.SelfAttention.o.weight",),
             }
             if stack == "decoder":
                 weight_map |= {
@@ -123,9 +123,9 @@ def _weight_map(architecture: T5Architecture) -> dict[str, tuple[str, ...]]:
             ffn = f"{hf}.{2 if stack == 'decoder' else 1}"
             wi_parts = ("wi_0", "wi_1") if architecture.ffn_activation == "gated-gelu" else ("wi",)
             weight_map |= {
-                f"{ours}.ffn_norm.weight": (f"{ffn}.layer_norm.weight",),
-                f"{ours}.ffn.wi.weight": tuple(f"{ffn}.DenseReluDense.{part}.weight" for part in wi_parts),
-                f"{ours}.ffn.wo.weight": (f"{ffn}.DenseReluDense.wo.weight",),
+                f"{ours}.mlp_norm.weight": (f"{ffn}.layer_norm.weight",),
+                f"{ours}.mlp.fc.weight": tuple(f"{ffn}.DenseReluDense.{part}.weight" for part in wi_parts),
+                f"{ours}.mlp.proj.weight": (f"{ffn}.DenseReluDense.wo.weight",),
             }
         weight_map[f"{stack}.final_norm.weight"] = (f"{stack}.final_layer_norm.weight",)
     if not architecture.tie_embeddings:

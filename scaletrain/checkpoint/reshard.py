@@ -28,10 +28,9 @@ billions of parameters per stage that needs a large-memory node; resume there on
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,16 +46,11 @@ from scaletrain.checkpoint.manager import (
 )
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config
-from scaletrain.model.bert import BERT
-from scaletrain.model.gpt import GPT
 from scaletrain.parallel.groups import Topology
-from scaletrain.parallel.pipeline import TIED_EMBEDDING
 from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 RESHARDABLE_ZERO_STAGES = (0, 1, 2)
-PIPELINE_FAMILIES = {"gpt": GPT, "bert": BERT}
-LayerName = Callable[[int, str], "str | None"]
 
 
 @dataclass
@@ -103,10 +97,9 @@ def load_resharded(engine: Any, path: Path, meta: CheckpointMeta, config: Config
         print(f"resharding checkpoint {path} from {describe_layout(meta.layout)} to {describe_layout(target)}"
               + ("; dropout masks will differ from an uninterrupted run's" if config.model.dropout else ""),
               file=sys.stderr, flush=True)
-    name_of = layer_name_map(config)
-    local = dict(_local_parameters(engine.module, topology, name_of))
+    local = dict(_local_parameters(engine.module, topology))
     state = translate_load_errors(
-        path, f"{DEEPSPEED_TAG}/ (for resharding)", lambda: read_layout_free_state(path, meta.layout, local, name_of)
+        path, f"{DEEPSPEED_TAG}/ (for resharding)", lambda: read_layout_free_state(path, meta.layout, local)
     )
     _write_into_engine(engine, state, local, topology)
     engine.global_steps = meta.step
@@ -114,7 +107,7 @@ def load_resharded(engine: Any, path: Path, meta: CheckpointMeta, config: Config
 
 
 def read_layout_free_state(
-    path: Path, source: dict[str, int], wanted: dict[str, nn.Parameter], name_of: LayerName | None
+    path: Path, source: dict[str, int], wanted: dict[str, nn.Parameter]
 ) -> LayoutFreeState:
     """The full state of the `wanted` parameters (model names -> a parameter of any TP size that
     carries the partition attributes) from checkpoint `path` saved in layout `source`."""
@@ -124,7 +117,7 @@ def read_layout_free_state(
         shards: dict[str, dict[str, torch.Tensor]] = {}
         for stage in range(source["pipeline"]):
             mp_rank = stage * source["tensor"] + tensor_rank
-            for name, parameter_state, step in _read_model_parallel_rank(state_dir, source, mp_rank, name_of):
+            for name, parameter_state, step in _read_model_parallel_rank(state_dir, source, mp_rank):
                 if name in wanted:
                     shards.setdefault(name, parameter_state)  # a tied weight: the first stage's copy
                     steps.add(step)
@@ -148,7 +141,7 @@ def _merge_tensor_ranks(shards: list[dict[str, torch.Tensor]], parameter: nn.Par
 
 
 def _read_model_parallel_rank(
-    state_dir: Path, source: dict[str, int], mp_rank: int, name_of: LayerName | None
+    state_dir: Path, source: dict[str, int], mp_rank: int
 ) -> Iterator[tuple[str, dict[str, torch.Tensor], int]]:
     """(model name, its shard's weight and moments, Adam step) for one model-parallel rank's files."""
     model_states = load_tensors(state_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")
@@ -157,9 +150,7 @@ def _read_model_parallel_rank(
     else:
         entries = _partitioned_entries(state_dir, model_states["param_shapes"], mp_rank, source["data"])
     for name, parameter_state, step in entries:
-        model_name = name if source["pipeline"] == 1 else pipeline_to_model_name(name, name_of)
-        if model_name is not None:
-            yield model_name, parameter_state, step
+        yield name if source["pipeline"] == 1 else pipeline_to_model_name(name), parameter_state, step
 
 
 def _partitioned_entries(
@@ -199,39 +190,22 @@ def _zero0_entries(model_states: dict[str, Any]) -> Iterator[tuple[str, dict[str
         yield name, {"weight": weights[name].float(), **{key: moments[key] for key in MOMENTS}}, int(moments["step"])
 
 
-def pipeline_to_model_name(name: str, name_of: LayerName | None) -> str | None:
-    """`tied_modules.embedding.word.weight` or `3.block.mlp.fc.bias` (a PipelineModule's names) as
-    the plain model's name; the tied module is layer 0's embedding on every stage that holds it."""
-    if name_of is None:
-        raise CheckpointError("pipeline checkpoints are implemented for the GPT and BERT families only")
-    tied_prefix = f"tied_modules.{TIED_EMBEDDING}."
-    if name.startswith(tied_prefix):
-        return name_of(0, name.removeprefix(tied_prefix))
-    layer, _, name_in_layer = name.partition(".")
-    return name_of(int(layer), name_in_layer)
+def pipeline_to_model_name(name: str) -> str:
+    """`3.blocks.2.mlp.fc.bias` or `tied_modules.embedding.embedding.word.weight` (a PipelineModule's
+    names: layer index or tied key, then the layer's own names, which are the model's; see
+    parallel/pipeline.py) as the plain model's name."""
+    if name.startswith("tied_modules."):
+        return name.removeprefix("tied_modules.").partition(".")[2]
+    return name.partition(".")[2]
 
 
-def layer_name_map(config: Config) -> LayerName | None:
-    """The family's flat-layer name map. It reads only `config.num_layers`, so it is called on a
-    stand-in instead of a built model (building one would allocate every weight of the model)."""
-    family = PIPELINE_FAMILIES.get(config.model.family)
-    if family is None:
-        return None
-    stand_in = SimpleNamespace(config=config.model)
-    return lambda layer, name: family.flat_layer_parameter_name(stand_in, layer, name)
-
-
-def _local_parameters(
-    module: nn.Module, topology: Topology, name_of: LayerName | None
-) -> Iterator[tuple[str, nn.Parameter]]:
+def _local_parameters(module: nn.Module, topology: Topology) -> Iterator[tuple[str, nn.Parameter]]:
     """This rank's parameters by model name (a pipeline stage's only; tied copies each)."""
     for name, parameter in module.named_parameters():
         if topology.pipeline_parallel_size == 1:
             yield name, parameter
             continue
-        model_name = pipeline_to_model_name(name, name_of)
-        if model_name is not None:
-            yield model_name, parameter
+        yield pipeline_to_model_name(name), parameter
 
 
 def _write_into_engine(

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from scaletrain.batch import IGNORE_INDEX  # noqa: F401  (re-exported for the collators)
 from scaletrain.data.errors import DataError
 from scaletrain.data.tokenizer import Tokenizer
-
-IGNORE_INDEX = -100  # labels to skip: torch.nn.functional.cross_entropy's default ignore_index
 
 
 def causal_lm_collate(items: Sequence[dict]) -> dict[str, torch.Tensor]:

@@ -1,49 +1,60 @@
-"""BERT encoder (Devlin et al. 2019) on tensor-parallel layers, with its masked-LM and sentence-pair heads."""
+"""BERT encoder (Devlin et al. 2019): word + position + segment embeddings, post-LN blocks (pre-LN
+selectable), the masked-LM head tied to the word embedding and an optional sentence-order head."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from scaletrain.config import ModelConfig
-from scaletrain.data.objectives import IGNORE_INDEX
+from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
+from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.data.masking import masking_budget
+from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
-    PostLayerNormBlock,
-    PreLayerNormBlock,
-    build_attention_and_mlp,
+    ParallelAttention,
+    ParallelMLP,
+    TransformerBlock,
     gelu_erf,
     key_padding_attention_mask,
+    masked_vocab_parallel_loss,
     parallel_lm_logits,
     vocab_parallel_argmax,
 )
+from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.scaling.counts import ModelCounts, transformer_block_flops
 
 LAYERNORM_POSITIONS = ("post", "pre")
+
+
+@dataclass
+class BertConfig(ModelConfig):
+    layernorm_position: str = "post"  # post (BERT) | pre (GPT-2 style, with a final LayerNorm)
+    type_vocab_size: int = 2  # segment embeddings
 
 
 class BertEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position + token-type (segment) embeddings, then LayerNorm
     (Devlin et al. 2019, sec. 3.2 and fig. 2); output [seq, batch, hidden]."""
 
-    def __init__(
-        self, config: ModelConfig, vocab_size: int, type_vocab_size: int, mp_config: ModelParallelConfig, seed: int
-    ) -> None:
+    def __init__(self, config: Config) -> None:
         super().__init__()
+        model, seed = config.model, config.train.seed
         self.word = tensor_parallel.VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=normal_init(config.init_std, seed, "embedding.word"),
-            config=mp_config,
+            config.padded_vocab_size, model.hidden_size,
+            init_method=normal_init(model.init_std, seed, "embedding.word"), config=model_parallel_config(config),
         )
-        self.position = nn.Embedding(config.seq_length, config.hidden_size)
-        self.token_type = nn.Embedding(type_vocab_size, config.hidden_size)
+        self.position = nn.Embedding(model.seq_length, model.hidden_size)
+        self.token_type = nn.Embedding(model.type_vocab_size, model.hidden_size)
         with torch.no_grad():
-            normal_init(config.init_std, seed, "embedding.position")(self.position.weight)
-            normal_init(config.init_std, seed, "embedding.token_type")(self.token_type.weight)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
-        self.dropout = nn.Dropout(config.dropout)
+            normal_init(model.init_std, seed, "embedding.position")(self.position.weight)
+            normal_init(model.init_std, seed, "embedding.token_type")(self.token_type.weight)
+        self.norm = nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)
+        self.dropout = nn.Dropout(model.dropout)
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -51,170 +62,46 @@ class BertEmbedding(nn.Module):
         return self.dropout(self.norm(embedded).transpose(0, 1).contiguous())
 
 
-class MaskedLMHead(nn.Module):
-    """BERT's `cls/predictions`: dense + GELU + LayerNorm, then the decoder tied to the word
-    embedding, with its own output bias.
+class BertHeads(nn.Module):
+    """BERT's `cls/predictions` transform (dense + GELU + LayerNorm) and, with sentence pairs, the
+    pooler + 2-way classifier of next-sentence (Devlin et al. 2019, sec. 3.1) or sentence-order
+    prediction (Lan et al. 2020, sec. 4.2; label 0: segment B follows A).
 
-    The hidden x hidden transform is replicated on every TP rank, as Megatron's BertLMHead does:
-    it is small next to the decoder, and its replicated output is exactly the input the
-    vocab-split decoder (`parallel_lm_logits`) takes, so it costs no collective. The bias is
-    split like the decoder rows (partition_dim 0), so `merge_shards` restores the full vector.
+    The transform is replicated on every TP rank, as Megatron's BertLMHead does: it is small next
+    to the decoder, and its replicated output is exactly the input the vocab-split decoder takes.
+    The decoder is the tied word embedding and its bias a layer of its own (`lm_head.bias`).
     """
 
-    def __init__(self, config: ModelConfig, vocab_size: int, mp_config: ModelParallelConfig, seed: int) -> None:
+    def __init__(self, config: Config) -> None:
         super().__init__()
-        self.dense = replicated_linear(config.hidden_size, config.hidden_size, config.init_std, seed, "lm_head.dense")
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
-        self.bias = nn.Parameter(torch.zeros(vocab_size // mp_config.tensor_model_parallel_size))
-        tensor_parallel.set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
-
-    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        return parallel_lm_logits(self.transform(hidden), word_embeddings) + self.bias
+        model, seed = config.model, config.train.seed
+        hidden, std = model.hidden_size, model.init_std
+        self.lm_head = nn.Module()
+        self.lm_head.dense = replicated_linear(hidden, hidden, std, seed, "lm_head.dense")
+        self.lm_head.norm = nn.LayerNorm(hidden, eps=model.layernorm_eps)
+        self.sentence_order_head = None
+        if config.objective.sentence_pairs != "none":
+            self.sentence_order_head = nn.Module()
+            self.sentence_order_head.pooler = replicated_linear(hidden, hidden, std, seed, "sentence_order_head.pooler")
+            self.sentence_order_head.classifier = replicated_linear(
+                hidden, 2, std, seed, "sentence_order_head.classifier"
+            )
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(gelu_erf(self.dense(hidden)))
+        return self.lm_head.norm(gelu_erf(self.lm_head.dense(hidden)))
+
+    def sentence_order_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.sentence_order_head
+        return head.classifier(torch.tanh(head.pooler(hidden[0])))  # [CLS] position -> [batch, 2]
 
 
-class SentenceOrderHead(nn.Module):
-    """Pooler (dense + tanh on the first, [CLS], position) and a 2-way classifier.
+class DecoderBias(nn.Module):
+    """The MLM decoder's output bias, split like the decoder's vocabulary rows (partition_dim 0)."""
 
-    Serves BERT's next-sentence prediction (Devlin et al. 2019, sec. 3.1, task #2) and ALBERT's
-    sentence-order prediction (Lan et al. 2020, sec. 4.2); they differ only in how the data
-    pairs segments. Label 0: segment B follows A in order; 1: B is random or swapped (HF's rule).
-    """
-
-    def __init__(self, config: ModelConfig, seed: int) -> None:
+    def __init__(self, config: Config) -> None:
         super().__init__()
-        hidden, std = config.hidden_size, config.init_std
-        self.pooler = replicated_linear(hidden, hidden, std, seed, "sentence_order_head.pooler")
-        self.classifier = replicated_linear(hidden, 2, std, seed, "sentence_order_head.classifier")
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.tanh(self.pooler(hidden[0])))  # [batch, 2]
-
-
-class BERT(nn.Module):
-    """Bidirectional encoder: embedding, post-LN blocks (pre-LN selectable, then with a final
-    LayerNorm as in Xiong et al. 2020), masked-LM head and optional sentence-order head."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        vocab_size: int,
-        mp_config: ModelParallelConfig,
-        seed: int,
-        type_vocab_size: int = 2,
-        layernorm_position: str = "post",
-        sentence_order_head: bool = False,
-        checkpoint_interval: int = 0,
-    ) -> None:
-        super().__init__()
-        if layernorm_position not in LAYERNORM_POSITIONS:
-            raise ValueError(f"layernorm_position={layernorm_position!r}; use post (BERT) or pre (GPT-2 style)")
-        self.config = config
-        self.checkpoint_interval = checkpoint_interval
-        self.embedding = BertEmbedding(config, vocab_size, type_vocab_size, mp_config, seed)
-        self.blocks = nn.ModuleList(
-            build_bert_block(config, mp_config, seed, layer, layernorm_position) for layer in range(config.num_layers)
-        )
-        pre_layernorm = layernorm_position == "pre"
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps) if pre_layernorm else nn.Identity()
-        self.lm_head = MaskedLMHead(config, vocab_size, mp_config, seed)
-        self.sentence_order_head = SentenceOrderHead(config, seed) if sentence_order_head else None
-
-    def flat_layer_parameter_name(self, layer_index: int, name_in_layer: str) -> str | None:
-        """BERT as a flat layer sequence, the order pipeline stages split it (parallel/pipeline.py):
-            0: embedding   1..L: blocks   L+1: final   L+2: head transform + sentence-order head
-            L+3: decoder tied to the embedding (no weights of its own)   L+4: decoder bias."""
-        num_layers = self.config.num_layers
-        if layer_index == 0 or layer_index == num_layers + 1 or layer_index == num_layers + 2:
-            return name_in_layer
-        if layer_index <= num_layers:
-            return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
-        return "lm_head.bias" if layer_index == num_layers + 4 else None
-
-    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
-        """(module, parameter) pairs where a module uses a weight it does not own: the MLM decoder is
-        tied to the word embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
-        return [(self.lm_head, self.embedding.word.weight)]
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        token_types: torch.Tensor | None = None,
-        padding_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        sentence_order_labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """tokens, token_types, padding_mask (1 = real token), labels (-100 = not predicted): [batch, seq];
-        sentence_order_labels: [batch]. Returns the loss if labels are given (masked-LM mean over
-        labelled tokens, plus the sentence-order cross-entropy if those labels are given, as BERT
-        sums its two pre-training losses), else vocab-parallel logits [batch, seq, vocab / TP]."""
-        if sentence_order_labels is not None and self.sentence_order_head is None:
-            raise ValueError(
-                "sentence_order_labels were given but this BERT has no sentence-order head; "
-                "build it with sentence_order_head=True (objective.sentence_pairs: nsp or sop) or drop the labels"
-            )
-        hidden = self.encode(tokens, token_types, padding_mask)
-        if labels is None:
-            return self.lm_head(hidden, self.embedding.word.weight).transpose(0, 1)
-        selected, targets = _labelled_positions(hidden, labels)
-        logits = self.lm_head(selected, self.embedding.word.weight)
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
-        loss = losses.sum() / max(targets.numel(), 1)
-        if sentence_order_labels is not None:
-            loss = loss + F.cross_entropy(self.sentence_order_head(hidden).float(), sentence_order_labels)
-        return loss
-
-    def encode(
-        self, tokens: torch.Tensor, token_types: torch.Tensor | None, padding_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Final hidden states [seq, batch, hidden]; padding_mask None means no padding."""
-        hidden = self.embedding(tokens, torch.zeros_like(tokens) if token_types is None else token_types)
-        mask = None if padding_mask is None else key_padding_attention_mask(padding_mask)
-        interval = self.checkpoint_interval if self.training else 0
-        if not interval:
-            return self.final_norm(_run_blocks(self.blocks, hidden, mask))
-        for start in range(0, len(self.blocks), interval):
-            # Keep only each chunk's input; recompute its activations in backward (Chen et al. 2016).
-            hidden = checkpoint(_run_blocks, self.blocks[start:start + interval], hidden, mask, use_reentrant=False)
-        return self.final_norm(hidden)
-
-    def sentence_order_logits(
-        self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[batch, 2] logits of the sentence-order head (label 0: in order)."""
-        if self.sentence_order_head is None:
-            raise ValueError("this BERT has no sentence-order head; build it with sentence_order_head=True")
-        return self.sentence_order_head(self.encode(tokens, token_types, padding_mask))
-
-    @torch.no_grad()
-    def masked_token_accuracy(
-        self,
-        tokens: torch.Tensor,
-        labels: torch.Tensor,
-        token_types: torch.Tensor | None = None,
-        padding_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(correct, labelled) counts of labelled positions whose full-vocabulary argmax is the label.
-        Counts rather than a ratio, so validation can sum them over batches and data-parallel ranks."""
-        selected, targets = _labelled_positions(self.encode(tokens, token_types, padding_mask), labels)
-        predictions = vocab_parallel_argmax(self.lm_head(selected, self.embedding.word.weight))
-        return (predictions == targets).sum(), torch.tensor(targets.numel(), device=targets.device)
-
-
-def _labelled_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states [n, hidden] and labels [n] of the positions that have a label. The head runs
-    on these only (~15% of tokens), as BERT's run_pretraining.py gathers masked positions first."""
-    labels = labels.transpose(0, 1)
-    chosen = labels != IGNORE_INDEX
-    return hidden[chosen], labels[chosen]
-
-
-def _run_blocks(blocks: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    for block in blocks:
-        hidden = block(hidden, mask)
-    return hidden
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size // config.parallel.tensor))
+        tensor_parallel.set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
 
 
 def replicated_linear(in_features: int, out_features: int, std: float, seed: int, name: str) -> nn.Linear:
@@ -226,16 +113,229 @@ def replicated_linear(in_features: int, out_features: int, std: float, seed: int
     return linear
 
 
-def build_bert_block(
-    config: ModelConfig, mp_config: ModelParallelConfig, seed: int, layer: int, layernorm_position: str
-) -> PostLayerNormBlock | PreLayerNormBlock:
+def build_block(config: Config, layer: int) -> TransformerBlock:
     """BERT initialises every weight with std 0.02 (Devlin et al. 2019, HF's initializer_range).
     A pre-LN stack's residual stream grows with depth, so there the output projections take
     GPT-2's 1/sqrt(2 * layers) scaling (Radford et al. 2019, sec. 2.3); post-LN renormalises it."""
-    pre_layernorm = layernorm_position == "pre"
-    output_std = residual_std(config.init_std, config.num_layers) if pre_layernorm else config.init_std
-    attention, mlp = build_attention_and_mlp(
-        config, mp_config, seed, layer, causal=False, output_std=output_std, activation=gelu_erf
+    model, seed = config.model, config.train.seed
+    pre_norm = model.layernorm_position == "pre"
+    output_std = residual_std(model.init_std, model.num_layers) if pre_norm else model.init_std
+
+    def init(sublayer: str):
+        return lambda part: normal_init(
+            output_std if part in ("output", "proj") else model.init_std, seed, f"blocks.{layer}.{sublayer}.{part}"
+        )
+
+    mp_config = model_parallel_config(config)
+    attention = ParallelAttention(model.hidden_size, model.num_heads, mp_config, init("attention"),
+                                  dropout=model.dropout, layer_index=layer)
+    mlp = ParallelMLP(model.hidden_size, model.ffn_size, mp_config, init("mlp"), activation=gelu_erf)
+    return TransformerBlock(attention, mlp, lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps),
+                            pre_norm=pre_norm, dropout=model.dropout)
+
+
+# Activations: (hidden, padding_mask) through the blocks; the heads see the MLM labels only when
+# the model runs on one device (`labels` in the context), and then run on labelled positions only
+# (~15% of tokens), as BERT's run_pretraining.py gathers masked positions first.
+
+
+def _embed(embedding: BertEmbedding, activations: tuple, **_) -> tuple:
+    tokens, token_types, padding_mask = activations
+    return embedding(tokens, token_types), padding_mask
+
+
+def _block(block: TransformerBlock, activations: tuple, **_) -> tuple:
+    hidden, padding_mask = activations
+    return block(hidden, key_padding_attention_mask(padding_mask)), padding_mask
+
+
+def _final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
+    return (norm(activations[0]),)
+
+
+def _heads(heads: BertHeads, activations: tuple, labels: torch.Tensor | None = None, **_) -> tuple:
+    (hidden,) = activations
+    selected = hidden if labels is None else hidden[labels.transpose(0, 1) != IGNORE_INDEX]
+    transformed = heads.transform(selected)
+    if heads.sentence_order_head is None:
+        return (transformed,)
+    return transformed, heads.sentence_order_logits(hidden)
+
+
+def _decoder(embedding: BertEmbedding, activations: tuple, **_) -> tuple:
+    transformed, *rest = activations
+    return parallel_lm_logits(transformed, embedding.word.weight), *rest
+
+
+def _decoder_bias(bias: DecoderBias, activations: tuple, **_) -> tuple:
+    logits, *rest = activations
+    return logits + bias.bias, *rest
+
+
+def pipeline_layers(config: Config) -> list[PipelineLayer]:
+    model = config.model
+    pre_norm = model.layernorm_position == "pre"
+    return [
+        PipelineLayer("embedding", lambda: BertEmbedding(config), _embed),
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
+          for layer in range(model.num_layers)),
+        PipelineLayer(
+            "final_norm",
+            lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps) if pre_norm else nn.Identity(),
+            _final_norm,
+        ),
+        PipelineLayer("", lambda: BertHeads(config), _heads),
+        PipelineLayer("decoder", lambda: BertEmbedding(config), _decoder, tied_to="embedding",
+                      tied_weight="word.weight"),
+        PipelineLayer("lm_head", lambda: DecoderBias(config), _decoder_bias),
+    ]
+
+
+def mlm_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
+    """Masked-LM mean over labelled tokens, plus the sentence-order cross-entropy when present
+    (BERT sums its two pre-training losses)."""
+    loss = masked_vocab_parallel_loss(outputs[0], labels[0])
+    if len(labels) > 1:
+        loss = loss + F.cross_entropy(outputs[1].float(), labels[1])
+    return loss
+
+
+class BERT(LayeredModel):
+    @property
+    def has_sentence_order_head(self) -> bool:
+        return self._modules.get("sentence_order_head") is not None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        token_types: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        sentence_order_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens, token_types, padding_mask (1 = real token), labels (-100 = not predicted): [batch, seq];
+        sentence_order_labels: [batch]. The loss if labels are given, else vocab-parallel logits
+        [batch, seq, vocab / TP]."""
+        if sentence_order_labels is not None and not self.has_sentence_order_head:
+            raise ValueError(
+                "sentence_order_labels were given but this BERT has no sentence-order head; "
+                "set objective.sentence_pairs to nsp or sop, or drop the labels"
+            )
+        outputs = self.run_layers(_inputs(tokens, token_types, padding_mask), labels=labels)
+        if labels is None:
+            return outputs[0].transpose(0, 1)
+        targets = labels.transpose(0, 1)[labels.transpose(0, 1) != IGNORE_INDEX]
+        loss = tensor_parallel.vocab_parallel_cross_entropy(outputs[0].float(), targets).sum() / max(targets.numel(), 1)
+        if sentence_order_labels is not None:
+            loss = loss + F.cross_entropy(outputs[1].float(), sentence_order_labels)
+        return loss
+
+    def sentence_order_logits(
+        self, tokens: torch.Tensor, token_types: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[batch, 2] logits of the sentence-order head (label 0: in order)."""
+        if not self.has_sentence_order_head:
+            raise ValueError("this BERT has no sentence-order head; set objective.sentence_pairs to nsp or sop")
+        return self.run_layers(_inputs(tokens, token_types, padding_mask))[1]
+
+    @torch.no_grad()
+    def masked_token_accuracy(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        token_types: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **_,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct, labelled) counts of labelled positions whose full-vocabulary argmax is the label.
+        Counts rather than a ratio, so validation can sum them over batches and data-parallel ranks."""
+        logits = self.run_layers(_inputs(tokens, token_types, padding_mask), labels=labels)[0]
+        targets = labels.transpose(0, 1)[labels.transpose(0, 1) != IGNORE_INDEX]
+        predictions = vocab_parallel_argmax(logits)
+        return (predictions == targets).sum(), torch.tensor(targets.numel(), device=targets.device)
+
+
+def _inputs(tokens: torch.Tensor, token_types: torch.Tensor | None, padding_mask: torch.Tensor | None) -> tuple:
+    token_types = torch.zeros_like(tokens) if token_types is None else token_types
+    padding_mask = torch.ones_like(tokens) if padding_mask is None else padding_mask
+    return tokens, token_types, padding_mask
+
+
+def build(config: Config) -> BERT:
+    return BERT(pipeline_layers(config), config.train.activation_checkpoint_interval)
+
+
+def evaluation_counts(model: BERT, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Validation accuracy of the masked tokens (Devlin et al. 2019 report it too)."""
+    return {"val_masked_accuracy": model.masked_token_accuracy(**batch)}
+
+
+def labelled_positions(config: Config) -> int:
+    """Positions per sample the MLM head runs on: the collator's budget round(mask_prob · n) of the
+    n non-special tokens (data/masking.py), n = seq_length - 2 for packed `[CLS] text [SEP]`, - 3 for
+    `[CLS] A [SEP] B [SEP]` pairs. Exact for a sample without document boundaries; an eos between
+    documents, a padded short pair or a whole word that no longer fits the budget make it fewer."""
+    special = 3 if config.objective.sentence_pairs != "none" else 2
+    return masking_budget(config.model.seq_length - special, config.objective.mask_prob)
+
+
+def counts(config: Config, labelled: float | None = None) -> ModelCounts:
+    """BERT's encoder blocks as GPT's (Kaplan et al. 2020, table 1, without the causal mask); the MLM
+    head (transform 2h² + decoder 2h·V) runs only at labelled positions (`labelled_positions`, or
+    `labelled` per sample of one batch), and the sentence-order head (pooler 2h² + classifier 4h)
+    once per sample."""
+    model, vocab = config.model, config.padded_vocab_size
+    hidden, ffn, layers, seq = model.hidden_size, model.ffn_size, model.num_layers, model.seq_length
+    pairs = config.objective.sentence_pairs != "none"
+    block = 4 * hidden * hidden + 2 * hidden * ffn + 9 * hidden + ffn  # QKV, output, fc, proj (+ biases), 2 LNs
+    embedding = (vocab + seq + model.type_vocab_size) * hidden
+    final_norm = 2 * hidden if model.layernorm_position == "pre" else 0
+    head = hidden * hidden + 3 * hidden + vocab  # transform dense + bias, LayerNorm, decoder bias
+    sentence_order = hidden * hidden + hidden + 2 * hidden + 2 if pairs else 0
+    total = embedding + 2 * hidden + layers * block + final_norm + head + sentence_order
+    labelled = labelled_positions(config) if labelled is None else labelled
+    sample_flops = seq * layers * transformer_block_flops(hidden, ffn, seq)
+    sample_flops += labelled * (2 * hidden * hidden + 2 * hidden * vocab)
+    if pairs:
+        sample_flops += 2 * hidden * hidden + 4 * hidden
+    return ModelCounts(
+        total_params=total, embedding_params=embedding, flops_per_token=3.0 * sample_flops / seq,
+        flops_formula="3·(l·(8h² + 4h·ffn + 4h·s) + (m/s)·(2h² + 2h·V) [+ (2h² + 4h)/s with NSP/SOP]) with m the "
+                      "labelled positions per sample (Kaplan et al. 2020, table 1)",
     )
-    block = PreLayerNormBlock if pre_layernorm else PostLayerNormBlock
-    return block(attention, mlp, config.hidden_size, config.layernorm_eps, config.dropout)
+
+
+def validate(config: Config) -> None:
+    model = config.model
+    if model.layernorm_position not in LAYERNORM_POSITIONS:
+        raise ConfigError(f"model.layernorm_position={model.layernorm_position!r}; use post (BERT) or pre")
+    minimum_types = 2 if config.objective.sentence_pairs != "none" else 1
+    if model.type_vocab_size < minimum_types:
+        raise ConfigError(
+            f"model.type_vocab_size={model.type_vocab_size}; sentence pairs need segment ids 0 and 1, "
+            f"so use >= {minimum_types}"
+        )
+
+
+def _schema(config: Config) -> BatchSchema:
+    return BatchSchema(inputs=("tokens", "token_types", "padding_mask"), labels=("labels",),
+                       optional_labels=("sentence_order_labels",))
+
+
+FAMILY = ModelFamily(
+    name="bert",
+    config_class=BertConfig,
+    build=build,
+    pipeline_layers=pipeline_layers,
+    loss=mlm_loss,
+    objectives=("mlm",),
+    pipeline_objectives=("mlm",),
+    batch_schema=_schema,
+    counts=counts,
+    validate=validate,
+    hf=lazy("scaletrain.checkpoint.hf_export:BERT_ADAPTER"),
+    evaluation_counts=evaluation_counts,
+    generation=None,
+    not_generating_reason="BERT is a masked LM, not a left-to-right generator; fill masks with the exported "
+                          "BertForMaskedLM (`scaletrain export`) or train a gpt, llama or t5 run to generate",
+)

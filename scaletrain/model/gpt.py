@@ -1,120 +1,180 @@
-"""GPT decoder (Radford et al. 2018/2019, Brown et al. 2020) on tensor-parallel layers."""
+"""GPT decoder (Radford et al. 2018/2019, Brown et al. 2020): learned positions, pre-LN blocks with
+biases and GELU, final LayerNorm, output layer tied to the word embedding."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from scaletrain.config import ModelConfig
+from scaletrain.batch import BatchSchema
+from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
-    PreLayerNormBlock,
-    build_attention_and_mlp,
+    KVCache,
+    ParallelAttention,
+    ParallelMLP,
+    TransformerBlock,
+    gelu_tanh,
     masked_vocab_parallel_loss,
     parallel_lm_logits,
 )
+from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.scaling.counts import ModelCounts
+from scaletrain.tracking.flops import model_flops_per_token
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """GPT has no keys beyond the shared ones."""
 
 
 class GPTEmbedding(nn.Module):
     """Vocab-parallel token embedding + learned absolute positions; output [seq, batch, hidden]."""
 
-    def __init__(self, config: ModelConfig, vocab_size: int, mp_config: ModelParallelConfig, seed: int) -> None:
+    def __init__(self, config: Config) -> None:
         super().__init__()
+        model, seed = config.model, config.train.seed
         self.word = tensor_parallel.VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=normal_init(config.init_std, seed, "embedding.word"),
-            config=mp_config,
+            config.padded_vocab_size, model.hidden_size, init_method=normal_init(model.init_std, seed, "embedding.word"),
+            config=model_parallel_config(config),
         )
-        self.position = nn.Embedding(config.seq_length, config.hidden_size)
+        self.position = nn.Embedding(model.seq_length, model.hidden_size)
         with torch.no_grad():
-            normal_init(config.init_std, seed, "embedding.position")(self.position.weight)
-        self.dropout = nn.Dropout(config.dropout)
+            normal_init(model.init_std, seed, "embedding.position")(self.position.weight)
+        self.dropout = nn.Dropout(model.dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         embedded = self.word(tokens) + self.position(positions)
         return self.dropout(embedded.transpose(0, 1).contiguous())
 
 
-class GPT(nn.Module):
-    """Causal LM: embedding, pre-LN blocks, final LayerNorm, tied vocab-parallel output layer."""
+def build_block(config: Config, layer: int) -> TransformerBlock:
+    model, seed = config.model, config.train.seed
+    output_std = residual_std(model.init_std, model.num_layers)
+    prefix = f"blocks.{layer}"
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        vocab_size: int,
-        mp_config: ModelParallelConfig,
-        seed: int,
-        checkpoint_interval: int = 0,
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.checkpoint_interval = checkpoint_interval
-        self.embedding = GPTEmbedding(config, vocab_size, mp_config, seed)
-        self.blocks = nn.ModuleList(
-            build_block(config, mp_config, seed, layer) for layer in range(config.num_layers)
-        )
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)
+    def init(part: str, sublayer: str):
+        std = output_std if part in ("output", "proj") else model.init_std
+        return normal_init(std, seed, f"{prefix}.{sublayer}.{part}")
 
-    def flat_layer_parameter_name(self, layer_index: int, name_in_layer: str) -> str | None:
-        """GPT as a flat layer sequence, the order pipeline stages split it:
-            0: embedding   1..L: blocks   L+1: final LayerNorm   L+2: output layer (tied to 0).
-        Returns the `GPT` name of a layer's parameter; None for the output layer, whose only
-        weight is the embedding's. Block layers wrap the block as `block.`."""
-        num_layers = self.config.num_layers
-        if layer_index == 0:
-            return f"embedding.{name_in_layer}"
-        if layer_index <= num_layers:
-            return f"blocks.{layer_index - 1}.{name_in_layer.removeprefix('block.')}"
-        if layer_index == num_layers + 1:
-            return f"final_norm.{name_in_layer}"
-        return None
-
-    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
-        """(module, parameter) pairs where a module uses a weight it does not own: the output layer
-        is tied to the word embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
-        return [(self, self.embedding.word.weight)]
-
-    def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, prefix_lengths: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """tokens [batch, seq] -> mean next-token loss over labels != -100 if labels are given, else
-        vocab-parallel logits. With prefix_lengths [batch] it is a prefix LM (Raffel et al. 2020,
-        sec. 3.2.3): each sequence's first prefix_lengths tokens attend to each other bidirectionally."""
-        hidden = self.embedding(tokens)
-        mask = None if prefix_lengths is None else prefix_lm_attention_mask(prefix_lengths, tokens.shape[1])
-        interval = self.checkpoint_interval if self.training else 0
-        for start in range(0, len(self.blocks), interval or len(self.blocks)):
-            chunk = self.blocks[start:start + (interval or len(self.blocks))]
-            if interval:
-                # Keep only each chunk's input; recompute its activations in backward
-                # (Chen et al. 2016; Megatron's "uniform" recomputation).
-                hidden = checkpoint(_run_blocks, chunk, hidden, mask, use_reentrant=False)
-            else:
-                hidden = _run_blocks(chunk, hidden, mask)
-        logits = parallel_lm_logits(self.final_norm(hidden), self.embedding.word.weight)
-        if labels is None:
-            return logits.transpose(0, 1)  # [batch, seq, vocab / tensor_parallel_size]
-        return masked_vocab_parallel_loss(logits, labels)
+    mp_config = model_parallel_config(config)
+    attention = ParallelAttention(
+        model.hidden_size, model.num_heads, mp_config, lambda part: init(part, "attention"),
+        causal=True, dropout=model.dropout, layer_index=layer,
+    )
+    mlp = ParallelMLP(model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"), activation=gelu_tanh)
+    return TransformerBlock(attention, mlp, lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps),
+                            dropout=model.dropout)
 
 
 def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """SDPA boolean mask [batch, 1, seq, seq]: query i sees key j if j <= i (causal) or j is in the prefix."""
+    """SDPA boolean mask [batch, 1, seq, seq]: query i sees key j if j <= i (causal) or j is in the prefix
+    (a prefix LM, Raffel et al. 2020, sec. 3.2.3)."""
     positions = torch.arange(seq_length, device=prefix_lengths.device)
     causal = positions[None, :] <= positions[:, None]
     in_prefix = positions[None, None, :] < prefix_lengths[:, None, None]
     return (causal[None] | in_prefix)[:, None]
 
 
-def _run_blocks(blocks: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    for block in blocks:
-        hidden = block(hidden, mask)
-    return hidden
+# Activations between layers: (hidden [seq, batch, h],) or (hidden, prefix_lengths) for a prefix LM.
 
 
-def build_block(config: ModelConfig, mp_config: ModelParallelConfig, seed: int, layer: int) -> PreLayerNormBlock:
-    output_std = residual_std(config.init_std, config.num_layers)
-    attention, mlp = build_attention_and_mlp(config, mp_config, seed, layer, causal=True, output_std=output_std)
-    return PreLayerNormBlock(attention, mlp, config.hidden_size, config.layernorm_eps, config.dropout)
+def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    tokens, *rest = activations
+    return (embedding(tokens, start=cache.length if cache is not None else 0), *rest)
+
+
+def _block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    hidden, *rest = activations
+    mask = prefix_lm_attention_mask(rest[0], hidden.shape[0]) if rest else None
+    return (block(hidden, mask, cache=cache), *rest)
+
+
+def _final_norm(norm: nn.Module, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    return (norm(activations[0]),)
+
+
+def _tied_output(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    return (parallel_lm_logits(activations[0], embedding.word.weight),)
+
+
+def pipeline_layers(config: Config) -> list[PipelineLayer]:
+    model = config.model
+    return [
+        PipelineLayer("embedding", lambda: GPTEmbedding(config), _embed),
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
+          for layer in range(model.num_layers)),
+        PipelineLayer("final_norm", lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps), _final_norm),
+        PipelineLayer("output", lambda: GPTEmbedding(config), _tied_output, tied_to="embedding",
+                      tied_weight="word.weight"),
+    ]
+
+
+def lm_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
+    """Mean next-token cross-entropy over labels != -100."""
+    return masked_vocab_parallel_loss(outputs[0], labels[0])
+
+
+class DecoderLM(LayeredModel):
+    """A causal LM's forward: loss with labels, vocab-parallel logits [batch, seq, vocab / TP] without.
+    With prefix_lengths [batch] it is a prefix LM; with a KVCache it decodes incrementally."""
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        prefix_lengths: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        inputs = (tokens,) if prefix_lengths is None else (tokens, prefix_lengths)
+        (logits,) = self.run_layers(inputs, cache=cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        if labels is None:
+            return logits.transpose(0, 1)
+        return masked_vocab_parallel_loss(logits, labels)
+
+
+def build(config: Config) -> DecoderLM:
+    return DecoderLM(pipeline_layers(config), config.train.activation_checkpoint_interval)
+
+
+def counts(config: Config) -> ModelCounts:
+    """The tied output layer computes logits at every position: Narayanan et al. 2021, eq. 3 (6hV
+    for the head). Embedding parameters: the word and position tables."""
+    model, vocab = config.model, config.padded_vocab_size
+    hidden, ffn = model.hidden_size, model.ffn_size
+    block = 4 * hidden * hidden + 2 * hidden * ffn + 9 * hidden + ffn  # QKV, output, fc, proj (+ biases), 2 LNs
+    embedding = vocab * hidden + model.seq_length * hidden
+    return ModelCounts(
+        total_params=embedding + model.num_layers * block + 2 * hidden, embedding_params=embedding,
+        flops_per_token=model_flops_per_token(model, vocab),
+        flops_formula="3·(l·(8h² + 4h·ffn + 4h·s) + 2h·V) = 6N + 12·l·h·s + 6h·V with N the block weights "
+                      "(Narayanan et al. 2021, eq. 3; PaLM app. B)",
+    )
+
+
+def validate(config: Config) -> None:
+    if config.model.ffn_size < 1:
+        raise ConfigError(f"model.ffn_hidden_size={config.model.ffn_hidden_size} must be >= 1")
+
+
+FAMILY = ModelFamily(
+    name="gpt",
+    config_class=GPTConfig,
+    build=build,
+    pipeline_layers=pipeline_layers,
+    loss=lm_loss,
+    objectives=("causal_lm", "prefix_lm"),
+    pipeline_objectives=("causal_lm", "prefix_lm"),
+    batch_schema=lambda config: BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",)),
+    counts=counts,
+    validate=validate,
+    hf=lazy("scaletrain.checkpoint.hf_export:GPT_ADAPTER"),
+    generation="causal",
+)

@@ -1,13 +1,25 @@
-"""Tensor-parallel transformer layers on megatron-core primitives.
+"""The block kit every family is built from: tensor-parallel attention, MLP, norms and positions.
 
-Activations are [sequence, batch, hidden], megatron's layout, so sequence parallelism can
-split dimension 0. Attention heads and FFN columns are split across tensor-parallel ranks:
-column-parallel in, row-parallel out, one all-reduce per sub-layer (Shoeybi et al. 2019, sec. 3).
+Activations are [sequence, batch, hidden], megatron's layout, so sequence parallelism can split
+dimension 0. Attention heads and MLP columns are split across tensor-parallel ranks: column-parallel
+in, row-parallel out, one all-reduce per sub-layer (Shoeybi et al. 2019, sec. 3). What differs
+between families is a handful of switches:
+
+    attention   heads, key/value heads (grouped-query: Ainslie et al. 2023; multi-query: Shazeer
+                2019), head_dim, biases, score scale, positions (learned absolute in the
+                embedding, T5's relative bias as an additive mask, or rotary: Su et al. 2021)
+    MLP         activation, gated or not (GLU variants: Shazeer 2020), biases
+    norm        LayerNorm or RMSNorm (Zhang & Sennrich 2019), before (GPT-2) or after (BERT)
+
+Every weight is initialised from (seed, its parameter name) by an `init(part)` callback the
+family supplies, so a layer's master weights do not depend on the layout (see model/init.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,11 +28,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from scaletrain.config import ModelConfig
-from scaletrain.data.objectives import IGNORE_INDEX
-from scaletrain.model.init import InitMethod, normal_init
+from scaletrain.batch import IGNORE_INDEX
+from scaletrain.model.init import InitMethod
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+PartInit = Callable[[str], InitMethod]  # "qkv" | "query" | "key_value" | "output" | "fc" | "proj" -> init
 
 
 def gelu_tanh(hidden: torch.Tensor) -> torch.Tensor:
@@ -33,6 +45,232 @@ def gelu_erf(hidden: torch.Tensor) -> torch.Tensor:
     return F.gelu(hidden, approximate="none")
 
 
+ACTIVATIONS: dict[str, Activation] = {"gelu": gelu_tanh, "gelu-erf": gelu_erf, "relu": F.relu, "silu": F.silu}
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+
+
+class RMSNorm(nn.Module):
+    """Scale-only RMS norm (Zhang & Sennrich 2019), as T5 and Llama use it: no mean, no bias.
+    The mean square is taken in fp32 so bf16 activations keep their range (HF's T5LayerNorm and
+    LlamaRMSNorm compute it the same way)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden32 = hidden.float()
+        normed = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(hidden.dtype)
+
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+def build_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+    if kind == "rmsnorm":
+        return RMSNorm(hidden_size, eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(hidden_size, eps=eps)
+    raise ValueError(f"norm {kind!r}; use one of {NORMS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer eq. 34) in the rotate-half layout of
+    GPT-NeoX and Hugging Face's Llama: dimension i of a head is paired with i + head_dim / 2.
+    Applied per head after the tensor-parallel split, so it needs no communication."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """query/key [batch, heads, seq, head_dim]; positions [seq]."""
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(query.dtype), angles.sin().to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(tensor: torch.Tensor) -> torch.Tensor:
+    first, second = tensor.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the positions decoded so far, one entry per attention layer, for
+    incremental decoding: each new token attends to them instead of recomputing the prefix."""
+
+    keys: dict[int, torch.Tensor]
+    values: dict[int, torch.Tensor]
+    length: int = 0  # positions already in the cache
+
+    @classmethod
+    def empty(cls) -> KVCache:
+        return cls({}, {})
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.keys:
+            key = torch.cat([self.keys[layer], key], dim=2)
+            value = torch.cat([self.values[layer], value], dim=2)
+        self.keys[layer], self.values[layer] = key, value
+        return key, value
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head, grouped-query or multi-query attention with heads split across TP ranks.
+
+    Self-attention with as many key/value heads as query heads keeps one fused master weight
+    [Q; K; V] (GPT-2's c_attn layout) as `qkv`, stride 3, so each rank gets its own heads' rows
+    of all three and one GEMM serves them. Otherwise (fewer key/value heads, or cross-attention
+    whose keys come from the encoder) queries are `query` and keys/values a fused [K; V]
+    `key_value`, stride 2. When the TP size exceeds the key/value heads, every rank holds the
+    full (small) `key_value` weight and uses its own group's heads, as Megatron replicates them;
+    the weight enters through megatron's copy-to-TP-region, so its gradient is the sum over ranks
+    and stays identical on all of them.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        mp_config: ModelParallelConfig,
+        init: PartInit,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        causal: bool = False,
+        dropout: float = 0.0,
+        scale: float | None = None,
+        rotary: RotaryEmbedding | None = None,
+        cross: bool = False,
+        layer_index: int = 0,
+    ) -> None:
+        super().__init__()
+        tp = mp_config.tensor_model_parallel_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.heads_per_rank = num_heads // tp
+        self.causal, self.dropout, self.scale, self.rotary = causal, dropout, scale, rotary
+        self.layer_index = layer_index  # its slot in a KVCache
+        inner, kv_inner = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.fused = not cross and self.num_kv_heads == num_heads
+        if self.fused:
+            self.qkv = tensor_parallel.ColumnParallelLinear(
+                hidden_size, 3 * inner, config=mp_config, init_method=init("qkv"),
+                bias=bias, gather_output=False, stride=3,
+            )
+        else:
+            self.query = tensor_parallel.ColumnParallelLinear(
+                hidden_size, inner, config=mp_config, init_method=init("query"), bias=bias, gather_output=False,
+            )
+            self.replicated_kv = self.num_kv_heads % tp != 0
+            if self.replicated_kv:
+                self.key_value = _ReplicatedLinear(hidden_size, 2 * kv_inner, init("key_value"), bias)
+                group_heads = num_heads // self.num_kv_heads
+                self.kv_head = parallel_state.get_tensor_model_parallel_rank() * self.heads_per_rank // group_heads
+            else:
+                self.key_value = tensor_parallel.ColumnParallelLinear(
+                    hidden_size, 2 * kv_inner, config=mp_config, init_method=init("key_value"),
+                    bias=bias, gather_output=False, stride=2,
+                )
+        self.output = tensor_parallel.RowParallelLinear(
+            inner, hidden_size, config=mp_config, init_method=init("output"),
+            bias=bias, input_is_parallel=True, skip_bias_add=False,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        encoder_output: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """hidden [seq, batch, hidden]; mask: SDPA's boolean (True: may attend) or additive float
+        mask, broadcastable to [batch, heads, seq, keys]; positions [seq] for rotary (default
+        0..seq-1, offset by the cache length)."""
+        query, key, value = self._project(hidden, encoder_output)
+        if self.rotary is not None:
+            if positions is None:
+                start = cache.length if cache is not None else 0
+                positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
+            query, key = self.rotary(query, key, positions)
+        if cache is not None:
+            key, value = cache.extend(self.layer_index, key, value)
+        causal = self.causal and mask is None
+        if causal and key.shape[2] != query.shape[2]:
+            # Incremental decoding: the new queries sit at the end, each sees every earlier key.
+            mask = _bottom_right_causal(query.shape[2], key.shape[2], hidden.device)
+            causal = False
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal, scale=self.scale, enable_gqa=key.shape[1] != query.shape[1],
+        )
+        seq_length, batch_size = hidden.shape[0], hidden.shape[1]
+        output, _ = self.output(context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1))
+        return output
+
+    def _project(self, hidden: torch.Tensor, encoder_output: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Query, key, value as [batch, local heads, seq, head_dim]."""
+        if self.fused:
+            qkv, _ = self.qkv(hidden)
+            return tuple(self._heads(part) for part in qkv.chunk(3, dim=-1))
+        query, _ = self.query(hidden)
+        source = hidden if encoder_output is None else encoder_output
+        if self.replicated_kv:
+            key_value = self.key_value(source, self.kv_head, self.head_dim)
+        else:
+            key_value, _ = self.key_value(source)
+        key, value = key_value.chunk(2, dim=-1)
+        return self._heads(query), self._heads(key), self._heads(value)
+
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        seq_length, batch_size, _ = projected.shape
+        return projected.reshape(seq_length, batch_size, -1, self.head_dim).permute(1, 2, 0, 3)
+
+
+class _ReplicatedLinear(nn.Module):
+    """A [K; V] projection held whole on every TP rank, of which each rank uses one head's K and V
+    rows. Weight and input pass megatron's copy-to-TP-region (identity forward, all-reduce backward),
+    so both gradients are summed over the ranks that used different rows."""
+
+    def __init__(self, hidden_size: int, out_features: int, init_method: InitMethod, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(init_method(torch.empty(out_features, hidden_size)))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, hidden: torch.Tensor, kv_head: int, head_dim: int) -> torch.Tensor:
+        half = self.weight.shape[0] // 2
+        rows = torch.cat([torch.arange(kv_head * head_dim, (kv_head + 1) * head_dim)] * 2)
+        rows[head_dim:] += half
+        weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.weight)[rows.to(hidden.device)]
+        bias = None if self.bias is None else tensor_parallel.copy_to_tensor_model_parallel_region(self.bias)[rows]
+        return F.linear(tensor_parallel.copy_to_tensor_model_parallel_region(hidden), weight, bias)
+
+
+def _bottom_right_causal(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
+    keys = torch.arange(key_length, device=device)
+    queries = torch.arange(key_length - query_length, key_length, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
 def key_padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
     """SDPA boolean mask [batch, 1, 1, seq] (True: may attend) from padding_mask [batch, seq].
 
@@ -43,157 +281,118 @@ def key_padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
     return padding_mask.bool()[:, None, None, :]
 
 
-class ParallelSelfAttention(nn.Module):
-    """Multi-head self-attention with heads split across tensor-parallel ranks."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        mp_config: ModelParallelConfig,
-        init_method: InitMethod,
-        output_init_method: InitMethod,
-        causal: bool,
-        attention_dropout: float = 0.0,
-    ) -> None:
-        super().__init__()
-        tensor_parallel_size = mp_config.tensor_model_parallel_size
-        self.heads_per_rank = num_heads // tensor_parallel_size
-        self.head_dim = hidden_size // num_heads
-        self.causal = causal
-        self.attention_dropout = attention_dropout
-        # The master weight is [Q; K; V] (GPT-2's c_attn layout); stride=3 hands each rank its
-        # own heads' rows of all three, so the local output splits cleanly into q, k, v.
-        self.qkv = tensor_parallel.ColumnParallelLinear(
-            hidden_size, 3 * hidden_size, config=mp_config, init_method=init_method,
-            bias=True, gather_output=False, stride=3,
-        )
-        self.output = tensor_parallel.RowParallelLinear(
-            hidden_size, hidden_size, config=mp_config, init_method=output_init_method,
-            bias=True, input_is_parallel=True, skip_bias_add=False,
-        )
-
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        seq_length, batch_size, _ = hidden.shape
-        qkv, _ = self.qkv(hidden)
-        query, key, value = (
-            part.reshape(seq_length, batch_size, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
-            for part in qkv.chunk(3, dim=-1)
-        )
-        # SDPA dispatches to flash / memory-efficient kernels on GPU and a fused CPU kernel here.
-        context = F.scaled_dot_product_attention(
-            query, key, value,
-            attn_mask=attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=self.causal and attention_mask is None,
-        )
-        context = context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1)
-        output, _ = self.output(context)
-        return output
+# ---------------------------------------------------------------------------------------------
+# MLP and block
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column-parallel) -> GELU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> activation -> h (row-parallel).
+
+    Gated (GLU variants, Shazeer 2020: SwiGLU for Llama, gated GELU for T5 v1.1): the master `fc`
+    is [gate; up] with stride 2, so each rank's local output splits into its own columns of both
+    and one GEMM serves both projections; the output is act(gate) * up.
+    """
 
     def __init__(
         self,
         hidden_size: int,
         ffn_hidden_size: int,
         mp_config: ModelParallelConfig,
-        init_method: InitMethod,
-        output_init_method: InitMethod,
+        init: PartInit,
+        *,
         activation: Activation = gelu_tanh,
+        gated: bool = False,
+        bias: bool = True,
+        inner_dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.activation = activation
+        self.activation, self.gated = activation, gated
+        parts = 2 if gated else 1
         self.fc = tensor_parallel.ColumnParallelLinear(
-            hidden_size, ffn_hidden_size, config=mp_config, init_method=init_method,
-            bias=True, gather_output=False,
+            hidden_size, parts * ffn_hidden_size, config=mp_config, init_method=init("fc"),
+            bias=bias, gather_output=False, stride=parts,
         )
         self.proj = tensor_parallel.RowParallelLinear(
-            ffn_hidden_size, hidden_size, config=mp_config, init_method=output_init_method,
-            bias=True, input_is_parallel=True, skip_bias_add=False,
+            ffn_hidden_size, hidden_size, config=mp_config, init_method=init("proj"),
+            bias=bias, input_is_parallel=True, skip_bias_add=False,
         )
+        self.inner_dropout = nn.Dropout(inner_dropout)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         intermediate, _ = self.fc(hidden)
-        output, _ = self.proj(self.activation(intermediate))
+        if self.gated:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = self.activation(gate) * up
+        else:
+            intermediate = self.activation(intermediate)
+        output, _ = self.proj(self.inner_dropout(intermediate))
         return output
 
 
-class PreLayerNormBlock(nn.Module):
-    """GPT-2/3 block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+class TransformerBlock(nn.Module):
+    """Pre-norm (GPT-2, T5, Llama): x + Attn(N(x)) [+ CrossAttn(N(x), enc)], then x + MLP(N(x));
+    post-norm (BERT, the original Transformer, Vaswani et al. 2017 sec. 3.1): x = N(x + Attn(x)),
+    then x = N(x + MLP(x)). Parameter names are the same in both arrangements."""
 
     def __init__(
         self,
-        attention: ParallelSelfAttention,
+        attention: ParallelAttention,
         mlp: ParallelMLP,
-        hidden_size: int,
-        layernorm_eps: float,
-        hidden_dropout: float,
+        norm: Callable[[], nn.Module],
+        *,
+        pre_norm: bool = True,
+        cross_attention: ParallelAttention | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        self.attention_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
+        self.pre_norm = pre_norm
+        self.attention_norm = norm()
         self.attention = attention
-        self.mlp_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
+        if cross_attention is not None:
+            self.cross_attention_norm = norm()
+            self.cross_attention = cross_attention
+        self.mlp_norm = norm()
         self.mlp = mlp
-        self.dropout = nn.Dropout(hidden_dropout)
+        self.dropout = nn.Dropout(dropout)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), attention_mask))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        encoder_output: torch.Tensor | None = None,
+        cross_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        if not self.pre_norm:
+            hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, mask, cache=cache)))
+            return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
+        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), mask, cache=cache))
+        if encoder_output is not None:
+            attended = self.cross_attention(self.cross_attention_norm(hidden), cross_mask, encoder_output=encoder_output)
+            hidden = hidden + self.dropout(attended)
         return hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
 
 
-class PostLayerNormBlock(nn.Module):
-    """BERT block, as the original Transformer (Vaswani et al. 2017, sec. 3.1):
-    x = LN(x + Attn(x)), then x = LN(x + MLP(x)). Same parameter names as PreLayerNormBlock."""
+def run_in_chunks(steps: list[Callable[[Any], Any]], value: Any, interval: int) -> Any:
+    """Apply `steps` (blocks) in order; with interval k > 0 keep only each k-step chunk's input and
+    recompute its activations in backward (Chen et al. 2016; Megatron's "uniform" recomputation)."""
+    from torch.utils.checkpoint import checkpoint
 
-    def __init__(
-        self,
-        attention: ParallelSelfAttention,
-        mlp: ParallelMLP,
-        hidden_size: int,
-        layernorm_eps: float,
-        hidden_dropout: float,
-    ) -> None:
-        super().__init__()
-        self.attention = attention
-        self.attention_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
-        self.mlp = mlp
-        self.mlp_norm = nn.LayerNorm(hidden_size, eps=layernorm_eps)
-        self.dropout = nn.Dropout(hidden_dropout)
+    def run(chunk: list[Callable[[Any], Any]], value: Any) -> Any:
+        for step in chunk:
+            value = step(value)
+        return value
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, attention_mask)))
-        return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
+    if not interval:
+        return run(steps, value)
+    for start in range(0, len(steps), interval):
+        value = checkpoint(run, steps[start:start + interval], value, use_reentrant=False)
+    return value
 
 
-def build_attention_and_mlp(
-    config: ModelConfig,
-    mp_config: ModelParallelConfig,
-    seed: int,
-    layer: int,
-    *,
-    causal: bool,
-    output_std: float,
-    activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh,
-) -> tuple[ParallelSelfAttention, ParallelMLP]:
-    """Block `layer`'s two sub-layers, each weight initialised from its name (`blocks.{layer}...`);
-    `output_std` is for the residual-branch output projections."""
-    prefix = f"blocks.{layer}"
-    attention = ParallelSelfAttention(
-        config.hidden_size, config.num_heads, mp_config,
-        init_method=normal_init(config.init_std, seed, f"{prefix}.attention.qkv"),
-        output_init_method=normal_init(output_std, seed, f"{prefix}.attention.output"),
-        causal=causal, attention_dropout=config.dropout,
-    )
-    mlp = ParallelMLP(
-        config.hidden_size, config.ffn_size, mp_config,
-        init_method=normal_init(config.init_std, seed, f"{prefix}.mlp.fc"),
-        output_init_method=normal_init(output_std, seed, f"{prefix}.mlp.proj"),
-        activation=activation,
-    )
-    return attention, mlp
+# ---------------------------------------------------------------------------------------------
+# Output layer and losses
 
 
 def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
@@ -228,9 +427,9 @@ def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def masked_vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq],
-    over the positions whose label is not IGNORE_INDEX (-100, e.g. a prefix LM's prefix)."""
+    over the positions whose label is not IGNORE_INDEX (-100, e.g. a prefix LM's prefix or padding)."""
     labels = labels.transpose(0, 1).contiguous()
     predicted = labels != IGNORE_INDEX
     # megatron's loss has no ignore index: score ignored positions against id 0, then drop them.
     losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
-    return (losses * predicted).sum() / predicted.sum()
+    return (losses * predicted).sum() / predicted.sum().clamp(min=1)

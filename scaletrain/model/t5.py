@@ -16,9 +16,35 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
+from scaletrain.batch import BatchSchema
+from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.data.span_corruption import random_spans_helper
+from scaletrain.model.family import HFAdapter, ModelFamily, PipelineLayer
 from scaletrain.model.init import InitMethod, normal_init
+from scaletrain.model.layers import (
+    KVCache,
+    ParallelAttention,
+    ParallelMLP,
+    RMSNorm,
+    TransformerBlock,
+    gelu_tanh,
+    masked_vocab_parallel_loss,
+)
+from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.scaling.counts import ModelCounts
 
 FFN_ACTIVATIONS = ("relu", "gated-gelu")
+
+
+@dataclass
+class T5Config(ModelConfig):
+    """model.seq_length is the encoder length; the decoder length follows from the objective."""
+
+    num_decoder_layers: int | None = None  # None: model.num_layers
+    ffn_activation: str = "gated-gelu"  # relu (T5) | gated-gelu (T5 v1.1)
+    tie_embeddings: bool = True  # tied output with d_model**-0.5 scaling (original T5) or untied (v1.1)
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
 
 
 @dataclass(frozen=True)
@@ -42,21 +68,6 @@ class T5Architecture:
     @property
     def attention_size(self) -> int:
         return self.num_heads * self.head_dim
-
-
-class T5LayerNorm(nn.Module):
-    """RMS norm (Zhang & Sennrich 2019) as T5 uses it: scale only, no mean subtraction, no bias.
-    The mean square is taken in fp32 so bf16 activations keep their dynamic range."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden32 = hidden.float()
-        normed = hidden32 * torch.rsqrt(hidden32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(hidden.dtype)
 
 
 def relative_position_bucket(
@@ -102,140 +113,48 @@ class RelativePositionBias(nn.Module):
         self.weight = nn.Parameter(local.to(mp_config.params_dtype).contiguous())
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
 
-    def forward(self, query_length: int, key_length: int) -> torch.Tensor:
-        """Bias [1, local heads, query_length, key_length]."""
-        positions = torch.arange(max(query_length, key_length), device=self.weight.device)
-        relative = positions[None, :key_length] - positions[:query_length, None]
+    def forward(self, query_length: int, key_length: int, query_start: int = 0) -> torch.Tensor:
+        """Bias [1, local heads, query_length, key_length] for queries at query_start.. (decoding
+        with a KV cache starts past the cached positions)."""
+        queries = torch.arange(query_start, query_start + query_length, device=self.weight.device)
+        keys = torch.arange(key_length, device=self.weight.device)
+        relative = keys[None, :] - queries[:, None]
         buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
 
 
-class T5SelfAttention(nn.Module):
-    """Self-attention, heads split across TP ranks; fused [Q; K; V] with stride 3 as in layers.py."""
+def build_layer(
+    architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, prefix: str, decoder: bool, index: int
+) -> TransformerBlock:
+    """Pre-norm block from the kit: x + SelfAttn(N(x)), [x + CrossAttn(N(x), enc)] in the decoder,
+    x + FFN(N(x)); RMSNorm, no biases, no 1/sqrt(d) score scale (T5 folds it into the query init),
+    ReLU or gated-GELU FFN with dropout inside. Each weight is initialised as Mesh TF does, from the
+    stream of its HF name (fused weights stacked from their parts' streams)."""
+    hidden, inner, ffn = architecture.hidden_size, architecture.attention_size, architecture.ffn_hidden_size
 
-    def __init__(
-        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, prefix: str
-    ) -> None:
-        super().__init__()
-        hidden, inner = architecture.hidden_size, architecture.attention_size
-        self.head_dim = architecture.head_dim
-        self.dropout = architecture.dropout
-        self.qkv = tensor_parallel.ColumnParallelLinear(
-            hidden, 3 * inner, config=mp_config, bias=False, gather_output=False, stride=3,
-            init_method=_stacked_init([_query_init(architecture, seed, f"{prefix}.q"),
-                                       _key_value_init(architecture, seed, f"{prefix}.k"),
-                                       _key_value_init(architecture, seed, f"{prefix}.v")]),
-        )
-        self.output = _output_projection(architecture, mp_config, seed, prefix)
+    def attention_init(name: str):
+        q = normal_init((hidden * architecture.head_dim) ** -0.5, seed, f"{name}.q")
+        k, v = (normal_init(hidden**-0.5, seed, f"{name}.{part}") for part in "kv")
+        return {"qkv": _stacked_init([q, k, v]), "query": q, "key_value": _stacked_init([k, v]),
+                "output": normal_init(inner**-0.5, seed, f"{name}.o")}.__getitem__
 
-    def forward(self, hidden: torch.Tensor, attention_bias: torch.Tensor | None) -> torch.Tensor:
-        qkv, _ = self.qkv(hidden)
-        query, key, value = (_split_heads(part, self.head_dim) for part in qkv.chunk(3, dim=-1))
-        context = _attend(query, key, value, attention_bias, self.dropout if self.training else 0.0)
-        output, _ = self.output(context)
-        return output
-
-
-class T5CrossAttention(nn.Module):
-    """Decoder-to-encoder attention: Q from the decoder, fused [K; V] (stride 2) from the encoder output."""
-
-    def __init__(
-        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, prefix: str
-    ) -> None:
-        super().__init__()
-        hidden, inner = architecture.hidden_size, architecture.attention_size
-        self.head_dim = architecture.head_dim
-        self.dropout = architecture.dropout
-        self.query = tensor_parallel.ColumnParallelLinear(
-            hidden, inner, config=mp_config, bias=False, gather_output=False,
-            init_method=_query_init(architecture, seed, f"{prefix}.q"),
-        )
-        self.key_value = tensor_parallel.ColumnParallelLinear(
-            hidden, 2 * inner, config=mp_config, bias=False, gather_output=False, stride=2,
-            init_method=_stacked_init([_key_value_init(architecture, seed, f"{prefix}.k"),
-                                       _key_value_init(architecture, seed, f"{prefix}.v")]),
-        )
-        self.output = _output_projection(architecture, mp_config, seed, prefix)
-
-    def forward(
-        self, hidden: torch.Tensor, encoder_output: torch.Tensor, attention_bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        query, _ = self.query(hidden)
-        key_value, _ = self.key_value(encoder_output)
-        key, value = (_split_heads(part, self.head_dim) for part in key_value.chunk(2, dim=-1))
-        context = _attend(_split_heads(query, self.head_dim), key, value, attention_bias,
-                          self.dropout if self.training else 0.0)
-        output, _ = self.output(context)
-        return output
-
-
-class T5FeedForward(nn.Module):
-    """ReLU FFN (T5) or gated-GELU FFN (v1.1; Shazeer 2020, "GLU Variants Improve Transformer").
-
-    Gated: the master `wi` is [wi_0; wi_1] (gate; linear) with stride 2, so each rank's local
-    output splits into its own columns of both and one GEMM serves both projections.
-    """
-
-    def __init__(
-        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, prefix: str
-    ) -> None:
-        super().__init__()
-        hidden, ffn = architecture.hidden_size, architecture.ffn_hidden_size
-        self.gated = architecture.ffn_activation == "gated-gelu"
-        in_std = hidden**-0.5  # fan-in init of Mesh TF / HF `_init_weights`
-        wi_parts = ["wi_0", "wi_1"] if self.gated else ["wi"]
-        self.wi = tensor_parallel.ColumnParallelLinear(
-            hidden, len(wi_parts) * ffn, config=mp_config, bias=False, gather_output=False, stride=len(wi_parts),
-            init_method=_stacked_init([normal_init(in_std, seed, f"{prefix}.{part}") for part in wi_parts]),
-        )
-        self.wo = tensor_parallel.RowParallelLinear(
-            ffn, hidden, config=mp_config, bias=False, input_is_parallel=True, skip_bias_add=False,
-            init_method=normal_init(ffn**-0.5, seed, f"{prefix}.wo"),
-        )
-        self.dropout = nn.Dropout(architecture.dropout)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        intermediate, _ = self.wi(hidden)
-        if self.gated:
-            gate, linear = intermediate.chunk(2, dim=-1)
-            # HF "gelu_new": the tanh approximation used by the v1.1 checkpoints.
-            intermediate = F.gelu(gate, approximate="tanh") * linear
-        else:
-            intermediate = F.relu(intermediate)
-        output, _ = self.wo(self.dropout(intermediate))
-        return output
-
-
-class T5Layer(nn.Module):
-    """Pre-norm block: x + SelfAttn(LN(x)), [x + CrossAttn(LN(x), enc)] in the decoder, x + FFN(LN(x))."""
-
-    def __init__(
-        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, prefix: str, decoder: bool
-    ) -> None:
-        super().__init__()
-        hidden, eps = architecture.hidden_size, architecture.layernorm_eps
-        self.self_attention_norm = T5LayerNorm(hidden, eps)
-        self.self_attention = T5SelfAttention(architecture, mp_config, seed, f"{prefix}.self_attention")
-        if decoder:
-            self.cross_attention_norm = T5LayerNorm(hidden, eps)
-            self.cross_attention = T5CrossAttention(architecture, mp_config, seed, f"{prefix}.cross_attention")
-        self.ffn_norm = T5LayerNorm(hidden, eps)
-        self.ffn = T5FeedForward(architecture, mp_config, seed, f"{prefix}.ffn")
-        self.dropout = nn.Dropout(architecture.dropout)
-        self.decoder = decoder
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        self_attention_bias: torch.Tensor | None,
-        encoder_output: torch.Tensor | None = None,
-        cross_attention_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden = hidden + self.dropout(self.self_attention(self.self_attention_norm(hidden), self_attention_bias))
-        if self.decoder:
-            attended = self.cross_attention(self.cross_attention_norm(hidden), encoder_output, cross_attention_bias)
-            hidden = hidden + self.dropout(attended)
-        return hidden + self.dropout(self.ffn(self.ffn_norm(hidden)))
+    gated = architecture.ffn_activation == "gated-gelu"
+    wi_parts = ["wi_0", "wi_1"] if gated else ["wi"]
+    mlp_init = {"fc": _stacked_init([normal_init(hidden**-0.5, seed, f"{prefix}.ffn.{part}") for part in wi_parts]),
+                "proj": normal_init(ffn**-0.5, seed, f"{prefix}.ffn.wo")}.__getitem__
+    common = {"num_kv_heads": architecture.num_heads, "head_dim": architecture.head_dim, "bias": False,
+              "dropout": architecture.dropout, "scale": 1.0}
+    attention = ParallelAttention(hidden, architecture.num_heads, mp_config,
+                                  attention_init(f"{prefix}.self_attention"), layer_index=index, **common)
+    cross = None
+    if decoder:
+        cross = ParallelAttention(hidden, architecture.num_heads, mp_config,
+                                  attention_init(f"{prefix}.cross_attention"), cross=True, **common)
+    # HF "gelu_new": the tanh approximation used by the v1.1 checkpoints.
+    mlp = ParallelMLP(hidden, ffn, mp_config, mlp_init, activation=gelu_tanh if gated else F.relu, gated=gated,
+                      bias=False, inner_dropout=architecture.dropout)
+    return TransformerBlock(attention, mlp, lambda: RMSNorm(hidden, architecture.layernorm_eps),
+                            cross_attention=cross, dropout=architecture.dropout)
 
 
 class T5Stack(nn.Module):
@@ -255,17 +174,21 @@ class T5Stack(nn.Module):
             init_method=normal_init(architecture.hidden_size**-0.5, seed, f"{name}.relative_position_bias"),
         )
         self.layers = nn.ModuleList(
-            T5Layer(architecture, mp_config, seed, f"{name}.layers.{index}", decoder) for index in range(num_layers)
+            build_layer(architecture, mp_config, seed, f"{name}.layers.{index}", decoder, index)
+            for index in range(num_layers)
         )
-        self.final_norm = T5LayerNorm(architecture.hidden_size, architecture.layernorm_eps)
+        self.final_norm = RMSNorm(architecture.hidden_size, architecture.layernorm_eps)
         self.dropout = nn.Dropout(architecture.dropout)
 
-    def self_attention_bias(self, seq_length: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """Position bias plus padding (and, in the decoder, causal) mask: [batch or 1, heads, seq, seq]."""
-        bias = self.relative_position_bias(seq_length, seq_length)
+    def self_attention_bias(
+        self, seq_length: int, padding_mask: torch.Tensor | None, past: int = 0
+    ) -> torch.Tensor:
+        """Position bias plus padding (and, in the decoder, causal) mask: [batch or 1, heads, seq, past + seq]."""
+        keys = past + seq_length
+        bias = self.relative_position_bias(seq_length, keys, query_start=past)
         allowed = _key_padding_allowed(padding_mask)
         if self.decoder:
-            causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=bias.device).tril()
+            causal = torch.arange(keys, device=bias.device)[None, :] <= torch.arange(past, keys, device=bias.device)[:, None]
             allowed = causal if allowed is None else allowed & causal
         return _mask_bias(bias, allowed)
 
@@ -275,15 +198,16 @@ class T5Stack(nn.Module):
         padding_mask: torch.Tensor | None,
         encoder_output: torch.Tensor | None = None,
         encoder_padding_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        self_bias = self.self_attention_bias(embedded.shape[0], padding_mask)
+        self_bias = self.self_attention_bias(embedded.shape[0], padding_mask, cache.length if cache else 0)
         cross_bias = None
         if self.decoder and encoder_padding_mask is not None:
             # T5's cross-attention has no position bias, only the encoder padding mask.
             cross_bias = _mask_bias(embedded.new_zeros(1, 1, 1, 1), _key_padding_allowed(encoder_padding_mask))
         hidden = self.dropout(embedded)
         for layer in self.layers:
-            hidden = layer(hidden, self_bias, encoder_output, cross_bias)
+            hidden = layer(hidden, self_bias, encoder_output=encoder_output, cross_mask=cross_bias, cache=cache)
         return self.dropout(self.final_norm(hidden))
 
 
@@ -328,7 +252,7 @@ class T5(nn.Module):
         logits = self.output_logits(decoder_output)
         if labels is None:
             return logits.transpose(0, 1)
-        return seq2seq_lm_loss(logits, labels)
+        return masked_vocab_parallel_loss(logits, labels)
 
     def encode(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[batch, seq] -> encoder output [seq, batch, hidden]."""
@@ -340,10 +264,15 @@ class T5(nn.Module):
         encoder_output: torch.Tensor,
         encoder_padding_mask: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Decoder input tokens [batch, seq] (shifted right) -> decoder output [seq, batch, hidden]."""
+        """Decoder input tokens [batch, seq] (shifted right) -> decoder output [seq, batch, hidden].
+        With a KVCache the tokens continue the cached ones (incremental decoding)."""
         embedded = self.embedding(tokens).transpose(0, 1)
-        return self.decoder(embedded, padding_mask, encoder_output, encoder_padding_mask)
+        output = self.decoder(embedded, padding_mask, encoder_output, encoder_padding_mask, cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return output
 
     def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, parameter) pairs where a module uses a weight it does not own: the tied output
@@ -362,15 +291,6 @@ class T5(nn.Module):
         return F.linear(hidden, self.embedding.weight)
 
 
-def seq2seq_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] over labels [batch, seq] != -100."""
-    labels = labels.transpose(0, 1)
-    keep = labels != -100
-    # -100 is no vocabulary index: give those positions a valid one and drop their loss after.
-    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.masked_fill(~keep, 0).contiguous())
-    return (losses * keep).sum() / keep.sum().clamp(min=1)
-
-
 def check_tensor_parallel(architecture: T5Architecture, tensor_parallel_size: int) -> None:
     """Heads, FFN columns and vocabulary rows are split evenly across TP ranks."""
     for name in ("num_heads", "ffn_hidden_size", "vocab_size"):
@@ -382,21 +302,6 @@ def check_tensor_parallel(architecture: T5Architecture, tensor_parallel_size: in
             )
     if architecture.ffn_activation not in FFN_ACTIVATIONS:
         raise ValueError(f"ffn_activation={architecture.ffn_activation!r}; use one of {', '.join(FFN_ACTIVATIONS)}")
-
-
-def _split_heads(projected: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """[seq, batch, local heads * head_dim] -> [batch, local heads, seq, head_dim]."""
-    seq_length, batch_size, _ = projected.shape
-    return projected.reshape(seq_length, batch_size, -1, head_dim).permute(1, 2, 0, 3)
-
-
-def _attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_bias: torch.Tensor | None, dropout: float
-) -> torch.Tensor:
-    """softmax(QK^T + bias) V without the 1/sqrt(d) factor: T5 folds it into the query init."""
-    context = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_bias, dropout_p=dropout, scale=1.0)
-    batch_size, _, seq_length, _ = context.shape
-    return context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1)
 
 
 def _key_padding_allowed(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -412,25 +317,6 @@ def _mask_bias(bias: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor
     return torch.where(allowed, bias, torch.finfo(bias.dtype).min)
 
 
-def _query_init(architecture: T5Architecture, seed: int, name: str) -> InitMethod:
-    """Mesh TF's std (d_model * d_kv)**-0.5 for Q: the 1/sqrt(d_kv) attention scale lives here."""
-    return normal_init((architecture.hidden_size * architecture.head_dim) ** -0.5, seed, name)
-
-
-def _key_value_init(architecture: T5Architecture, seed: int, name: str) -> InitMethod:
-    return normal_init(architecture.hidden_size**-0.5, seed, name)
-
-
-def _output_projection(
-    architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, prefix: str
-) -> tensor_parallel.RowParallelLinear:
-    return tensor_parallel.RowParallelLinear(
-        architecture.attention_size, architecture.hidden_size, config=mp_config, bias=False,
-        input_is_parallel=True, skip_bias_add=False,
-        init_method=normal_init(architecture.attention_size**-0.5, seed, f"{prefix}.o"),
-    )
-
-
 def _stacked_init(parts: list[InitMethod]) -> InitMethod:
     """Initialise a fused master weight as equal row blocks, each from its own named stream, so a
     fused weight equals its unfused parts (HF's q, k, v or wi_0, wi_1) in every layout."""
@@ -441,3 +327,117 @@ def _stacked_init(parts: list[InitMethod]) -> InitMethod:
         return tensor
 
     return init
+
+
+def architecture(config: Config) -> T5Architecture:
+    model = config.model
+    return T5Architecture(
+        vocab_size=config.padded_vocab_size,
+        hidden_size=model.hidden_size,
+        num_heads=model.num_heads,
+        head_dim=model.attention_head_dim,
+        ffn_hidden_size=model.ffn_size,
+        num_encoder_layers=model.num_layers,
+        num_decoder_layers=model.num_decoder_layers or model.num_layers,
+        ffn_activation=model.ffn_activation,
+        tie_embeddings=model.tie_embeddings,
+        relative_attention_num_buckets=model.relative_attention_num_buckets,
+        relative_attention_max_distance=model.relative_attention_max_distance,
+        layernorm_eps=model.layernorm_eps,
+        dropout=model.dropout,
+    )
+
+
+def build(config: Config) -> T5:
+    return T5(architecture(config), model_parallel_config(config), config.train.seed)
+
+
+
+
+def counts(config: Config) -> ModelCounts:
+    """Kaplan et al. 2020's per-operation counts (table 1) over T5's two stacks (Raffel et al. 2020,
+    sec. 3.2.2: encoder over the inputs, decoder over the targets): encoder layers over s_e =
+    model.seq_length tokens, decoder layers over the objective's s_d targets, each with self- and
+    cross-attention; every decoder layer projects the s_e encoder outputs to keys and values, and
+    the output layer (tied or not) computes logits at the s_d decoder positions. FLOPs per token
+    divide by s_e. Attention width i = heads · head_dim may differ from h; g = 2 for gated-GELU."""
+    model, vocab = config.model, config.padded_vocab_size
+    hidden, inner = model.hidden_size, model.num_heads * model.attention_head_dim
+    gates = 2 if model.ffn_activation == "gated-gelu" else 1
+    encoder_layers, decoder_layers = model.num_layers, model.num_decoder_layers or model.num_layers
+    encoder_length, decoder_length = model.seq_length, target_length(config)
+    ffn = (gates + 1) * hidden * model.ffn_size
+    attention = 4 * hidden * inner  # QKV + output
+    encoder_layer = attention + ffn + 2 * hidden
+    decoder_layer = 2 * attention + ffn + 3 * hidden  # self + cross attention
+    relative_tables = 2 * model.relative_attention_num_buckets * model.num_heads
+    head = 0 if model.tie_embeddings else hidden * vocab
+    total = (vocab * hidden + relative_tables + encoder_layers * encoder_layer + decoder_layers * decoder_layer
+             + 2 * hidden + head)
+    encoder_flops = encoder_length * encoder_layers * (2 * attention + 2 * ffn + 4 * inner * encoder_length)
+    decoder_token = 2 * attention + 2 * 2 * hidden * inner + 2 * ffn + 4 * inner * (decoder_length + encoder_length)
+    decoder_flops = decoder_layers * (decoder_length * decoder_token + encoder_length * 2 * 2 * hidden * inner)
+    head_flops = decoder_length * 2 * hidden * vocab
+    return ModelCounts(
+        total_params=total, embedding_params=vocab * hidden + relative_tables,
+        flops_per_token=3.0 * (encoder_flops + decoder_flops + head_flops) / encoder_length,
+        flops_formula="3·(s_e·L_e·(8h·i + 2(g+1)h·f + 4i·s_e) + L_d·(s_d·(12h·i + 2(g+1)h·f + 4i·(s_d + s_e)) "
+                      "+ 4h·i·s_e) + 2h·V·s_d) / s_e (Kaplan et al. 2020, table 1, per stack)",
+    )
+
+
+def target_length(config: Config) -> int:
+    """Targets per sample: T5's span-corruption target length (sec. 3.1.4), or the full sequence for prefix LM."""
+    objective = config.objective
+    if objective.resolved_kind(config.model.family) == "prefix_lm":
+        return config.model.seq_length
+    return random_spans_helper(config.model.seq_length, objective.noise_density, objective.mean_noise_span_length)[1]
+
+
+def validate(config: Config) -> None:
+    model, tensor = config.model, config.parallel.tensor
+    if model.ffn_activation not in FFN_ACTIVATIONS:
+        raise ConfigError(f"model.ffn_activation={model.ffn_activation!r}; use relu or gated-gelu")
+    buckets, distance = model.relative_attention_num_buckets, model.relative_attention_max_distance
+    if buckets < 4 or buckets % 2 or distance <= buckets // 2:
+        raise ConfigError(
+            f"model.relative_attention_num_buckets={buckets} must be even and >= 4, and "
+            f"model.relative_attention_max_distance={distance} > num_buckets / 2 (T5's log buckets need the room)"
+        )
+    if config.train.activation_checkpoint_interval:
+        raise ConfigError("train.activation_checkpoint_interval is not available for t5 yet; set it to 0")
+    if model.num_heads * model.attention_head_dim % tensor:
+        raise ConfigError(f"parallel.tensor={tensor} must divide the T5 attention size num_heads x head_dim")
+
+
+def _no_pipeline(config: Config) -> list[PipelineLayer]:
+    raise ConfigError("t5 has no pipeline stages yet; train it with parallel.pipeline=1")
+
+
+def _hf_adapter() -> HFAdapter:
+    from scaletrain.checkpoint.hf_t5 import export_t5_hf, import_t5_hf
+
+    return HFAdapter(
+        model_class="T5ForConditionalGeneration",
+        export=lambda state, config, out_dir: export_t5_hf(state, architecture(config), out_dir),
+        import_=import_t5_hf,
+    )
+
+
+FAMILY = ModelFamily(
+    name="t5",
+    config_class=T5Config,
+    build=build,
+    pipeline_layers=_no_pipeline,
+    loss=lambda outputs, labels: masked_vocab_parallel_loss(outputs[0], labels[0]),
+    objectives=("span_corruption", "prefix_lm"),
+    pipeline_objectives=(),
+    batch_schema=lambda config: BatchSchema(
+        inputs=("encoder_tokens", "decoder_tokens", "encoder_padding_mask", "decoder_padding_mask"), labels=("labels",)
+    ),
+    counts=counts,
+    validate=validate,
+    hf=_hf_adapter,
+    encoder_decoder=True,
+    generation="seq2seq",
+)

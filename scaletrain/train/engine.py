@@ -88,7 +88,7 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     if config.parallel.zero_stage == 3:
         # ZeRO-3 gathers a module's own parameters around its forward; tied weights used elsewhere
         # must be announced, or the borrowing module sees an empty partition.
-        for module, parameter in getattr(model, "borrowed_parameters", list)():
+        for module, parameter in model.borrowed_parameters():  # every family model has it; no ZeRO-3 with stages
             deepspeed.zero.register_external_parameter(module, parameter)
     engine, _, _, _ = deepspeed.initialize(
         model=model,

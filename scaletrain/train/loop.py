@@ -30,6 +30,7 @@ from scaletrain.checkpoint.manager import (
 from scaletrain.checkpoint.reshard import load_resharded
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
+from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
 from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import device_peak_flops
@@ -264,7 +265,8 @@ def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str,
             "raise data.val_fraction and re-prepare, or set train.eval_every=0"
         )
     loader = objective.eval_loader(topology.data_parallel_rank, topology.data_parallel_size, num_samples)
-    return evaluation_metrics(engine, list(_device_batches(loader, topology.device)))
+    family = get_family(config.model.family)
+    return evaluation_metrics(engine, list(_device_batches(loader, topology.device)), family)
 
 
 def _restore_or_start(

@@ -24,6 +24,7 @@ from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
 from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.model.registry import get_family
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,9 @@ class Objective:
     collate: Callable
     config: Config
     tokenizer_info: TokenizerInfo
-
-    @property
-    def packed_seq_length(self) -> int:
-        """Tokens the loader cuts per sample (S + 1 are read): the collator decides, e.g. T5 reads
-        more raw tokens than its encoder length because spans collapse into sentinels."""
-        return getattr(self.collate, "packed_seq_length", None) or self.config.model.seq_length
+    # Tokens the loader cuts per sample (S + 1 are read): the collator decides, e.g. T5 reads more
+    # raw tokens than its encoder length because spans collapse into sentinels.
+    packed_seq_length: int
 
     def dataset(self, split: str, shuffle: bool) -> GlobalIndexDataset | SentencePairDataset:
         config = self.config
@@ -78,9 +76,9 @@ def build_objective(config: Config) -> Objective:
     kind = config.objective.resolved_kind(config.model.family)
     objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
     if kind == "causal_lm":
-        collate: Callable = causal_lm_collate
-    elif kind == "prefix_lm" and config.model.family == "t5":
-        collate = EncoderDecoderPrefixLMCollator(info, seed, seq_length)
+        return Objective(kind, causal_lm_collate, config, info, seq_length)
+    if kind == "prefix_lm" and get_family(config.model.family).encoder_decoder:
+        collate: Callable = EncoderDecoderPrefixLMCollator(info, seed, seq_length)
     elif kind == "prefix_lm":
         collate = prefix_lm_collator(seed, seq_length)
     elif kind == "mlm":
@@ -93,4 +91,5 @@ def build_objective(config: Config) -> Objective:
         collate = t5_span_corruption_collator(
             info, seed, seq_length, objective.noise_density, objective.mean_noise_span_length
         )
-    return Objective(kind, collate, config, info)
+    # sentence-pair MLM reads whole documents (packed_seq_length None) and cuts pairs itself
+    return Objective(kind, collate, config, info, collate.packed_seq_length or seq_length)

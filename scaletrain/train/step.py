@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from scaletrain.batch import GLOBAL_INDEX
+from scaletrain.model.family import ModelFamily
 from scaletrain.train.nonfinite import NonFiniteGuard
 
 
@@ -35,9 +37,11 @@ def train_step(
     return _with_grad_norm(engine, {"loss": data_parallel_mean(torch.stack(losses).mean()), "lr": lr})
 
 
-def evaluation_metrics(engine: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Validation loss over this rank's micro-batches, averaged over data-parallel ranks; for
-    masked LMs also the accuracy of the masked tokens (Devlin et al. 2019 report it too)."""
+def evaluation_metrics(
+    engine: Any, batches: list[dict[str, torch.Tensor]], family: ModelFamily
+) -> dict[str, float]:
+    """Validation loss over this rank's micro-batches, averaged over data-parallel ranks, plus the
+    family's own metrics (e.g. BERT's masked-token accuracy) from counts summed over batches and ranks."""
     if is_pipeline(engine):
         loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
         return {"val_loss": data_parallel_mean(loss.detach().float())}
@@ -45,23 +49,19 @@ def evaluation_metrics(engine: Any, batches: list[dict[str, torch.Tensor]]) -> d
     with torch.no_grad():
         losses = [engine(**model_inputs(batch)).float() for batch in batches]
         metrics = {"val_loss": data_parallel_mean(torch.stack(losses).mean())}
-        if hasattr(engine.module, "masked_token_accuracy"):
-            counts = torch.stack([torch.stack(engine.module.masked_token_accuracy(**_accuracy_inputs(batch)))
-                                  for batch in batches]).sum(dim=0).double()
-            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-            metrics["val_masked_accuracy"] = float(counts[0] / counts[1])
+        if family.evaluation_counts is not None:
+            per_batch = [family.evaluation_counts(engine.module, model_inputs(batch)) for batch in batches]
+            for name in per_batch[0] if per_batch else ():
+                counts = torch.stack([torch.stack(counts[name]) for counts in per_batch]).sum(dim=0).double()
+                dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+                metrics[name] = float(counts[0] / counts[1])
     engine.train()
     return metrics
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch keys are the model's forward arguments, but for the loader's bookkeeping."""
-    return {key: value for key, value in batch.items() if key != "global_index"}
-
-
-def _accuracy_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    keys = ("tokens", "labels", "token_types", "padding_mask")
-    return {key: batch[key] for key in keys if key in batch}
+    return {key: value for key, value in batch.items() if key != GLOBAL_INDEX}
 
 
 def is_pipeline(engine: Any) -> bool:
@@ -72,7 +72,7 @@ def is_pipeline(engine: Any) -> bool:
 
 def pipeline_inputs(engine: Any, batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple]:
     """DeepSpeed's pipeline feeds `inputs` to the first stage and `labels` to the loss on the last;
-    the pipelined model knows which batch keys are which."""
+    the family's batch schema, held by the pipelined model, says which batch keys are which."""
     for batch in batches:
         yield engine.module.split_batch(batch)
 

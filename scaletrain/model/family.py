@@ -1,0 +1,191 @@
+"""What a model family is to the rest of scaletrain: one registered `ModelFamily` spec.
+
+A family's file (model/gpt.py, bert.py, t5.py, llama.py) holds its typed config section, its
+validation, its model and this spec; model/registry.py maps the name to the file. The trainer,
+pipeline, planner, exporter and generator ask the spec instead of branching on the name (the
+pattern of torchtitan's `ModelSpec`).
+
+The model itself is an ordered list of `PipelineLayer`s: each builds the modules at one place in
+the model (so its parameters carry the model's names) and maps a tuple of activations to the next.
+`LayeredModel` runs them in order on one device; parallel/pipeline.py hands the same layers to
+DeepSpeed's pipeline engine, which builds only a stage's own. There is no second definition of a
+model, and checkpoints from any layout hold the same parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from scaletrain.batch import Batch, BatchSchema
+from scaletrain.model.layers import run_in_chunks
+
+if TYPE_CHECKING:
+    from scaletrain.config import Config, ModelConfig
+    from scaletrain.scaling.counts import ModelCounts
+
+Activations = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class PipelineLayer:
+    """One unit pipeline stages are cut from.
+
+    `build()` returns the module found at `name` in the model ("" puts its children at the top
+    level); `run(module, activations, **context)` is the layer's forward on a tuple of tensors
+    (context carries what only single-device inference passes, e.g. a KV cache). A layer with
+    `tied_to` reuses the module of that earlier layer (a tied output embedding): DeepSpeed keeps a
+    copy on the last stage and all-reduces the gradient of `tied_weight` between the copies.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    run: Callable[..., Activations]
+    is_block: bool = False
+    tied_to: str | None = None
+    tied_weight: str = ""
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """Export to / import from a Hugging Face `transformers` model class (checkpoint/hf_*.py)."""
+
+    model_class: str  # e.g. "LlamaForCausalLM", for messages and docs
+    export: Callable[[dict[str, torch.Tensor], Config, Any], None]  # (TP=1 state, config, out_dir)
+    import_: Callable[[Any], dict[str, torch.Tensor]]  # hf_dir -> TP=1 state in our names
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything the rest of the code needs to know about one family."""
+
+    name: str
+    config_class: type[ModelConfig]  # its typed `model:` section
+    build: Callable[[Config], nn.Module]  # the model on this process's TP rank
+    pipeline_layers: Callable[[Config], list[PipelineLayer]]
+    loss: Callable[[Activations, tuple[torch.Tensor, ...]], torch.Tensor]  # last layer's output, labels
+    objectives: tuple[str, ...]  # the first is the default (objective.kind: auto)
+    batch_schema: Callable[[Config], BatchSchema]
+    counts: Callable[[Config], ModelCounts]  # exact parameters and FLOPs (planner, MFU, sweeps)
+    validate: Callable[[Config], None] = lambda config: None
+    hf: Callable[[], HFAdapter] | None = None  # imported on use: transformers is slow to import
+    # Extra validation metrics as (numerator, denominator) counts, summed over batches and ranks.
+    evaluation_counts: Callable[[nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+    encoder_decoder: bool = False  # inputs go to an encoder and targets to a decoder (T5)
+    generation: str | None = None  # "causal" (KV cache), "seq2seq" (encoder prompt), None: cannot generate
+    not_generating_reason: str = ""
+    pipeline_objectives: tuple[str, ...] = field(default=())  # objectives a pipelined run may train
+
+
+def lazy(path: str) -> Callable[[], Any]:
+    """`module:attribute`, imported when called (keeps `transformers` out of every start-up)."""
+
+    def load() -> Any:
+        import importlib
+
+        module, attribute = path.split(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    return load
+
+
+class LayeredModel(nn.Module):
+    """A family's model on one device: its pipeline layers, run in order.
+
+    Layers are installed at their names (`blocks.3` goes to `self.blocks[3]`), so parameter names
+    are the model's own; a tied layer runs the module of the layer it is tied to.
+    """
+
+    def __init__(self, layers: list[PipelineLayer], checkpoint_interval: int = 0) -> None:
+        super().__init__()
+        self.checkpoint_interval = checkpoint_interval
+        modules: dict[str, nn.Module] = {}
+        for layer in layers:
+            if layer.tied_to is None:
+                modules[layer.name] = layer.build()  # runs as built; its parameters live at layer.name
+                install(self, layer.name, modules[layer.name])
+        # A plain list: the modules are already registered at their names.
+        self._layers = [(layer, modules[layer.tied_to or layer.name]) for layer in layers]
+        self._tied = [modules[layer.tied_to].get_parameter(layer.tied_weight) for layer in layers if layer.tied_to]
+
+    def run_layers(self, activations: Activations, until: str | None = None, **context: Any) -> Activations:
+        """Activations after every layer (or up to, not including, the first layer named `until`).
+        Consecutive blocks are recomputed in chunks of checkpoint_interval while training."""
+        interval = self.checkpoint_interval if self.training else 0
+        pending: list[tuple[PipelineLayer, nn.Module]] = []
+        for layer, module in self._layers:
+            if layer.name == until:
+                break
+            if layer.is_block and interval:
+                pending.append((layer, module))
+                continue
+            activations = _run_chunked(pending, activations, interval)
+            pending = []
+            activations = layer.run(module, activations, **context)
+        return _run_chunked(pending, activations, interval)
+
+    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs where a module uses a weight it does not own: the tied output
+        layer runs in this model's forward. ZeRO-3 must gather it for that module."""
+        return [(self, parameter) for parameter in self._tied]
+
+
+def _run_chunked(
+    pending: list[tuple[PipelineLayer, nn.Module]], activations: Activations, interval: int
+) -> Activations:
+    if not pending:
+        return activations
+    steps = [(lambda acts, layer=layer, module=module: layer.run(module, acts)) for layer, module in pending]
+    return run_in_chunks(steps, activations, interval)
+
+
+def install(root: nn.Module, name: str, module: nn.Module) -> nn.Module:
+    """Register `module` at dotted path `name` under root, creating containers on the way
+    (a numeric part is a ModuleList index). "" merges module's children and parameters into root;
+    an existing path gets the new module's parameters and children added. Returns the module now at
+    the path."""
+    if not name:
+        target = root
+    else:
+        *parents, leaf = name.split(".")
+        parent = root
+        for part, after in zip(parents, [*parents[1:], leaf][:len(parents)], strict=True):
+            parent = _child(parent, part, numeric_next=after.isdigit())
+        existing = _get(parent, leaf)
+        if existing is None:
+            _set(parent, leaf, module)
+            return module
+        target = existing
+    for child_name, child in module.named_children():
+        target.add_module(child_name, child)
+    for param_name, param in module.named_parameters(recurse=False):
+        target.register_parameter(param_name, param)
+    return target
+
+
+def _child(parent: nn.Module, part: str, numeric_next: bool) -> nn.Module:
+    existing = _get(parent, part)
+    if existing is None:
+        existing = nn.ModuleList() if numeric_next else nn.Module()
+        _set(parent, part, existing)
+    return existing
+
+
+def _get(parent: nn.Module, part: str) -> nn.Module | None:
+    if isinstance(parent, nn.ModuleList):
+        index = int(part)
+        return parent[index] if index < len(parent) else None
+    return parent._modules.get(part)
+
+
+def _set(parent: nn.Module, part: str, module: nn.Module) -> None:
+    if isinstance(parent, nn.ModuleList):
+        if int(part) != len(parent):
+            raise ValueError(f"layers must be installed in order; got index {part} after {len(parent)}")
+        parent.append(module)
+    else:
+        parent.add_module(part, module)

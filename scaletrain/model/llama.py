@@ -1,0 +1,182 @@
+"""Llama-style decoder (Touvron et al. 2023, Llama 1/2; Meta 2024, Llama 3): pre-norm RMSNorm,
+rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied output layer.
+
+Numerics follow Hugging Face's `LlamaForCausalLM` (rotate-half RoPE, fp32 RMS statistics), so
+checkpoint/hf_llama.py maps weights one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core import tensor_parallel
+from torch import nn
+
+from scaletrain.batch import BatchSchema
+from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
+from scaletrain.model.gpt import DecoderLM, lm_loss
+from scaletrain.model.init import normal_init, residual_std
+from scaletrain.model.layers import KVCache, ParallelAttention, ParallelMLP, RMSNorm, RotaryEmbedding, TransformerBlock
+from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.scaling.counts import ModelCounts
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    num_kv_heads: int | None = None  # None: num_heads (multi-head); fewer: grouped-query; 1: multi-query
+    rope_theta: float = 10000.0  # Llama 2: 1e4; Llama 3: 5e5
+    layernorm_eps: float = 1e-5  # RMSNorm eps
+
+    @property
+    def ffn_size(self) -> int:
+        """ffn_hidden_size, else Meta's rule: 2/3 of 4h rounded up to a multiple of 256."""
+        return self.ffn_hidden_size or 256 * math.ceil(8 * self.hidden_size / 3 / 256)
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+
+class LlamaEmbedding(nn.Module):
+    """The vocab-parallel token table; positions enter in attention (rotary)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        model = config.model
+        self.word = tensor_parallel.VocabParallelEmbedding(
+            config.padded_vocab_size, model.hidden_size,
+            init_method=normal_init(model.init_std, config.train.seed, "embedding.word"),
+            config=model_parallel_config(config),
+        )
+        self.dropout = nn.Dropout(model.dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.word(tokens).transpose(0, 1).contiguous())
+
+
+def build_block(config: Config, layer: int) -> TransformerBlock:
+    """Every weight normal(init_std) as HF's initializer_range; the residual-branch outputs scaled by
+    1/sqrt(2 * layers) as Megatron does for its Llama configs (Radford et al. 2019, sec. 2.3)."""
+    model, seed = config.model, config.train.seed
+    output_std = residual_std(model.init_std, model.num_layers)
+
+    def init(sublayer: str):
+        return lambda part: normal_init(
+            output_std if part in ("output", "proj") else model.init_std, seed, f"blocks.{layer}.{sublayer}.{part}"
+        )
+
+    mp_config = model_parallel_config(config)
+    attention = ParallelAttention(
+        model.hidden_size, model.num_heads, mp_config, init("attention"),
+        num_kv_heads=model.num_query_groups, head_dim=model.attention_head_dim, bias=False, causal=True,
+        dropout=model.dropout, rotary=RotaryEmbedding(model.attention_head_dim, model.rope_theta), layer_index=layer,
+    )
+    mlp = ParallelMLP(model.hidden_size, model.ffn_size, mp_config, init("mlp"),
+                      activation=torch.nn.functional.silu, gated=True, bias=False)
+    return TransformerBlock(attention, mlp, lambda: RMSNorm(model.hidden_size, model.layernorm_eps),
+                            dropout=model.dropout)
+
+
+def output_layer(config: Config) -> tensor_parallel.ColumnParallelLinear:
+    """The untied vocab-parallel output projection (Megatron's output_layer)."""
+    model = config.model
+    return tensor_parallel.ColumnParallelLinear(
+        model.hidden_size, config.padded_vocab_size, config=model_parallel_config(config), bias=False,
+        gather_output=False, init_method=normal_init(model.init_std, config.train.seed, "output"),
+    )
+
+
+# Activations as in GPT: (hidden,) or (hidden, prefix_lengths) for a prefix LM.
+
+
+def _embed(embedding: LlamaEmbedding, activations: tuple, **_) -> tuple:
+    tokens, *rest = activations
+    return (embedding(tokens), *rest)
+
+
+def _block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    from scaletrain.model.gpt import prefix_lm_attention_mask
+
+    hidden, *rest = activations
+    mask = prefix_lm_attention_mask(rest[0], hidden.shape[0]) if rest else None
+    return (block(hidden, mask, cache=cache), *rest)
+
+
+def _final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
+    return (norm(activations[0]),)
+
+
+def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, **_) -> tuple:
+    logits, _ = output(activations[0])
+    return (logits,)
+
+
+def pipeline_layers(config: Config) -> list[PipelineLayer]:
+    model = config.model
+    return [
+        PipelineLayer("embedding", lambda: LlamaEmbedding(config), _embed),
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
+          for layer in range(model.num_layers)),
+        PipelineLayer("final_norm", lambda: RMSNorm(model.hidden_size, model.layernorm_eps), _final_norm),
+        PipelineLayer("output", lambda: output_layer(config), _output),
+    ]
+
+
+def build(config: Config) -> DecoderLM:
+    return DecoderLM(pipeline_layers(config), config.train.activation_checkpoint_interval)
+
+
+def counts(config: Config) -> ModelCounts:
+    """Per layer: q h·(n·d), k and v h·(g·d) each, o (n·d)·h, SwiGLU 3·h·f, two RMSNorm gains; plus
+    the word table, the untied output layer (a matmul: non-embedding, as for T5 v1.1) and the final
+    norm. FLOPs per token (Kaplan et al. 2020, table 1, per matmul): forward 2 per weight of the
+    layers and the output layer, plus 4·s·(n·d) for attention scores and values; times 3."""
+    model, vocab = config.model, config.padded_vocab_size
+    hidden, ffn, seq = model.hidden_size, model.ffn_size, model.seq_length
+    inner, kv_inner = model.num_heads * model.attention_head_dim, model.num_query_groups * model.attention_head_dim
+    layer_weights = 2 * hidden * inner + 2 * hidden * kv_inner + 3 * hidden * ffn
+    total = 2 * vocab * hidden + model.num_layers * (layer_weights + 2 * hidden) + hidden
+    forward = model.num_layers * (2 * layer_weights + 4 * seq * inner) + 2 * hidden * vocab
+    return ModelCounts(
+        total_params=total, embedding_params=vocab * hidden, flops_per_token=3.0 * forward,
+        flops_formula="3·(l·(2·(2h·n·d + 2h·g·d + 3h·f) + 4s·n·d) + 2h·V) (Kaplan et al. 2020, table 1; "
+                      "n query heads, g key/value heads, SwiGLU f)",
+    )
+
+
+def validate(config: Config) -> None:
+    model, tensor = config.model, config.parallel.tensor
+    groups = model.num_query_groups
+    if groups < 1 or model.num_heads % groups:
+        raise ConfigError(
+            f"model.num_kv_heads={model.num_kv_heads} must divide model.num_heads={model.num_heads} "
+            "(each key/value head serves an equal group of query heads)"
+        )
+    if groups % tensor and tensor % groups:
+        raise ConfigError(
+            f"parallel.tensor={tensor} and model.num_kv_heads={groups}: one must divide the other (key/value "
+            "heads are split across TP ranks, or replicated when there are fewer of them than ranks)"
+        )
+    if model.attention_head_dim % 2:
+        raise ConfigError(f"head dimension {model.attention_head_dim} must be even for rotary embeddings")
+    if model.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={model.rope_theta} must be > 0")
+
+
+FAMILY = ModelFamily(
+    name="llama",
+    config_class=LlamaConfig,
+    build=build,
+    pipeline_layers=pipeline_layers,
+    loss=lm_loss,
+    objectives=("causal_lm", "prefix_lm"),
+    pipeline_objectives=("causal_lm", "prefix_lm"),
+    batch_schema=lambda config: BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",)),
+    counts=counts,
+    validate=validate,
+    hf=lazy("scaletrain.checkpoint.hf_llama:LLAMA_ADAPTER"),
+    generation="causal",
+)

@@ -1,0 +1,158 @@
+"""Llama-family weights to and from Hugging Face `LlamaForCausalLM` (Touvron et al. 2023; Dubey et al. 2024).
+
+Our blocks compute what HF's do with the same matrices: RMSNorm, rotate-half rotary embeddings (so
+q/k rows need no permutation), grouped-query attention, SwiGLU, no biases, an untied output layer.
+Only the fusion differs: with num_kv_heads == num_heads our `attention.qkv` is [q; k; v], otherwise
+`attention.query` is q and `attention.key_value` is [k; v]; `mlp.fc` is [gate; up]. As for GPT, the
+HF vocabulary is our padded one (hf_export.py explains why). Import takes plain rotary embeddings
+only: rope scaling (Llama 3.1's long context) is not in our model, so it is refused, not dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from scaletrain.checkpoint.hf_export import HFConversion, StateDict, _check_all_taken, _fp32, _take
+from scaletrain.config import ModelConfig
+from scaletrain.data.tokenizer import SPECIAL_IDS
+
+FAMILY = "llama"
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The sizes that fix every weight's name and shape, from our config or from HF's config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, vocab_size: int) -> LlamaShape:
+        return cls(vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
+                   config.attention_head_dim, config.ffn_size)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: LlamaConfig) -> LlamaShape:
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return cls(hf_config.vocab_size, hf_config.hidden_size, hf_config.num_hidden_layers,
+                   hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads,
+                   head_dim, hf_config.intermediate_size)
+
+
+def write_llama_hf(weights: StateDict, config: ModelConfig, vocab_size: int, out_dir: Path) -> None:
+    """Write `out_dir` (config.json + safetensors) from our TP=1 weights, each checked for name and shape first.
+    The HF model is built on the meta device and handed our tensors (assign=True), so a 70B export holds its
+    weights once and skips a random init; its rotary tables stay on meta, as save_pretrained never writes them."""
+    hf_state = _hf_state(weights, LlamaShape.from_model_config(config, vocab_size))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_hf_config(config, vocab_size))
+    model.load_state_dict(hf_state, strict=True, assign=True)
+    model.save_pretrained(out_dir)
+
+
+def llama_from_hf(hf_dir: Path) -> StateDict:
+    """Our TP=1 state dict from a `LlamaForCausalLM` directory; tied HF embeddings become two equal weights."""
+    _check_supported(hf_dir)
+    hf_model, loading_info = LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    missing = sorted(loading_info["missing_keys"])
+    if missing:
+        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete LlamaForCausalLM checkpoint")
+    hf_state = hf_model.state_dict()
+    return {
+        ours: _fp32(torch.cat([hf_state[hf_name] for hf_name in hf_names], dim=0))
+        for ours, (hf_names, _) in _weight_layout(LlamaShape.from_hf_config(hf_model.config)).items()
+    }
+
+
+LLAMA_CONVERSION = HFConversion(write=write_llama_hf, read=llama_from_hf)
+
+
+def _hf_state(weights: StateDict, shape: LlamaShape) -> StateDict:
+    """HF's weights from ours, split where we fuse; one error naming the first missing, extra or misshapen weight."""
+    weights = dict(weights)
+    hf_state = {}
+    for ours, (hf_names, expected) in _weight_layout(shape).items():
+        tensor = _take(weights, ours, FAMILY)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"the state dict's {ours} has shape {list(tensor.shape)} but this llama config needs {list(expected)}; "
+                f"export with the config and padded vocabulary ({shape.vocab_size}) the model was trained with"
+            )
+        for hf_name, part in zip(hf_names, tensor.chunk(len(hf_names), dim=0), strict=True):
+            hf_state[hf_name] = part.detach().to("cpu", torch.float32).contiguous()
+    _check_all_taken(weights, FAMILY)
+    return hf_state
+
+
+def _weight_layout(shape: LlamaShape) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Our name -> (the HF weights whose concatenation along dim 0 it is, its shape)."""
+    h, d, f, vocab = shape.hidden_size, shape.head_dim, shape.ffn_hidden_size, shape.vocab_size
+    q_rows, kv_rows = shape.num_heads * d, shape.num_kv_heads * d
+    layout = {
+        "embedding.word.weight": (("model.embed_tokens.weight",), (vocab, h)),
+        "final_norm.weight": (("model.norm.weight",), (h,)),
+        "output.weight": (("lm_head.weight",), (vocab, h)),
+    }
+    for layer in range(shape.num_layers):
+        ours, hf = f"blocks.{layer}", f"model.layers.{layer}"
+        q, k, v = (f"{hf}.self_attn.{projection}.weight" for projection in ("q_proj", "k_proj", "v_proj"))
+        if shape.num_kv_heads == shape.num_heads:
+            attention = {f"{ours}.attention.qkv.weight": ((q, k, v), (3 * q_rows, h))}
+        else:
+            attention = {
+                f"{ours}.attention.query.weight": ((q,), (q_rows, h)),
+                f"{ours}.attention.key_value.weight": ((k, v), (2 * kv_rows, h)),
+            }
+        layout |= {
+            f"{ours}.attention_norm.weight": ((f"{hf}.input_layernorm.weight",), (h,)),
+            **attention,
+            f"{ours}.attention.output.weight": ((f"{hf}.self_attn.o_proj.weight",), (h, q_rows)),
+            f"{ours}.mlp_norm.weight": ((f"{hf}.post_attention_layernorm.weight",), (h,)),
+            f"{ours}.mlp.fc.weight": ((f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), (2 * f, h)),
+            f"{ours}.mlp.proj.weight": ((f"{hf}.mlp.down_proj.weight",), (h, f)),
+        }
+    return layout
+
+
+def _hf_config(config: ModelConfig, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.attention_head_dim,
+        max_position_embeddings=config.seq_length, rms_norm_eps=config.layernorm_eps,
+        rope_theta=float(config.rope_theta), hidden_act="silu", attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=False, initializer_range=config.init_std, attention_dropout=config.dropout,
+        bos_token_id=SPECIAL_IDS["bos"], eos_token_id=SPECIAL_IDS["eos"],
+    )
+
+
+def _check_supported(hf_dir: Path) -> None:
+    """Refuse, naming the config.json key, a Llama variant whose weights our blocks would compute differently."""
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{config_file} does not exist; pass a directory saved by LlamaForCausalLM.save_pretrained")
+    hf_config = json.loads(config_file.read_text())
+    # transformers < 5 writes rope_scaling (null when plain); 5 writes rope_parameters with a rope_type.
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    unsupported = {
+        "model_type": (hf_config.get("model_type"), "llama"),
+        "hidden_act": (hf_config.get("hidden_act", "silu"), "silu"),
+        "attention_bias": (hf_config.get("attention_bias", False), False),
+        "mlp_bias": (hf_config.get("mlp_bias", False), False),
+        "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default"),
+    }
+    for key, (found, supported) in unsupported.items():
+        if found != supported:
+            raise ValueError(
+                f"{config_file} has {key}={found!r}; scaletrain's llama family supports only {key}={supported!r}"
+            )

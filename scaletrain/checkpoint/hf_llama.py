@@ -18,8 +18,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from scaletrain.checkpoint.hf_export import HFConversion, StateDict, _check_all_taken, _fp32, _take
-from scaletrain.config import ModelConfig
+from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import SPECIAL_IDS
+from scaletrain.model.family import HFAdapter
 
 FAMILY = "llama"
 
@@ -156,3 +157,11 @@ def _check_supported(hf_dir: Path) -> None:
             raise ValueError(
                 f"{config_file} has {key}={found!r}; scaletrain's llama family supports only {key}={supported!r}"
             )
+
+
+def _export(state: StateDict, config: Config, out_dir: Path) -> None:
+    weights = {name: tensor for name, tensor in state.items() if not name.endswith("_extra_state")}
+    write_llama_hf(weights, config.model, config.padded_vocab_size, Path(out_dir))
+
+
+LLAMA_ADAPTER = HFAdapter(model_class="LlamaForCausalLM", export=_export, import_=lambda hf_dir: llama_from_hf(Path(hf_dir)))

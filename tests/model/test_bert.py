@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from scaletrain.config import config_from_dict, validate
-from scaletrain.model import model_parallel_config
+from scaletrain.model import build_model
 from scaletrain.model.bert import BERT
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
@@ -20,10 +20,20 @@ TINY = {
 REAL_LENGTHS = (16, 11, 7)  # tokens before padding in each sequence of the batch
 
 
-def build_bert(tensor_parallel_size: int, **options) -> BERT:
-    config = config_from_dict({**TINY, "parallel": {"tensor": tensor_parallel_size}})
+def build_bert(
+    tensor_parallel_size: int, sentence_order_head: bool = False, layernorm_position: str = "post",
+    checkpoint_interval: int = 0,
+) -> BERT:
+    """The BERT family's model from a config, as training builds it."""
+    config = config_from_dict({
+        **TINY,
+        "model": {**TINY["model"], "family": "bert", "layernorm_position": layernorm_position},
+        "objective": {"sentence_pairs": "sop" if sentence_order_head else "none"},
+        "parallel": {"tensor": tensor_parallel_size},
+        "train": {**TINY["train"], "activation_checkpoint_interval": checkpoint_interval},
+    })
     validate(config)
-    return BERT(config.model, config.padded_vocab_size, model_parallel_config(config), config.train.seed, **options)
+    return build_model(config)
 
 
 def bert_batch() -> dict[str, torch.Tensor]:

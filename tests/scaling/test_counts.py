@@ -25,8 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from scaletrain.config import Config, load_config
 from scaletrain.data.objectives import IGNORE_INDEX
-from scaletrain.model import build_model
-from scaletrain.scaling.counts import bert_counts, bert_labelled_positions, model_counts, t5_decoder_length
+from scaletrain.model import bert, build_model, t5
+from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import model_flops_per_token
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs
@@ -52,6 +52,8 @@ FAMILIES = {
     "t5_gated_untied": ["model.family=t5", "model.tie_embeddings=false", "model.head_dim=12",
                         "model.num_decoder_layers=1"],
     "t5_prefix_lm": ["model.family=t5", "objective.kind=prefix_lm"],
+    "llama_gqa": ["model.family=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=56"],
+    "llama_mqa_head_dim": ["model.family=llama", "model.num_kv_heads=1", "model.head_dim=6"],
 }
 VARIANTS = {
     f"{family}/{shape}": [*SHAPES[shape], *overrides] for family, overrides in FAMILIES.items() for shape in SHAPES
@@ -108,7 +110,7 @@ def test_flops_match_the_flop_counter(measured: dict, small_dataset: Path, name:
     counts = model_counts(config)
     if config.model.family == "bert":  # the head runs on this batch's labelled positions only
         labelled = measured[name]["labelled_per_sample"]
-        counts = bert_counts(config, labelled_positions=sum(labelled) / len(labelled))
+        counts = bert.counts(config, labelled=sum(labelled) / len(labelled))
     expected = counts.flops_per_token * BATCH * config.model.seq_length
     assert expected == pytest.approx(measured[name]["flops"], rel=1e-12)
 
@@ -128,7 +130,7 @@ def test_bert_head_positions_are_the_collators_budget(measured: dict, small_data
     """The planning count, round(mask_prob · n) per sample, is what a sample without a document
     boundary or padding gets; those (or a whole word over the budget) can only lower it."""
     labelled = measured[name]["labelled_per_sample"]
-    budget = bert_labelled_positions(tiny_config(name, small_dataset))
+    budget = bert.labelled_positions(tiny_config(name, small_dataset))
     assert max(labelled) == budget
 
 
@@ -137,7 +139,7 @@ def test_t5_lengths_are_the_collators(measured: dict, small_dataset: Path, name:
     config = tiny_config(name, small_dataset)
     shapes = measured[name]["shapes"]
     assert shapes["encoder_tokens"] == (BATCH, config.model.seq_length)
-    assert shapes["decoder_tokens"] == (BATCH, t5_decoder_length(config))
+    assert shapes["decoder_tokens"] == (BATCH, t5.target_length(config))
 
 
 @pytest.mark.parametrize("name", [name for name in VARIANTS if name.startswith("gpt")])

@@ -164,4 +164,6 @@ def _export(state: StateDict, config: Config, out_dir: Path) -> None:
     write_llama_hf(weights, config.model, config.padded_vocab_size, Path(out_dir))
 
 
-LLAMA_ADAPTER = HFAdapter(model_class="LlamaForCausalLM", export=_export, import_=lambda hf_dir: llama_from_hf(Path(hf_dir)))
+LLAMA_ADAPTER = HFAdapter(
+    model_class="LlamaForCausalLM", export=_export, import_=lambda hf_dir: llama_from_hf(Path(hf_dir))
+)

@@ -176,16 +176,9 @@ def _child(parent: nn.Module, part: str, numeric_next: bool) -> nn.Module:
 
 
 def _get(parent: nn.Module, part: str) -> nn.Module | None:
-    if isinstance(parent, nn.ModuleList):
-        index = int(part)
-        return parent[index] if index < len(parent) else None
     return parent._modules.get(part)
 
 
 def _set(parent: nn.Module, part: str, module: nn.Module) -> None:
-    if isinstance(parent, nn.ModuleList):
-        if int(part) != len(parent):
-            raise ValueError(f"layers must be installed in order; got index {part} after {len(parent)}")
-        parent.append(module)
-    else:
-        parent.add_module(part, module)
+    """By name, also in a ModuleList: a pipeline stage holds blocks 4..7 only, under those indices."""
+    parent.add_module(part, module)

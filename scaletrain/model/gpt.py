@@ -26,6 +26,8 @@ from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.scaling.counts import ModelCounts
 from scaletrain.tracking.flops import model_flops_per_token
 
+DECODER_BATCH = BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",))
+
 
 @dataclass
 class GPTConfig(ModelConfig):
@@ -39,8 +41,8 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         model, seed = config.model, config.train.seed
         self.word = tensor_parallel.VocabParallelEmbedding(
-            config.padded_vocab_size, model.hidden_size, init_method=normal_init(model.init_std, seed, "embedding.word"),
-            config=model_parallel_config(config),
+            config.padded_vocab_size, model.hidden_size,
+            init_method=normal_init(model.init_std, seed, "embedding.word"), config=model_parallel_config(config),
         )
         self.position = nn.Embedding(model.seq_length, model.hidden_size)
         with torch.no_grad():
@@ -67,7 +69,9 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
         model.hidden_size, model.num_heads, mp_config, lambda part: init(part, "attention"),
         causal=True, dropout=model.dropout, layer_index=layer,
     )
-    mlp = ParallelMLP(model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"), activation=gelu_tanh)
+    mlp = ParallelMLP(
+        model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"), activation=gelu_tanh
+    )
     return TransformerBlock(attention, mlp, lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps),
                             dropout=model.dropout)
 
@@ -172,7 +176,7 @@ FAMILY = ModelFamily(
     loss=lm_loss,
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
-    batch_schema=lambda config: BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",)),
+    batch_schema=lambda config: DECODER_BATCH,
     counts=counts,
     validate=validate,
     hf=lazy("scaletrain.checkpoint.hf_export:GPT_ADAPTER"),

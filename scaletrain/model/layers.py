@@ -369,7 +369,9 @@ class TransformerBlock(nn.Module):
             return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
         hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), mask, cache=cache))
         if encoder_output is not None:
-            attended = self.cross_attention(self.cross_attention_norm(hidden), cross_mask, encoder_output=encoder_output)
+            attended = self.cross_attention(
+                self.cross_attention_norm(hidden), cross_mask, encoder_output=encoder_output
+            )
             hidden = hidden + self.dropout(attended)
         return hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
 

@@ -14,10 +14,9 @@ import torch
 from megatron.core import tensor_parallel
 from torch import nn
 
-from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
-from scaletrain.model.gpt import DecoderLM, lm_loss
+from scaletrain.model.gpt import DECODER_BATCH, DecoderLM, lm_loss
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import KVCache, ParallelAttention, ParallelMLP, RMSNorm, RotaryEmbedding, TransformerBlock
 from scaletrain.model.parallel_config import model_parallel_config
@@ -174,7 +173,7 @@ FAMILY = ModelFamily(
     loss=lm_loss,
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
-    batch_schema=lambda config: BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",)),
+    batch_schema=lambda config: DECODER_BATCH,
     counts=counts,
     validate=validate,
     hf=lazy("scaletrain.checkpoint.hf_llama:LLAMA_ADAPTER"),

@@ -188,7 +188,8 @@ class T5Stack(nn.Module):
         bias = self.relative_position_bias(seq_length, keys, query_start=past)
         allowed = _key_padding_allowed(padding_mask)
         if self.decoder:
-            causal = torch.arange(keys, device=bias.device)[None, :] <= torch.arange(past, keys, device=bias.device)[:, None]
+            positions = torch.arange(keys, device=bias.device)
+            causal = positions[None, :] <= positions[past:, None]
             allowed = causal if allowed is None else allowed & causal
         return _mask_bias(bias, allowed)
 

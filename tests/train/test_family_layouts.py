@@ -1,4 +1,4 @@
-"""BERT, T5 and the prefix LMs (GPT, T5): train, resume exactly, and match a single rank in TP/ZeRO layouts.
+"""BERT, T5, Llama and the prefix LMs (GPT, T5): train, resume exactly, and match a single rank in TP/ZeRO layouts.
 
 Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global batch 8).
 """
@@ -22,17 +22,20 @@ FAMILIES = {
     "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
     "t5": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2", "model.ffn_hidden_size=128"],
     "gpt_prefix_lm": ["objective.kind=prefix_lm"],
+    "llama": [f"base={REPO / 'configs' / 'llama_tiny.yaml'}", "model.num_layers=2", "model.ffn_hidden_size=176"],
     "t5_prefix_lm": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2",
                      "model.ffn_hidden_size=128", "objective.kind=prefix_lm"],
 }
 LAYOUTS = {
     "single": (1, []),
     "tp2": (2, ["parallel.tensor=2"]),
+    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
     "dp2_zero3": (2, ["parallel.zero_stage=3"]),
     "pp2": (2, ["parallel.pipeline=2"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
 }
 CASES = [
+    ("llama", "tp2"), ("llama", "pp2"), ("llama", "tp2_pp2"), ("llama", "dp2_zero3"), ("llama", "dp2_zero1"),
     ("bert", "tp2"), ("bert", "dp2_zero3"), ("bert", "pp2"), ("bert", "tp2_pp2"), ("t5", "tp2"), ("t5", "dp2_zero3"),
 ]
 

@@ -12,30 +12,60 @@ from scaletrain.checkpoint.manager import CheckpointError, latest_checkpoint
 from scaletrain.config import Config, ParallelConfig, load_config, resolve_for_world
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model import build_model
-from scaletrain.model.sampling import sample_tokens
+from scaletrain.model.registry import get_family
+from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
+
+
+class NotGeneratingError(ValueError):
+    """The run's model family cannot generate text; the message says why and what to use instead."""
 
 
 def generate_text(
     run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
 ) -> str:
+    """`prompt` and its continuation, sampled the way the run's family generates (`ModelFamily.generation`)."""
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
     config = single_process_config(load_config(checkpoint / "config.yaml"))
+    family = get_family(config.model.family)
+    if family.generation is None:
+        raise NotGeneratingError(f"{run_dir} trained a {family.name} model, which cannot generate: "
+                                 f"{family.not_generating_reason}")
     init_distributed(config)
     try:
         model = load_model(config, checkpoint)
         tokenizer = Tokenizer.load(Path(config.data.dir))
-        # Training packs documents behind an eos separator, so a prompt starts after one.
-        prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
-        new_ids = sample_tokens(
-            model, prompt_ids, max_new_tokens, config.model.seq_length, tokenizer.vocab_size,
-            temperature, top_k, torch.Generator().manual_seed(seed), stop_token=tokenizer.eos_id,
-        )
+        sample = SAMPLERS[family.generation]
+        new_ids = sample(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
+                         torch.Generator().manual_seed(seed))
     finally:
         destroy_distributed()
     return prompt + tokenizer.decode([token for token in new_ids if token != tokenizer.eos_id])
+
+
+def _continue_causal(
+    model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+    temperature: float, top_k: int | None, generator: torch.Generator,
+) -> list[int]:
+    # Training packs documents behind an eos separator, so a prompt starts after one.
+    prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    return sample_tokens(model, prompt_ids, max_new_tokens, config.model.seq_length, tokenizer.vocab_size,
+                         temperature, top_k, generator, stop_token=tokenizer.eos_id)
+
+
+def _continue_seq2seq(
+    model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+    temperature: float, top_k: int | None, generator: torch.Generator,
+) -> list[int]:
+    # The encoder saw inputs ending in eos and the decoder started from pad (data/seq2seq.py).
+    prompt_ids = [*tokenizer.encode(prompt), tokenizer.eos_id]
+    return sample_seq2seq(model, prompt_ids, max_new_tokens, tokenizer.vocab_size, temperature, top_k, generator,
+                          start_token=tokenizer.pad_id, stop_token=tokenizer.eos_id)
+
+
+SAMPLERS = {"causal": _continue_causal, "seq2seq": _continue_seq2seq}  # by ModelFamily.generation
 
 
 def single_process_config(config: Config) -> Config:

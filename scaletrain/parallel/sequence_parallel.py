@@ -80,9 +80,11 @@ def scatter_to_sequence_parallel(embeddings: torch.Tensor) -> torch.Tensor:
 
     As megatron's LanguageModelEmbedding: the embedding is computed whole (all-reduced over the
     vocabulary shards) and then split; backward all-gathers the sequence shards of the gradient, so
-    position embeddings before the split get their full gradient on every rank.
+    position embeddings before the split get their full gradient on every rank. The split is a view
+    of the whole output, so it is cloned, as megatron does (`clone_scatter_output_in_embedding`):
+    otherwise the first LayerNorm saves that view and keeps all s*b*h alive until backward.
     """
-    return tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+    return tensor_parallel.scatter_to_sequence_parallel_region(embeddings).clone()
 
 
 def sequence_parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:

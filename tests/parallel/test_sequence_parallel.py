@@ -2,7 +2,7 @@
 
 The same megatron-built stack (tests/parallel/megatron_stack.py) runs with
 ModelParallelConfig(sequence_parallel=False) and True from identical weights: loss, every full
-gradient and a few optimizer steps must agree, with plain torch Adam and under DeepSpeed ZeRO-2.
+gradient and a few optimizer steps must agree, with plain torch Adam and under DeepSpeed ZeRO-0/1/2.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _deepspeed_losses(rank: int, world_size: int, zero_stage: int) -> dict[str, 
     return results
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_deepspeed_zero_steps_match_tensor_parallel(zero_stage):
     """ZeRO-2 moves each gradient into its partition from a post-accumulate hook during backward:
     the SP sum must already have happened by then (gradient clipping also sees the summed norm).

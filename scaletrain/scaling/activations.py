@@ -26,7 +26,15 @@ dtype in the CPU fallback; `dropout_mask_bytes` says which. At dropout = 0 nothi
 Outside the blocks: the first stage keeps the token and position ids (and, at TP > 1, the
 vocab-parallel embedding's out-of-shard mask); the last stage keeps the final LayerNorm's input,
 statistics and output, and the vocab-parallel cross-entropy keeps exp(logits) in fp32, s*b*V/t.
-Sequence parallelism, which our model does not implement, is applied to the blocks only.
+
+Sequence parallelism (Korthikanti sec. 4.2.2; scaletrain/parallel/sequence_parallel.py) divides
+everything replicated by t: LayerNorm inputs, outputs and statistics, hidden dropout masks, the
+embedding's dropout mask (megatron drops after the scatter) and the final LayerNorm. The
+column-parallel linears all-gather their input along the sequence, but megatron's
+`LinearWithGradAccumulationAndAsyncCommunication` saves the un-gathered shard (the LayerNorm
+output, already counted) and gathers it again in backward; the gathered copy sits in megatron's
+global buffer, reused by every layer, so it adds nothing per block. The same holds for the tied
+output layer. Measured per rank at TP=2 on a megatron-built block (tests/scaling/test_memory.py).
 """
 
 from __future__ import annotations
@@ -47,11 +55,15 @@ class ActivationSettings:
     activation_bytes: int = 2
     dropout_mask_bytes: int = 1
     attention: str = "flash"
-    sequence_parallel: bool = False  # our model does not split the sequence; kept for the paper's case
+    sequence_parallel: bool = False  # megatron's SP (ModelParallelConfig.sequence_parallel), t > 1 only
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention kernel {self.attention!r} is unknown; use one of {ATTENTION_KERNELS}")
+
+    def sequence_split(self, tensor_parallel: int) -> int:
+        """How many ways the replicated activations are split: t under sequence parallelism, else 1."""
+        return tensor_parallel if self.sequence_parallel else 1
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,7 @@ def block_activations(
     """One block without recomputation (Korthikanti et al. 2022, sec. 4.1, eq. 1-2)."""
     tokens = model.seq_length * micro_batch
     hidden, act = model.hidden_size, settings.activation_bytes
-    sequence_split = tensor_parallel if settings.sequence_parallel else 1
+    sequence_split = settings.sequence_split(tensor_parallel)
     masks = 2 * settings.dropout_mask_bytes if model.dropout > 0 else 0
     heads = model.num_heads / tensor_parallel
     if settings.attention == "flash":
@@ -120,7 +132,7 @@ def stage_activations(
     extra working set at the peak.
     """
     tokens = model.seq_length * micro_batch
-    sequence_split = tensor_parallel if settings.sequence_parallel else 1
+    sequence_split = settings.sequence_split(tensor_parallel)
     block = block_activations(model, micro_batch, tensor_parallel, settings)
     if recompute:
         per_block = tokens * model.hidden_size * settings.activation_bytes / sequence_split
@@ -138,11 +150,12 @@ def _embedding_activations(
     model: ModelConfig, micro_batch: int, tensor_parallel: int, settings: ActivationSettings
 ) -> float:
     tokens = model.seq_length * micro_batch
+    sequence_split = settings.sequence_split(tensor_parallel)
     stored = tokens * INDEX_BYTES + model.seq_length * INDEX_BYTES
     if tensor_parallel > 1:
         stored += tokens  # bool mask of ids outside this rank's vocabulary shard
     if model.dropout > 0:
-        stored += tokens * model.hidden_size * settings.dropout_mask_bytes
+        stored += tokens * model.hidden_size * settings.dropout_mask_bytes / sequence_split
     return stored
 
 
@@ -150,6 +163,7 @@ def _output_activations(
     model: ModelConfig, vocab_size: int, micro_batch: int, tensor_parallel: int, settings: ActivationSettings
 ) -> float:
     tokens = model.seq_length * micro_batch
-    final_norm = 2 * model.hidden_size * settings.activation_bytes + 2 * STATISTIC_BYTES
+    sequence_split = settings.sequence_split(tensor_parallel)
+    final_norm = (2 * model.hidden_size * settings.activation_bytes + 2 * STATISTIC_BYTES) / sequence_split
     cross_entropy = vocab_size // tensor_parallel * 4 + 1 + INDEX_BYTES  # fp32 exp(logits), mask, target
     return tokens * (final_norm + cross_entropy)

@@ -13,11 +13,18 @@ held to 2%, so one s*b*h tensor per block missing or extra (about 4% here) fails
 from __future__ import annotations
 
 import pytest
+import torch
+from megatron.core import parallel_state
 
-from scaletrain.scaling.activations import ActivationSettings, stage_activations
+from scaletrain.config import ModelConfig
+from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
+from scaletrain.scaling.activations import ActivationSettings, block_activations, stage_activations
 from scaletrain.scaling.memory import FP32, optimizer_state_bytes
 from scaletrain.scaling.params import stage_parameters
-from tests.scaling.measure import MICRO_BATCH, SINGLE_RANK_CASES, TWO_RANK_CASES, case_config
+from tests.distributed.harness import run_on_ranks
+from tests.parallel.megatron_stack import StackShape, build_stack
+from tests.parallel.megatron_stack import batch as sequence_parallel_batch
+from tests.scaling.measure import MICRO_BATCH, SINGLE_RANK_CASES, TWO_RANK_CASES, _SavedActivations, case_config
 
 pytestmark = pytest.mark.slow
 
@@ -83,3 +90,47 @@ def test_tensor_parallel_activations(two_rank_measurements):
     for rank in two_rank_measurements:
         measured = rank["tp2"]["activations"]
         assert abs(measured - expected) <= ACTIVATION_TOLERANCE * measured, (measured, expected)
+
+
+# Sequence parallelism, per rank at TP=2, on the megatron-built stack of tests/parallel (fp32,
+# SDPA's CPU kernel, dropout 0): one block's and the whole model's saved bytes, exactly.
+SP_SHAPE = StackShape(seq_length=32, batch=3, hidden=64, heads=4, ffn=128, vocab=128, layers=2)
+SP_MODEL = ModelConfig(num_layers=SP_SHAPE.layers, hidden_size=SP_SHAPE.hidden, num_heads=SP_SHAPE.heads,
+                       ffn_hidden_size=SP_SHAPE.ffn, seq_length=SP_SHAPE.seq_length)
+SP_SETTINGS = ActivationSettings(activation_bytes=4, dropout_mask_bytes=4, attention="flash", sequence_parallel=True)
+
+
+def _sequence_parallel_saved_bytes(rank: int, world_size: int) -> dict[str, int]:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    enable_cpu_sequence_parallel()
+    model = build_stack(SP_SHAPE, world_size, sequence_parallel=True)
+    hidden = torch.randn(SP_SHAPE.seq_length // world_size, SP_SHAPE.batch, SP_SHAPE.hidden, requires_grad=True)
+    with _SavedActivations(model) as block:
+        model.blocks[0](hidden)
+    with _SavedActivations(model) as stack:
+        model(*sequence_parallel_batch(SP_SHAPE))
+    return {"block": block.total, "stack": stack.total}
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_measurements() -> list[dict[str, int]]:
+    return run_on_ranks(_sequence_parallel_saved_bytes, 2)
+
+
+def test_sequence_parallel_block_activations_exact(sequence_parallel_measurements):
+    """Replicated part and norm statistics / t; the linears keep the un-gathered LayerNorm output."""
+    expected = block_activations(SP_MODEL, SP_SHAPE.batch, 2, SP_SETTINGS)
+    plain = block_activations(SP_MODEL, SP_SHAPE.batch, 2, ActivationSettings(4, 4, "flash"))
+    assert expected.total < plain.total
+    for rank in sequence_parallel_measurements:
+        assert rank["block"] == expected.total
+
+
+def test_sequence_parallel_stage_activations_exact(sequence_parallel_measurements):
+    """Embedding, blocks, final norm / t, tied logits (keeping the un-gathered hidden) and the loss."""
+    expected = stage_activations(
+        SP_MODEL, SP_SHAPE.vocab, SP_SHAPE.batch, 2, SP_SHAPE.layers,
+        first_stage=True, last_stage=True, recompute=False, settings=SP_SETTINGS,
+    ).stored
+    for rank in sequence_parallel_measurements:
+        assert rank["stack"] == expected

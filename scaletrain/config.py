@@ -100,6 +100,9 @@ class ParallelConfig:
     # How DeepSpeed splits layers into stages: parameters | uniform | blocks (equal block counts),
     # or blocks per stage as a list, e.g. "5,7" (the embedding joins the first stage, the head the last).
     pipeline_partition: str = "parameters"
+    # Sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals of each block work on
+    # 1/tensor of the sequence; megatron's linears all-gather / reduce-scatter instead of all-reducing.
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -424,6 +427,30 @@ def _validate_parallel(config: Config) -> None:
             "every stage needs at least one block"
         )
     _validate_pipeline_partition(config)
+    if parallel.sequence_parallel:
+        _validate_sequence_parallel(config)
+
+
+def _validate_sequence_parallel(config: Config) -> None:
+    from scaletrain.model.registry import get_family
+
+    parallel, model = config.parallel, config.model
+    if not get_family(model.family).sequence_parallel:
+        raise ConfigError(
+            f"parallel.sequence_parallel is not available for {model.family} yet (it is for gpt and llama); "
+            "set it to false"
+        )
+    if parallel.tensor < 2:
+        raise ConfigError("parallel.sequence_parallel splits the sequence over tensor-parallel ranks; "
+                          "set parallel.tensor >= 2 or parallel.sequence_parallel=false")
+    if model.seq_length % parallel.tensor:
+        raise ConfigError(f"parallel.tensor={parallel.tensor} must divide model.seq_length={model.seq_length} "
+                          "under sequence parallelism")
+    if model.dropout:
+        raise ConfigError(
+            f"model.dropout={model.dropout} with parallel.sequence_parallel: each TP rank would need its own "
+            "dropout stream (megatron's CUDA RNG tracker), which is not implemented; set model.dropout=0"
+        )
 
 
 def _pipeline_objectives(family: str) -> tuple[str, ...]:

@@ -79,6 +79,7 @@ class ModelFamily:
     generation: str | None = None  # "causal" (KV cache), "seq2seq" (encoder prompt), None: cannot generate
     not_generating_reason: str = ""
     pipeline_objectives: tuple[str, ...] = field(default=())  # objectives a pipelined run may train
+    sequence_parallel: bool = False  # whether its layers implement parallel.sequence_parallel
 
 
 def lazy(path: str) -> Callable[[], Any]:

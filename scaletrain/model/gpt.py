@@ -18,11 +18,13 @@ from scaletrain.model.layers import (
     ParallelAttention,
     ParallelMLP,
     TransformerBlock,
+    full_sequence_length,
     gelu_tanh,
     masked_vocab_parallel_loss,
     parallel_lm_logits,
 )
 from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.parallel.sequence_parallel import mark_sequence_parallel, scatter_to_sequence_parallel
 from scaletrain.scaling.counts import ModelCounts
 from scaletrain.tracking.flops import model_flops_per_token
 
@@ -48,11 +50,14 @@ class GPTEmbedding(nn.Module):
         with torch.no_grad():
             normal_init(model.init_std, seed, "embedding.position")(self.position.weight)
         self.dropout = nn.Dropout(model.dropout)
+        self.sequence_parallel = config.parallel.sequence_parallel
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        embedded = self.word(tokens) + self.position(positions)
-        return self.dropout(embedded.transpose(0, 1).contiguous())
+        embedded = (self.word(tokens) + self.position(positions)).transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            embedded = scatter_to_sequence_parallel(embedded)
+        return self.dropout(embedded)
 
 
 def build_block(config: Config, layer: int) -> TransformerBlock:
@@ -72,8 +77,17 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
     mlp = ParallelMLP(
         model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"), activation=gelu_tanh
     )
-    return TransformerBlock(attention, mlp, lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps),
-                            dropout=model.dropout)
+    return sequence_parallel_region(config, TransformerBlock(
+        attention, mlp, lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps), dropout=model.dropout
+    ))
+
+
+def sequence_parallel_region(config: Config, module: nn.Module) -> nn.Module:
+    """Under sequence parallelism a block's (and the final norm's) replicated parameters see one
+    sequence slice per TP rank: mark them, so their gradients are summed over TP ranks."""
+    if config.parallel.sequence_parallel:
+        mark_sequence_parallel(module)
+    return module
 
 
 def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
@@ -95,7 +109,8 @@ def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = 
 
 def _block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
     hidden, *rest = activations
-    mask = prefix_lm_attention_mask(rest[0], hidden.shape[0]) if rest else None
+    seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
+    mask = prefix_lm_attention_mask(rest[0], seq_length) if rest else None
     return (block(hidden, mask, cache=cache), *rest)
 
 
@@ -104,7 +119,7 @@ def _final_norm(norm: nn.Module, activations: tuple, cache: KVCache | None = Non
 
 
 def _tied_output(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
-    return (parallel_lm_logits(activations[0], embedding.word.weight),)
+    return (parallel_lm_logits(activations[0], embedding.word.weight, embedding.sequence_parallel),)
 
 
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
@@ -113,7 +128,8 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
         PipelineLayer("embedding", lambda: GPTEmbedding(config), _embed),
         *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
           for layer in range(model.num_layers)),
-        PipelineLayer("final_norm", lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps), _final_norm),
+        PipelineLayer("final_norm", lambda: sequence_parallel_region(
+            config, nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)), _final_norm),
         PipelineLayer("output", lambda: GPTEmbedding(config), _tied_output, tied_to="embedding",
                       tied_weight="word.weight"),
     ]
@@ -176,6 +192,7 @@ FAMILY = ModelFamily(
     loss=lm_loss,
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
+    sequence_parallel=True,
     batch_schema=lambda config: DECODER_BATCH,
     counts=counts,
     validate=validate,

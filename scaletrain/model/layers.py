@@ -30,6 +30,7 @@ from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.model.init import InitMethod
+from scaletrain.parallel.sequence_parallel import sequence_parallel_lm_logits
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 PartInit = Callable[[str], InitMethod]  # "qkv" | "query" | "key_value" | "output" | "fc" | "proj" -> init
@@ -166,6 +167,7 @@ class ParallelAttention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
         self.heads_per_rank = num_heads // tp
+        self.sequence_parallel = mp_config.sequence_parallel  # hidden arrives as a 1/tp slice of the sequence
         self.causal, self.dropout, self.scale, self.rotary = causal, dropout, scale, rotary
         self.layer_index = layer_index  # its slot in a KVCache
         inner, kv_inner = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -181,7 +183,9 @@ class ParallelAttention(nn.Module):
             )
             self.replicated_kv = self.num_kv_heads % tp != 0
             if self.replicated_kv:
-                self.key_value = _ReplicatedLinear(hidden_size, 2 * kv_inner, init("key_value"), bias)
+                self.key_value = _ReplicatedLinear(
+                    hidden_size, 2 * kv_inner, init("key_value"), bias, mp_config.sequence_parallel
+                )
                 group_heads = num_heads // self.num_kv_heads
                 self.kv_head = parallel_state.get_tensor_model_parallel_rank() * self.heads_per_rank // group_heads
             else:
@@ -251,10 +255,13 @@ class _ReplicatedLinear(nn.Module):
     rows. Weight and input pass megatron's copy-to-TP-region (identity forward, all-reduce backward),
     so both gradients are summed over the ranks that used different rows."""
 
-    def __init__(self, hidden_size: int, out_features: int, init_method: InitMethod, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, out_features: int, init_method: InitMethod, bias: bool, sequence_parallel: bool
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(init_method(torch.empty(out_features, hidden_size)))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor, kv_head: int, head_dim: int) -> torch.Tensor:
         half = self.weight.shape[0] // 2
@@ -262,7 +269,18 @@ class _ReplicatedLinear(nn.Module):
         rows[head_dim:] += half
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.weight)[rows.to(hidden.device)]
         bias = None if self.bias is None else tensor_parallel.copy_to_tensor_model_parallel_region(self.bias)[rows]
-        return F.linear(tensor_parallel.copy_to_tensor_model_parallel_region(hidden), weight, bias)
+        if self.sequence_parallel:
+            # the whole sequence, as a column-parallel linear gathers it; backward reduce-scatters
+            # the per-rank partial input gradients
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+        return F.linear(hidden, weight, bias)
+
+
+def full_sequence_length(hidden: torch.Tensor, sequence_parallel: bool) -> int:
+    """Tokens per sequence when `hidden` [seq, batch, h] may be this rank's 1/tp sequence slice."""
+    return hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1)
 
 
 def _bottom_right_causal(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
@@ -397,11 +415,16 @@ def run_in_chunks(steps: list[Callable[[Any], Any]], value: Any, interval: int) 
 # Output layer and losses
 
 
-def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+def parallel_lm_logits(
+    hidden: torch.Tensor, word_embeddings: torch.Tensor, sequence_parallel: bool = False
+) -> torch.Tensor:
     """Logits for this rank's vocabulary shard with the tied input embedding.
 
-    The copy marks the replicated input so its gradient is all-reduced across TP ranks.
+    The copy marks the replicated input so its gradient is all-reduced across TP ranks; under
+    sequence parallelism the sequence slices are gathered instead (megatron's GPTModel output layer).
     """
+    if sequence_parallel:
+        return sequence_parallel_lm_logits(hidden, word_embeddings)
     hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
     return F.linear(hidden, word_embeddings)
 

@@ -16,10 +16,19 @@ from torch import nn
 
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
-from scaletrain.model.gpt import DECODER_BATCH, DecoderLM, lm_loss
+from scaletrain.model.gpt import DECODER_BATCH, DecoderLM, lm_loss, sequence_parallel_region
 from scaletrain.model.init import normal_init, residual_std
-from scaletrain.model.layers import KVCache, ParallelAttention, ParallelMLP, RMSNorm, RotaryEmbedding, TransformerBlock
+from scaletrain.model.layers import (
+    KVCache,
+    ParallelAttention,
+    ParallelMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    TransformerBlock,
+    full_sequence_length,
+)
 from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
 from scaletrain.scaling.counts import ModelCounts
 
 
@@ -51,9 +60,13 @@ class LlamaEmbedding(nn.Module):
             config=model_parallel_config(config),
         )
         self.dropout = nn.Dropout(model.dropout)
+        self.sequence_parallel = config.parallel.sequence_parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.word(tokens).transpose(0, 1).contiguous())
+        embedded = self.word(tokens).transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            embedded = scatter_to_sequence_parallel(embedded)
+        return self.dropout(embedded)
 
 
 def build_block(config: Config, layer: int) -> TransformerBlock:
@@ -75,8 +88,9 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
     )
     mlp = ParallelMLP(model.hidden_size, model.ffn_size, mp_config, init("mlp"),
                       activation=torch.nn.functional.silu, gated=True, bias=False)
-    return TransformerBlock(attention, mlp, lambda: RMSNorm(model.hidden_size, model.layernorm_eps),
-                            dropout=model.dropout)
+    return sequence_parallel_region(config, TransformerBlock(
+        attention, mlp, lambda: RMSNorm(model.hidden_size, model.layernorm_eps), dropout=model.dropout
+    ))
 
 
 def output_layer(config: Config) -> tensor_parallel.ColumnParallelLinear:
@@ -100,7 +114,8 @@ def _block(block: TransformerBlock, activations: tuple, cache: KVCache | None = 
     from scaletrain.model.gpt import prefix_lm_attention_mask
 
     hidden, *rest = activations
-    mask = prefix_lm_attention_mask(rest[0], hidden.shape[0]) if rest else None
+    seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
+    mask = prefix_lm_attention_mask(rest[0], seq_length) if rest else None
     return (block(hidden, mask, cache=cache), *rest)
 
 
@@ -119,7 +134,8 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
         PipelineLayer("embedding", lambda: LlamaEmbedding(config), _embed),
         *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
           for layer in range(model.num_layers)),
-        PipelineLayer("final_norm", lambda: RMSNorm(model.hidden_size, model.layernorm_eps), _final_norm),
+        PipelineLayer("final_norm", lambda: sequence_parallel_region(
+            config, RMSNorm(model.hidden_size, model.layernorm_eps)), _final_norm),
         PipelineLayer("output", lambda: output_layer(config), _output),
     ]
 
@@ -173,6 +189,7 @@ FAMILY = ModelFamily(
     loss=lm_loss,
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
+    sequence_parallel=True,
     batch_schema=lambda config: DECODER_BATCH,
     counts=counts,
     validate=validate,

@@ -18,4 +18,5 @@ def model_parallel_config(config: Config) -> ModelParallelConfig:
         perform_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32 if config.parallel.pipeline > 1 else None,
+        sequence_parallel=config.parallel.sequence_parallel,
     )

@@ -51,6 +51,10 @@ def init_distributed(config: Config) -> Topology:
             tensor_model_parallel_size=config.parallel.tensor,
             pipeline_model_parallel_size=config.parallel.pipeline,
         )
+    if config.parallel.sequence_parallel:
+        from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
+
+        enable_cpu_sequence_parallel()  # megatron's SP buffers on the CPU when there is no GPU
     return Topology(
         world_size=world_size,
         rank=dist.get_rank(),

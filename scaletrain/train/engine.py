@@ -85,6 +85,11 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     precision = resolve_precision(config, topology.device)
     model.to(topology.device)
     optimizer = build_optimizer(model, config, topology.device)
+    if config.parallel.sequence_parallel:
+        # norms see one sequence slice per TP rank: sum their gradients over TP before ZeRO sees them
+        from scaletrain.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
+
+        register_sequence_parallel_grad_hooks(model)
     if config.parallel.zero_stage == 3:
         # ZeRO-3 gathers a module's own parameters around its forward; tied weights used elsewhere
         # must be announced, or the borrowing module sees an empty partition.

@@ -20,7 +20,10 @@ at the optimizer step (after activations are freed, so it does not raise the pea
 activations are larger), and ZeRO-3's per-parameter partition padding; the planner's memory
 reserve covers these, the CUDA context and allocator fragmentation.
 
-Activations come from activations.py. Under the 1F1B schedule (Narayanan et al. 2021, sec.
+Parameters come from params.py (counted from the family's own modules). Activations come from
+activations.py, whose per-block formula is Korthikanti et al.'s for a GPT decoder block; every
+family's blocks (for T5 its encoder and decoder blocks together, whose cross-attention is not
+modelled) are charged that formula, an approximation outside GPT. Under the 1F1B schedule (Narayanan et al. 2021, sec.
 2.2.1) stage i holds min(PP - i, m) micro-batches in flight, so the first stage holds the
 most; the extra in-flight micro-batches, and the stage outputs kept for their backward (all
 but the last stage), are reported as pipeline buffers.
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from scaletrain.config import Config
 from scaletrain.scaling.activations import ActivationSettings, stage_activations
 from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.params import ParameterCount, block_parameters, stage_parameters, word_embedding_parameters
+from scaletrain.scaling.params import ParameterCount, largest_gathered_module, num_blocks, stage_parameters
 
 ADAM_MOMENT_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_WEIGHT_BYTES = 4
@@ -96,10 +99,7 @@ def weight_bytes(config: Config, params: ParameterCount, layout: Layout, precisi
     """Weights on one GPU; ZeRO-3 adds the gathered weights of the module computing and the one prefetched."""
     if layout.zero_stage < 3:
         return precision.weight_bytes * params.total
-    largest_module = max(
-        block_parameters(config.model, layout.tensor).total,
-        word_embedding_parameters(config.padded_vocab_size, config.model.hidden_size, layout.tensor).total,
-    )
+    largest_module = largest_gathered_module(config, layout.tensor).total
     return precision.weight_bytes * (math.ceil(params.total / layout.data) + 2 * largest_module)
 
 
@@ -117,7 +117,7 @@ def stage_memory(
     params = stage_parameters(config, layout.tensor, pp, stage)
     last = stage == pp - 1
     activations = stage_activations(
-        model, config.padded_vocab_size, layout.micro_batch, layout.tensor, model.num_layers // pp,
+        model, config.padded_vocab_size, layout.micro_batch, layout.tensor, num_blocks(config) // pp,
         first_stage=stage == 0, last_stage=last, recompute=layout.recompute, settings=settings,
     )
     in_flight = min(pp - stage, micro_batches)

@@ -1,29 +1,41 @@
-"""Exact parameter counts of our GPT (scaletrain/model/gpt.py), total and per pipeline stage and TP rank.
+"""Exact parameter counts of any model family, total and per pipeline stage and TP rank.
 
-The counts mirror what `GPT` builds, tensor by tensor, so memory predictions can be exact:
-- embedding: vocab-parallel word table (padded vocabulary / TP rows per rank) and learned
-  positions (replicated on every TP rank);
-- per block: two LayerNorms (gain + bias, replicated), fused QKV weight and bias
-  (column-parallel: split), attention output weight (row-parallel: split) and bias (replicated,
-  megatron's RowParallelLinear adds the full bias after the all-reduce), MLP fc weight and bias
-  (column-parallel), MLP proj weight (row-parallel) and bias (replicated);
-- final LayerNorm; the output layer is tied to the word table, so it adds nothing at PP=1.
-  With PP>1 the last stage holds its own copy of the word table for the logits, as Megatron
-  does (its gradient is all-reduced with the first stage's). Our pipeline
-  (parallel/pipeline.py) builds that copy as a second `GPTPipelineEmbedding` through DeepSpeed's
-  TiedLayerSpec, so the last stage also allocates a position table it never uses; it is
-  counted, because it takes memory.
+Counted from the modules themselves, never by a per-family formula: each of the family's
+pipeline layers (model/family.py `PipelineLayer`) is built at TP=1 on the meta device (shapes
+only: no memory, and our init, model/init.py, and megatron's CPU initialisation run on meta
+tensors as no-ops), and every parameter tensor is counted:
+- a tensor megatron marks `tensor_model_parallel` (column/row-parallel weights, column-parallel
+  biases, the vocab-parallel word table, T5's relative-position table) is split over TP: each
+  rank holds elements / TP;
+- every other tensor (norms, row-parallel biases, learned positions) is replicated on every rank.
+
+Stages (parallel/pipeline.py with parallel.pipeline_partition=blocks): the blocks are split evenly,
+num_blocks / PP per stage; the layers before the first block sit on stage 0, those after the last
+block on the last stage. A tied layer (`tied_to`, e.g. GPT's output layer sharing the word table)
+adds nothing at PP=1; with PP>1 DeepSpeed's TiedLayerSpec builds a copy of the tied module on the
+last stage (GPT's includes a position table it never uses), which is counted, because it takes
+memory. A family without pipeline layers (T5) is counted from its whole model, built on meta with
+`family.build`, and is planned at PP=1 only.
 
 Parameters are split into matrices (dim >= 2) and vectors (dim < 2) because that is how
 train/engine.py groups them for AdamW (decay on matrices only), and DeepSpeed's ZeRO pads and
-partitions each group separately.
+partitions each group separately. Counts are cached per model (planning evaluates thousands of
+layouts).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from scaletrain.config import Config, ModelConfig
+import torch
+from megatron.core import parallel_state
+from torch import nn
+
+from scaletrain.config import Config, ConfigError
+from scaletrain.model.layers import TransformerBlock
 
 
 @dataclass(frozen=True)
@@ -47,44 +59,197 @@ class ParameterCount:
         return ParameterCount(self.matrices * times, self.vectors * times, self.tensors * times)
 
 
-def word_embedding_parameters(vocab_size: int, hidden_size: int, tensor_parallel: int) -> ParameterCount:
-    """The vocab-parallel word table on one TP rank (also the tied output layer)."""
-    return ParameterCount(matrices=vocab_size // tensor_parallel * hidden_size, tensors=1)
+@dataclass(frozen=True)
+class TensorShape:
+    """One parameter tensor at TP=1."""
+
+    numel: int
+    matrix: bool  # dim >= 2: AdamW's decayed group
+    split: bool  # megatron's tensor_model_parallel: each TP rank holds numel / TP
 
 
-def position_embedding_parameters(model: ModelConfig) -> ParameterCount:
-    return ParameterCount(matrices=model.seq_length * model.hidden_size, tensors=1)
+def count_tensors(tensors: tuple[TensorShape, ...], tensor_parallel: int) -> ParameterCount:
+    """The tensors' elements on one TP rank."""
+    matrices = vectors = 0
+    for tensor in tensors:
+        numel = tensor.numel // tensor_parallel if tensor.split else tensor.numel
+        if tensor.matrix:
+            matrices += numel
+        else:
+            vectors += numel
+    return ParameterCount(matrices, vectors, len(tensors))
 
 
-def layer_norm_parameters(hidden_size: int) -> ParameterCount:
-    return ParameterCount(vectors=2 * hidden_size, tensors=2)
+@dataclass(frozen=True)
+class LayerParameters:
+    """One pipeline layer's parameters (for a tied layer: those of the module it is tied to)."""
+
+    name: str
+    is_block: bool
+    tied_to: str | None
+    tensors: tuple[TensorShape, ...]
+    # What ZeRO-3 gathers at once: a whole transformer block, else each module's own parameters.
+    gather_units: tuple[tuple[TensorShape, ...], ...]
+
+    def count(self, tensor_parallel: int) -> ParameterCount:
+        return count_tensors(self.tensors, tensor_parallel)
 
 
-def block_parameters(model: ModelConfig, tensor_parallel: int) -> ParameterCount:
-    """One pre-LN block on one TP rank (see the module docstring for what is split)."""
-    hidden, ffn, tp = model.hidden_size, model.ffn_size, tensor_parallel
-    qkv = ParameterCount(matrices=3 * hidden * hidden // tp, vectors=3 * hidden // tp, tensors=2)
-    attention_output = ParameterCount(matrices=hidden * hidden // tp, vectors=hidden, tensors=2)
-    fc = ParameterCount(matrices=hidden * ffn // tp, vectors=ffn // tp, tensors=2)
-    proj = ParameterCount(matrices=ffn * hidden // tp, vectors=hidden, tensors=2)
-    return layer_norm_parameters(hidden) * 2 + qkv + attention_output + fc + proj
+@dataclass(frozen=True)
+class ModelParameters:
+    """A model's layers in order, and whether the family has pipeline stages."""
+
+    family: str
+    layers: tuple[LayerParameters, ...]
+    pipelined: bool
+    num_blocks: int  # transformer blocks (for T5, encoder + decoder)
+
+
+# Keyed by what the modules' shapes depend on (Config itself is mutable and unhashable).
+_MODELS: dict[str, ModelParameters] = {}
+_STAGES: dict[tuple[str, int, int, int], ParameterCount] = {}
+
+
+def model_parameters(config: Config) -> ModelParameters:
+    """The model's parameter tensors, layer by layer, built once per model section and vocabulary."""
+    key = _cache_key(config)
+    if key not in _MODELS:
+        _MODELS[key] = _count_model(config)
+    return _MODELS[key]
 
 
 def stage_parameters(config: Config, tensor_parallel: int, pipeline_parallel: int, stage: int) -> ParameterCount:
-    """Parameters held by one GPU (one TP rank) of pipeline stage `stage`; layers split evenly."""
-    model = config.model
-    layers = model.num_layers // pipeline_parallel
-    count = block_parameters(model, tensor_parallel) * layers
-    word = word_embedding_parameters(config.padded_vocab_size, model.hidden_size, tensor_parallel)
-    if stage == 0:
-        count = count + word + position_embedding_parameters(model)
-    if stage == pipeline_parallel - 1:
-        count = count + layer_norm_parameters(model.hidden_size)
-        if pipeline_parallel > 1:  # the tied output layer's own embedding module
-            count = count + word + position_embedding_parameters(model)
-    return count
+    """Parameters held by one GPU (one TP rank) of pipeline stage `stage`."""
+    key = (_cache_key(config), tensor_parallel, pipeline_parallel, stage)
+    if key not in _STAGES:
+        count = ParameterCount()
+        for layer in stage_layers(config, pipeline_parallel, stage):
+            count = count + layer.count(tensor_parallel)
+        _STAGES[key] = count
+    return _STAGES[key]
 
 
 def total_parameters(config: Config) -> int:
-    """Unique parameters of the model (the tied output layer counted once)."""
+    """Unique parameters of the model (a tied output layer counted once)."""
     return stage_parameters(config, tensor_parallel=1, pipeline_parallel=1, stage=0).total
+
+
+def num_blocks(config: Config) -> int:
+    """Transformer blocks in the model: what activations and step time are modelled per."""
+    return model_parameters(config).num_blocks
+
+
+def pipelined(config: Config) -> bool:
+    """Whether the family can be cut into pipeline stages (T5 cannot yet)."""
+    return model_parameters(config).pipelined
+
+
+def largest_gathered_module(config: Config, tensor_parallel: int) -> ParameterCount:
+    """The largest set of parameters ZeRO-3 gathers at once on one TP rank: a transformer block, or
+    one other module's own parameters (e.g. the word table)."""
+    return max(
+        (count_tensors(unit, tensor_parallel) for layer in model_parameters(config).layers
+         for unit in layer.gather_units),
+        key=lambda count: count.total,
+    )
+
+
+def stage_layers(config: Config, pipeline_parallel: int, stage: int) -> list[LayerParameters]:
+    """The layers stage `stage` builds (a tied layer on the last stage stands for its copy)."""
+    model = model_parameters(config)
+    if pipeline_parallel > 1 and not model.pipelined:
+        raise ConfigError(f"{model.family} has no pipeline stages; plan it with PP=1")
+    if model.num_blocks % pipeline_parallel:
+        raise ConfigError(f"{model.num_blocks} blocks do not split evenly into {pipeline_parallel} stages")
+    per_stage = model.num_blocks // pipeline_parallel
+    block, layer_stage, chosen = 0, 0, []
+    for layer in model.layers:
+        if layer.is_block:
+            layer_stage = block // per_stage
+            block += 1
+        elif block == model.num_blocks and model.pipelined:
+            layer_stage = pipeline_parallel - 1  # after the last block
+        if layer_stage != stage:
+            continue
+        if layer.tied_to is not None and pipeline_parallel == 1:
+            continue  # the output layer runs the module it is tied to
+        chosen.append(layer)
+    return chosen
+
+
+def _cache_key(config: Config) -> str:
+    return repr((config.model, config.data.vocab_size, config.objective))
+
+
+def _count_model(config: Config) -> ModelParameters:
+    from scaletrain.model.registry import get_family
+
+    family = get_family(config.model.family)
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=1))
+    try:
+        layers = family.pipeline_layers(config)
+    except ConfigError:  # no pipeline (T5): count the whole model
+        layers = None
+    with _meta_build_at_tensor_parallel_1():
+        if layers is None:
+            module = family.build(config)
+            blocks = sum(isinstance(child, TransformerBlock) for child in module.modules())
+            counted = (LayerParameters("", False, None, _tensors(module), _gather_units(module)),)
+            return ModelParameters(family.name, counted, pipelined=False, num_blocks=blocks)
+        built: dict[str, nn.Module] = {}
+        counted_layers = []
+        for layer in layers:
+            if layer.tied_to is None:
+                built[layer.name] = layer.build()
+            module = built[layer.tied_to or layer.name]
+            counted_layers.append(
+                LayerParameters(layer.name, layer.is_block, layer.tied_to, _tensors(module), _gather_units(module))
+            )
+    blocks = sum(layer.is_block for layer in layers)
+    return ModelParameters(family.name, tuple(counted_layers), pipelined=True, num_blocks=blocks)
+
+
+@contextmanager
+def _meta_build_at_tensor_parallel_1() -> Iterator[None]:
+    """Build on the meta device as TP rank 0 of 1.
+
+    Some layers ask megatron's parallel_state for the TP rank at construction (T5's relative-position
+    table); the planner runs without torch.distributed, where that asserts. megatron's
+    set_tensor_model_parallel_rank/world_size overrides answer instead, and are restored after."""
+    saved = (parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE)
+    parallel_state.set_tensor_model_parallel_rank(0)
+    parallel_state.set_tensor_model_parallel_world_size(1)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        parallel_state.set_tensor_model_parallel_rank(saved[0])
+        parallel_state.set_tensor_model_parallel_world_size(saved[1])
+
+
+def _shape(parameter: nn.Parameter) -> TensorShape:
+    return TensorShape(parameter.numel(), parameter.dim() >= 2, bool(getattr(parameter, "tensor_model_parallel", False)))
+
+
+def _tensors(module: nn.Module) -> tuple[TensorShape, ...]:
+    return tuple(_shape(parameter) for parameter in module.parameters())
+
+
+def _gather_units(module: nn.Module) -> tuple[tuple[TensorShape, ...], ...]:
+    units: list[tuple[TensorShape, ...]] = []
+    seen: set[int] = set()
+
+    def visit(child: nn.Module) -> None:
+        if isinstance(child, TransformerBlock):
+            units.append(tuple(_shape(p) for p in child.parameters() if id(p) not in seen))
+            seen.update(id(p) for p in child.parameters())
+            return
+        own = tuple(_shape(p) for p in child.parameters(recurse=False) if id(p) not in seen)
+        seen.update(id(p) for p in child.parameters(recurse=False))
+        if own:
+            units.append(own)
+        for grandchild in child.children():
+            visit(grandchild)
+
+    visit(module)
+    return tuple(units)

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from scaletrain.scaling.flops import hardware_flops_per_token
+from scaletrain.scaling.counts import model_counts
+from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
 from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.params import (
-    block_parameters,
-    layer_norm_parameters,
-    position_embedding_parameters,
-    stage_parameters,
-    total_parameters,
-    word_embedding_parameters,
-)
+from scaletrain.scaling.params import LayerParameters, model_parameters, stage_layers, stage_parameters
 from scaletrain.scaling.search import Plan, PlannedLayout, runnable_now
-from scaletrain.tracking.flops import model_flops_per_token
 
 GIB = 2**30
 
@@ -24,12 +17,15 @@ def format_plan(plan: Plan, title: str, top: int) -> str:
 
 
 def _header(plan: Plan, title: str) -> str:
-    model, hw = plan.config.model, plan.hardware
+    config, hw = plan.config, plan.hardware
+    model, counted = config.model, model_parameters(config)
+    blocks = f" ({counted.num_blocks} transformer blocks in all)" if counted.num_blocks != model.num_layers else ""
+    kv_heads = f" ({model.num_query_groups} kv heads)" if model.num_query_groups != model.num_heads else ""
     return "\n".join([
         f"scaletrain plan: {title}",
-        f"model: GPT, {model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} heads, "
-        f"ffn {model.ffn_size}, seq {model.seq_length}, vocab {plan.config.data.vocab_size} "
-        f"(padded to {plan.config.padded_vocab_size})",
+        f"model: {counted.family}, {model.num_layers} layers{blocks}, hidden {model.hidden_size}, "
+        f"{model.num_heads} heads{kv_heads}, ffn {model.ffn_size}, seq {model.seq_length}, "
+        f"vocab {config.data.vocab_size} (padded to {config.padded_vocab_size})",
         f"cluster: {plan.gpus} GPUs x {plan.gpu_memory / GIB:.2f} GiB ({plan.memory_budget / GIB:.2f} GiB usable; "
         "the rest is kept for the CUDA context, NCCL and DeepSpeed buffers and fragmentation), "
         f"{hw.peak_flops / 1e12:.0f} TFLOP/s peak at {hw.compute_efficiency:.0%} achievable, "
@@ -41,46 +37,85 @@ def _header(plan: Plan, title: str) -> str:
 
 def _parameters(plan: Plan) -> str:
     config = plan.config
-    model, vocab = config.model, config.padded_vocab_size
-    embedding = word_embedding_parameters(vocab, model.hidden_size, 1) + position_embedding_parameters(model)
+    counts, counted = model_counts(config), model_parameters(config)
     lines = [
-        f"parameters: {total_parameters(config):,} ({total_parameters(config) / 1e9:.2f} B)",
-        f"  embedding {embedding.total:,} (word {vocab}x{model.hidden_size}, tied with the output layer; "
-        f"positions {model.seq_length}x{model.hidden_size}), per block {block_parameters(model, 1).total:,} "
-        f"x {model.num_layers}, final LayerNorm {layer_norm_parameters(model.hidden_size).total:,}",
+        f"parameters: {counts.total_params:,} ({counts.total_params / 1e9:.2f} B; "
+        f"{counts.embedding_params:,} in embedding tables)",
+        f"  {_layer_summary(counted.layers)}",
     ]
+    if not counted.pipelined:
+        lines.append(f"  {counted.family} has no pipeline stages: counted from its whole model, planned at PP=1 only")
     if plan.feasible:
         best = plan.feasible[0].layout
         lines.append(f"  per stage at the best layout's PP={best.pipeline} (whole stage; per GPU at TP={best.tensor}):")
         for stage in sorted({0, best.pipeline // 2, best.pipeline - 1}):
             whole = stage_parameters(config, 1, best.pipeline, stage).total
             per_gpu = stage_parameters(config, best.tensor, best.pipeline, stage).total
-            contents = _stage_contents(stage, best, config.model.num_layers // best.pipeline)
+            contents = _stage_contents(stage_layers(config, best.pipeline, stage), best)
             lines.append(f"    stage {stage}: {whole:,} ({per_gpu:,} per GPU)  [{contents}]")
     return "\n".join(lines)
 
 
-def _stage_contents(stage: int, layout: Layout, blocks: int) -> str:
-    parts = ["embedding"] if stage == 0 else []
-    parts.append(f"{blocks} blocks")
-    if stage == layout.pipeline - 1:
-        parts.append("final LayerNorm")
-        if layout.pipeline > 1:
-            parts.append("output layer's embedding copy (word table tied; its position table unused)")
+def _layer_summary(layers: tuple[LayerParameters, ...]) -> str:
+    """'embedding 1,234 + 32 blocks x 5,678 + final_norm 90 + output tied to embedding'."""
+    parts: list[str] = []
+    blocks: list[int] = []
+
+    def flush() -> None:
+        if blocks:
+            sizes = sorted(set(blocks))
+            size = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
+            parts.append(f"{len(blocks)} blocks x {size}")
+            blocks.clear()
+
+    for layer in layers:
+        if layer.is_block:
+            blocks.append(layer.count(1).total)
+            continue
+        flush()
+        if not layer.tensors:
+            continue  # e.g. BERT's final_norm slot: post-LN blocks end normalised
+        name = layer.name or "top-level"
+        if layer.tied_to is not None:
+            parts.append(f"{name} tied to {layer.tied_to} (counted once)")
+        elif len(layers) == 1:
+            parts.append(f"whole model {layer.count(1).total:,}")
+        else:
+            parts.append(f"{name} {layer.count(1).total:,}")
+    flush()
+    return "layers: " + " + ".join(parts)
+
+
+def _stage_contents(layers: list[LayerParameters], layout: Layout) -> str:
+    parts: list[str] = []
+    blocks = sum(layer.is_block for layer in layers)
+    for layer in layers:
+        if layer.is_block:
+            if blocks:
+                parts.append(f"{blocks} blocks")
+                blocks = 0
+        elif not layer.tensors:
+            continue
+        elif layer.tied_to is not None:
+            parts.append(f"{layer.name}'s copy of {layer.tied_to} (weight tied)")
+        elif len(layers) == 1 and not layer.name:
+            parts.append("the whole model")
+        else:
+            parts.append(layer.name or "top-level")
     return " + ".join(parts)
 
 
 def _flops(plan: Plan) -> str:
-    model, vocab = plan.config.model, plan.config.padded_vocab_size
-    tokens = plan.global_batch * model.seq_length
-    per_token = model_flops_per_token(model, vocab)
-    recomputed = hardware_flops_per_token(model, vocab, recompute=True)
+    config = plan.config
+    tokens = plan.global_batch * config.model.seq_length
+    per_token = model_flops_per_token(config)
+    recomputed = hardware_flops_per_token(config, recompute=True)
     return "\n".join([
         f"FLOPs per token (model FLOPs, what MFU counts): {per_token / 1e12:.4f} TFLOP",
-        "  = 3 * (l*(8h^2 + 4h*ffn + 4hs) + 2hV) = 72*l*h^2*(1 + s/6h) + 6hV for ffn = 4h (Narayanan et al. 2021)",
-        "  = 6N + 12*l*h*s with N the matmul weights (Chowdhery et al. 2022, app. B)",
+        f"  = {model_counts(config).flops_formula}",
         f"FLOPs per token with full recomputation (hardware FLOPs): {recomputed / 1e12:.4f} TFLOP",
-        "  = model FLOPs + one more forward of the blocks = 96*l*h^2*(1 + s/6h + V/16lh) for ffn = 4h",
+        f"  = model FLOPs + one more forward of the blocks (model FLOPs less the output layer's 6hV = "
+        f"{logits_flops_per_token(config) / 1e12:.4f} TFLOP, divided by 3)",
         f"FLOPs per step ({tokens:,} tokens): model {per_token * tokens:.4g}, "
         f"with recomputation {recomputed * tokens:.4g}; the step-time model uses the hardware FLOPs of each layout",
     ])
@@ -101,8 +136,8 @@ def _memory_model(plan: Plan) -> str:
         f"memory: {states}; ZeRO stage 1 partitions the optimizer state over DP, 2 also the gradients, "
         "3 also the weights; ZeRO-0 with PP > 1 is DeepSpeed's BF16_Optimizer (optimizer state partitioned "
         "as in ZeRO-1, plus full fp32 gradients)",
-        f"activations per block and micro-batch, ranked with the {attention}; dropout masks only when "
-        "model.dropout > 0",
+        f"activations per block and micro-batch, modelled for decoder blocks (GPT formula, charged to every "
+        f"family's blocks), ranked with the {attention}; dropout masks only when model.dropout > 0",
         "recomp yes = full recomputation (train.activation_checkpoint_interval=1): 2sbh per block kept, plus one "
         "block's activations rebuilt at a time in backward",
         "pipeline buffers: 1F1B keeps min(PP - stage, m) micro-batches in flight (Narayanan et al. 2021), plus "
@@ -129,9 +164,10 @@ def _table(plan: Plan, top: int) -> str:
         mark = f" [{reasons.index(reason) + 1}]" if reason is not None else ""
         rows.append(_row(rank, planned) + mark)
     notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
+    pp_rule = "" if model_parameters(plan.config).pipelined else " (PP=1 only: no pipeline stages)"
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
-        f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*PP*DP = {plan.gpus}, the global batch divides "
+        f"{plan.hardware.gpus_per_node}, PP divides the layers{pp_rule}, TP*PP*DP = {plan.gpus}, the global batch divides "
         f"into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
     )

@@ -1,14 +1,16 @@
 """A simple step-time model for ranking layouts: compute, pipeline bubble, TP/PP/DP communication.
 
 Assumptions (deliberately simple; the ranking, not the absolute time, is the product):
-- Compute: hardware FLOPs (flops.py; recomputation adds a forward of the blocks) at a fixed
+- Compute: hardware FLOPs (flops.py: the family's own model FLOPs, split evenly over its blocks
+  plus the output layer; recomputation adds a forward of the blocks) at a fixed
   fraction of peak, `compute_efficiency`. Default 0.5: Narayanan et al. 2021 (Table 1) sustain
   44-52% of A100 peak end to end for 1-1000B GPTs. Small GEMMs (small micro-batch or large
   TP) are not penalised, so the model prefers small micro-batches whenever PP > 1.
 - Pipeline: 1F1B with m micro-batches per pipeline and p equal stages takes (m + p - 1) times
   the slowest stage's time per micro-batch, i.e. a bubble fraction (p - 1)/m (Narayanan et al.
   2021, sec. 2.2). The last stage is the slowest: it also computes the logits.
-- TP: per block and micro-batch, 2 all-reduces of s*b*h activations forward (attention and MLP
+- TP: per block and micro-batch (T5's decoder blocks' third, cross-attention all-reduce is not
+  counted), 2 all-reduces of s*b*h activations forward (attention and MLP
   outputs) and 2 backward (Shoeybi et al. 2019, sec. 3), 2 more with recomputation; ring
   all-reduce time 2(t-1)/t * bytes / bandwidth over NVLink (TP never leaves a node). Not
   overlapped with compute. The embedding and logits all-reduces (2 per step, not per block) are
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from scaletrain.config import Config
 from scaletrain.scaling.flops import blocks_forward_flops_per_token, logits_flops_per_token
 from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.params import stage_parameters
+from scaletrain.scaling.params import num_blocks, stage_parameters
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_INTRA_NODE_BANDWIDTH = 360e9  # bytes/s per GPU per direction, NVLink
@@ -81,10 +83,11 @@ def predict_step_time(
     model = config.model
     micro_batches = layout.micro_batches(global_batch)
     tokens = model.seq_length * layout.micro_batch
-    blocks_per_stage = model.num_layers // layout.pipeline
+    blocks = num_blocks(config)
+    blocks_per_stage = blocks // layout.pipeline
     passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    block_flops = blocks_forward_flops_per_token(model) / model.num_layers * passes
-    logits_flops = logits_flops_per_token(model, config.padded_vocab_size)
+    block_flops = blocks_forward_flops_per_token(config) / blocks * passes
+    logits_flops = logits_flops_per_token(config)
     last_stage_flops = tokens * (blocks_per_stage * block_flops + logits_flops)
     compute = last_stage_flops / layout.tensor / (hardware.peak_flops * hardware.compute_efficiency)
 

@@ -58,8 +58,8 @@ def test_recomputation_flops_are_megatron_96blsh2(gpt3_175b):
     model, vocab = gpt3_175b.model, gpt3_175b.padded_vocab_size
     layers, h, s = model.num_layers, model.hidden_size, model.seq_length
     megatron = 96 * layers * h**2 * (1 + s / (6 * h) + vocab / (16 * layers * h))
-    assert hardware_flops_per_token(model, vocab, recompute=True) == pytest.approx(megatron, rel=1e-12)
-    assert logits_flops_per_token(model, vocab) == pytest.approx(6 * h * vocab)
+    assert hardware_flops_per_token(gpt3_175b, recompute=True) == pytest.approx(megatron, rel=1e-12)
+    assert logits_flops_per_token(gpt3_175b) == pytest.approx(6 * h * vocab)
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m(gpt3_175b):

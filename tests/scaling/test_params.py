@@ -1,4 +1,4 @@
-"""The planner's parameter counts equal what our real GPT (and its pipeline stages) allocate."""
+"""The planner's parameter counts equal what our real models (and GPT's pipeline stages) allocate."""
 
 from __future__ import annotations
 
@@ -6,13 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import config_from_dict, load_config
-from scaletrain.scaling.params import (
-    position_embedding_parameters,
-    stage_parameters,
-    total_parameters,
-    word_embedding_parameters,
-)
+from scaletrain.config import ConfigError, config_from_dict, load_config
+from scaletrain.scaling.counts import model_counts
+from scaletrain.scaling.params import model_parameters, num_blocks, pipelined, stage_parameters, total_parameters
+from tests.distributed.harness import run_on_ranks
 from tests.scaling.measure import ACTIVATION_MODEL, PARAMETER_CONFIGS, PIPELINE_MODEL, case_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +47,7 @@ def test_pipeline_stage_counts_equal_real_pipeline_module(two_rank_measurements)
 def test_stages_add_up_to_the_model_plus_the_output_copy():
     config = load_config(REPO / "configs" / "gpt3_1.3b.yaml")
     model = config.model
-    copy = word_embedding_parameters(config.padded_vocab_size, model.hidden_size, 1).total
-    copy += position_embedding_parameters(model).total
+    copy = (config.padded_vocab_size + model.seq_length) * model.hidden_size  # word and position tables
     for pipeline in (2, 4, 8):
         stages = sum(stage_parameters(config, 1, pipeline, stage).total for stage in range(pipeline))
         assert stages == total_parameters(config) + copy
@@ -60,10 +56,73 @@ def test_stages_add_up_to_the_model_plus_the_output_copy():
 def test_tensor_parallel_shards_add_up_except_replicated_vectors():
     config = load_config(REPO / "configs" / "gpt3_1.3b.yaml")
     single, sharded = stage_parameters(config, 1, 1, 0), stage_parameters(config, 8, 1, 0)
-    assert sharded.matrices * 8 == single.matrices + 7 * position_embedding_parameters(config.model).total
+    positions = config.model.seq_length * config.model.hidden_size
+    assert sharded.matrices * 8 == single.matrices + 7 * positions
     assert sharded.vectors > single.vectors / 8  # LayerNorms and row-parallel biases are replicated
 
 
 def test_gpt3_175b_has_175b_parameters():
     total = total_parameters(load_config(REPO / "configs" / "gpt3_175b.yaml"))
     assert 174.6e9 <= total <= 175.2e9
+
+
+FAMILY_CONFIGS = ("bert_tiny", "llama_tiny", "t5_tiny")  # llama_tiny: 4 query heads sharing 2 kv heads
+
+
+def _family_config(name: str, tensor: int = 1):
+    return load_config(REPO / "configs" / f"{name}.yaml", [f"parallel.tensor={tensor}"])
+
+
+def _count_family_models(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    """Each family's real model at TP=2 (run_on_ranks started torch.distributed): this rank's parameters."""
+    from megatron.core import parallel_state
+
+    from scaletrain.model import build_model
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    counts = {}
+    for name in FAMILY_CONFIGS:
+        params = list(build_model(_family_config(name, world_size)).parameters())
+        counts[name] = {
+            "matrices": sum(p.numel() for p in params if p.dim() >= 2),
+            "vectors": sum(p.numel() for p in params if p.dim() < 2),
+            "tensors": len(params),
+        }
+    parallel_state.destroy_model_parallel()
+    return counts
+
+
+@pytest.mark.slow
+def test_family_counts_equal_real_models_at_tensor_parallel_2():
+    """BERT, Llama (GQA) and T5 (no pipeline: the whole model) rank by rank, as the planner counts them."""
+    for measured in run_on_ranks(_count_family_models, 2):
+        for name in FAMILY_CONFIGS:
+            predicted = stage_parameters(_family_config(name), 2, 1, 0)
+            assert (predicted.matrices, predicted.vectors, predicted.tensors) == tuple(measured[name].values()), name
+
+
+@pytest.mark.parametrize("name", [*FAMILY_CONFIGS, "gpt_tiny", "t5_base", "llama2_7b", "llama3_8b"])
+def test_total_equals_the_family_count(name):
+    config = _family_config(name)
+    assert total_parameters(config) == model_counts(config).total_params
+
+
+def test_known_model_sizes():
+    assert total_parameters(_family_config("llama2_7b")) == 6_738_415_616
+    assert total_parameters(_family_config("llama3_8b")) == 8_030_261_248
+    assert 220e6 < total_parameters(_family_config("t5_base")) < 225e6
+
+
+def test_t5_is_counted_whole_and_only_at_pipeline_1():
+    config = _family_config("t5_tiny")
+    assert not pipelined(config)
+    assert num_blocks(config) == config.model.num_layers + config.model.num_decoder_layers  # encoder, decoder
+    with pytest.raises(ConfigError):
+        stage_parameters(config, 1, 2, 0)
+
+
+def test_untied_output_layer_is_not_copied_and_stages_add_up():
+    config = _family_config("llama_tiny")
+    layers = model_parameters(config).layers
+    assert all(layer.tied_to is None for layer in layers)
+    assert sum(stage_parameters(config, 1, 2, stage).total for stage in range(2)) == total_parameters(config)

@@ -394,7 +394,7 @@ class TransformerBlock(nn.Module):
         return hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
 
 
-def run_in_chunks(steps: list[Callable[[Any], Any]], value: Any, interval: int) -> Any:
+def run_in_chunks(steps: list[Callable[[Any], Any]], value: tuple, interval: int) -> tuple:
     """Apply `steps` (blocks) in order; with interval k > 0 keep only each k-step chunk's input and
     recompute its activations in backward (Chen et al. 2016; Megatron's "uniform" recomputation)."""
     from torch.utils.checkpoint import checkpoint
@@ -407,7 +407,10 @@ def run_in_chunks(steps: list[Callable[[Any], Any]], value: Any, interval: int) 
     if not interval:
         return run(steps, value)
     for start in range(0, len(steps), interval):
-        value = checkpoint(run, steps[start:start + interval], value, use_reentrant=False)
+        chunk = steps[start:start + interval]
+        # Tensors as direct arguments: checkpoint saves those for backward (a tuple would only be
+        # kept alive by its closure, hidden from autograd's saved-tensor bookkeeping).
+        value = checkpoint(lambda *tensors, chunk=chunk: run(chunk, tensors), *value, use_reentrant=False)
     return value
 
 

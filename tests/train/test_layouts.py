@@ -29,6 +29,7 @@ LAYOUTS = {
     "pp2_dp2_zero1": (4, ["parallel.pipeline=2", "parallel.zero_stage=1"]),
     "pp2_recompute": (2, ["parallel.pipeline=2", "train.activation_checkpoint_interval=1"]),
     "tp2_recompute": (2, ["parallel.tensor=2", "train.activation_checkpoint_interval=1"]),
+    "tp2_sequence_parallel": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
 }
 
 
@@ -97,3 +98,40 @@ def test_layout_matches_single_rank(layout_run: LayoutRuns, reference_run: Layou
     assert_matches_single_rank(layout_run, reference_run)
     reference, _ = read_metrics(reference_run.straight)
     assert reference[STEPS]["loss"] < reference[1]["loss"] - 0.5, "the reference run did not learn"
+
+
+SEQUENCE_PARALLEL_FAMILIES = {
+    "gpt": str(DEMO_CONFIG),
+    "llama": str(DEMO_CONFIG.parent / "llama_tiny.yaml"),
+}
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_pairs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Per family, 20 steps at TP=2 without and with sequence parallelism (same seed and data)."""
+    pairs = {}
+    for family, config in SEQUENCE_PARALLEL_FAMILIES.items():
+        runs = []
+        for sequence_parallel in ("false", "true"):
+            run_dir = tmp_path_factory.mktemp(f"{family}_sp_{sequence_parallel}")
+            overrides = [*tiny_overrides(small_dataset, run_dir), f"train.steps={STEPS}", "train.eval_every=10",
+                         "parallel.tensor=2", f"parallel.sequence_parallel={sequence_parallel}"]
+            if family == "llama":
+                overrides += ["model.num_kv_heads=2", "model.ffn_hidden_size=176"]
+            run_scaletrain("train", [config, *overrides], 2)
+            runs.append(run_dir)
+        pairs[family] = (runs[0], runs[1])
+    return pairs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(SEQUENCE_PARALLEL_FAMILIES))
+def test_sequence_parallel_matches_tensor_parallel(tensor_parallel_pairs, family: str):
+    """Korthikanti et al. 2022's sequence parallelism changes where norms run and which collectives
+    move activations, not the math: every loss within 1e-5 of plain TP=2 (Llama with grouped-query
+    attention, GPT with its tied output layer)."""
+    plain, sequence_parallel = (read_metrics(run)[0] for run in tensor_parallel_pairs[family])
+    assert sorted(sequence_parallel) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        relative = abs(sequence_parallel[step]["loss"] - plain[step]["loss"]) / abs(plain[step]["loss"])
+        assert relative <= 1e-5, f"{family} step {step}: {sequence_parallel[step]['loss']} vs {plain[step]['loss']}"

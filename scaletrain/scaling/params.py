@@ -228,7 +228,8 @@ def _meta_build_at_tensor_parallel_1() -> Iterator[None]:
 
 
 def _shape(parameter: nn.Parameter) -> TensorShape:
-    return TensorShape(parameter.numel(), parameter.dim() >= 2, bool(getattr(parameter, "tensor_model_parallel", False)))
+    split = bool(getattr(parameter, "tensor_model_parallel", False))  # megatron's attribute, absent on plain tensors
+    return TensorShape(parameter.numel(), parameter.dim() >= 2, split)
 
 
 def _tensors(module: nn.Module) -> tuple[TensorShape, ...]:

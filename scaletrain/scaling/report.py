@@ -167,8 +167,8 @@ def _table(plan: Plan, top: int) -> str:
     pp_rule = "" if model_parameters(plan.config).pipelined else " (PP=1 only: no pipeline stages)"
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
-        f"{plan.hardware.gpus_per_node}, PP divides the layers{pp_rule}, TP*PP*DP = {plan.gpus}, the global batch divides "
-        f"into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
+        f"{plan.hardware.gpus_per_node}, PP divides the layers{pp_rule}, TP*PP*DP = {plan.gpus}, "
+        f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
     )
     return "\n".join([f"{heading}:", header, *rows, *notes, summary])

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError, validate
 from scaletrain.scaling.activations import ActivationSettings
+from scaletrain.scaling.flops import model_flops_per_token
 from scaletrain.scaling.layouts import Layout, enumerate_layouts, planning_global_batch
 from scaletrain.scaling.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
-from scaletrain.scaling.step_time import Hardware, StepTime, predict_step_time
-from scaletrain.scaling.flops import model_flops_per_token
 from scaletrain.scaling.params import pipelined
+from scaletrain.scaling.step_time import Hardware, StepTime, predict_step_time
 
 # CUDA context, NCCL buffers, DeepSpeed's buckets and allocator fragmentation are not modelled;
 # keep this fraction of each GPU's memory free for them.

@@ -107,7 +107,9 @@ SEQUENCE_PARALLEL_FAMILIES = {
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel_pairs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+def tensor_parallel_pairs(
+    small_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Path]]:
     """Per family, 20 steps at TP=2 without and with sequence parallelism (same seed and data)."""
     pairs = {}
     for family, config in SEQUENCE_PARALLEL_FAMILIES.items():

@@ -212,9 +212,9 @@ class ParallelAttention(nn.Module):
         0..seq-1, offset by the cache length)."""
         query, key, value = self._project(hidden, encoder_output)
         if self.rotary is not None:
-            if positions is None:
+            if positions is None:  # the query's length: under sequence parallelism hidden is a slice
                 start = cache.length if cache is not None else 0
-                positions = torch.arange(start, start + hidden.shape[0], device=hidden.device)
+                positions = torch.arange(start, start + query.shape[2], device=hidden.device)
             query, key = self.rotary(query, key, positions)
         if cache is not None:
             key, value = cache.extend(self.layer_index, key, value)
@@ -227,7 +227,7 @@ class ParallelAttention(nn.Module):
             query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, scale=self.scale, enable_gqa=key.shape[1] != query.shape[1],
         )
-        seq_length, batch_size = hidden.shape[0], hidden.shape[1]
+        batch_size, _, seq_length, _ = context.shape  # the whole sequence, also under sequence parallelism
         output, _ = self.output(context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1))
         return output
 

@@ -19,12 +19,14 @@ FAMILIES = {
     "gpt": ("gpt_tiny.yaml", transformers.GPT2LMHeadModel),
     "bert": ("bert_tiny.yaml", transformers.BertForMaskedLM),
     "t5": ("t5_tiny.yaml", transformers.T5ForConditionalGeneration),
+    "llama": ("llama_tiny.yaml", transformers.LlamaForCausalLM),
 }
+FAMILY_OVERRIDES = {"t5": ["model.num_decoder_layers=2"], "llama": ["model.num_kv_heads=2"]}
 
 
 def _train(family: str, data_dir: Path, run_dir: Path, extra: list[str], nproc: int) -> None:
     overrides = [
-        *tiny_overrides(data_dir, run_dir), "model.num_decoder_layers=2", "model.ffn_hidden_size=128",
+        *tiny_overrides(data_dir, run_dir), *FAMILY_OVERRIDES.get(family, []), "model.ffn_hidden_size=128",
         "train.steps=6", "train.eval_every=6", *extra,
     ]
     run_scaletrain("train", [str(REPO / "configs" / FAMILIES[family][0]), *overrides], nproc)
@@ -48,7 +50,7 @@ def _inputs(family: str) -> tuple[dict, dict]:
     """(our forward kwargs, HF forward kwargs) for the same batch, with padding for BERT/T5."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(7, 1000, (2, 32), generator=generator)
-    if family == "gpt":
+    if family in ("gpt", "llama"):
         return {"tokens": tokens}, {"input_ids": tokens}
     mask = torch.ones_like(tokens)
     mask[1, 20:] = 0
@@ -62,7 +64,7 @@ def _inputs(family: str) -> tuple[dict, dict]:
 
 
 LAYOUTS = [("gpt", "parallel.tensor=2"), ("bert", "parallel.tensor=2"), ("t5", "parallel.tensor=2"),
-           ("gpt", "parallel.pipeline=2"), ("bert", "parallel.pipeline=2")]
+           ("llama", "parallel.tensor=2"), ("gpt", "parallel.pipeline=2"), ("bert", "parallel.pipeline=2")]
 
 
 @pytest.mark.slow

@@ -109,7 +109,7 @@ def _layout_free_states(rank: int, world_size: int, checkpoints: list[Path]) -> 
     """In a world of one (the harness's process group): each checkpoint's layout-free state for the
     plain TP=1 model."""
     from scaletrain.checkpoint.manager import read_meta
-    from scaletrain.checkpoint.reshard import layer_name_map, read_layout_free_state
+    from scaletrain.checkpoint.reshard import read_layout_free_state
     from scaletrain.config import load_config
     from scaletrain.generate import single_process_config
     from scaletrain.model import build_model
@@ -118,8 +118,7 @@ def _layout_free_states(rank: int, world_size: int, checkpoints: list[Path]) -> 
     config = single_process_config(load_config(checkpoints[0] / "config.yaml"))
     init_distributed(config)
     wanted = dict(build_model(config).named_parameters())
-    states = [read_layout_free_state(path, read_meta(path).layout, wanted, layer_name_map(config))
-              for path in checkpoints]
+    states = [read_layout_free_state(path, read_meta(path).layout, wanted) for path in checkpoints]
     return [{"step": state.optimizer_step, "parameters": state.parameters} for state in states]
 
 

@@ -290,8 +290,9 @@ def t5_layers(architecture: T5Architecture, mp_config: ModelParallelConfig, seed
             vocab, hidden, init_method=normal_init(1.0, seed, "embedding"), config=mp_config)
 
     def table(name: str, decoder: bool):
-        init_method = normal_init(hidden**-0.5, seed, f"{name}.relative_position_bias")
-        return lambda: RelativePositionBias(architecture, not decoder, mp_config, init_method)
+        # A fresh init stream per build: DeepSpeed builds a layer once more to count its parameters.
+        return lambda: RelativePositionBias(
+            architecture, not decoder, mp_config, normal_init(hidden**-0.5, seed, f"{name}.relative_position_bias"))
 
     def blocks(name: str, decoder: bool, count: int, run) -> list[PipelineLayer]:
         return [PipelineLayer(f"{name}.layers.{index}", lambda index=index: build_layer(

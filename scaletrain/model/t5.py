@@ -3,6 +3,29 @@
 Covers original T5 (ReLU FFN, output layer tied to the embedding) and T5 v1.1 (gated-GELU FFN,
 untied output layer). Activations are [sequence, batch, hidden] as in layers.py; checkpoint/hf_t5.py
 maps the parameter names onto Hugging Face's `T5ForConditionalGeneration`.
+
+The model is a list of pipeline layers (model/family.py) that `T5` runs on one device and
+parallel/pipeline.py cuts into DeepSpeed stages. Activations between them, masks [batch, seq]
+(1 = real token) as integers, so DeepSpeed passes them without gradients (None only on one device):
+
+    embedding ........................ (encoder_tokens, decoder_tokens, encoder_mask, decoder_mask)
+                                       -> (hidden, encoder_mask, decoder_tokens, decoder_mask)
+    encoder.relative_position_bias ... -> (hidden, bias, encoder_mask, decoder_tokens, decoder_mask)
+    encoder.layers.{i} (blocks) ...... same
+    encoder.final_norm ............... -> (encoder_output, encoder_mask, decoder_tokens, decoder_mask)
+    decoder.embedding (tied) ......... -> (hidden, encoder_output, encoder_mask, decoder_mask)
+    decoder.relative_position_bias ... -> (hidden, bias, encoder_output, encoder_mask, decoder_mask)
+    decoder.layers.{i} (blocks) ...... same
+    decoder.final_norm ............... -> (decoder_output,)
+    output (tied) or lm_head ......... -> (logits [seq, batch, vocab / TP],)
+
+The decoder embedding and the original T5's output layer are tied to `embedding`: one shared
+vocabulary matrix, whose gradient DeepSpeed all-reduces between the stages holding a copy. As in
+T5, one relative-position table serves a whole stack: its bias is computed once, before the first
+block, and every block adds the same bias (HF stores the table in block 0). The bias travels with
+all heads ([queries, keys, heads], gathered across TP ranks; each block takes its own heads), so
+every TP rank of a stage sends the same activations, and its gradient comes back through the pipe
+to the table. The encoder output travels down the decoder's stages for cross-attention.
 """
 
 from __future__ import annotations
@@ -179,25 +202,6 @@ def build_layer(
                             cross_attention=cross, dropout=architecture.dropout)
 
 
-# The model as pipeline layers. Activations between them (masks [batch, seq], 1 = real token,
-# integers, so DeepSpeed passes them without gradients; None only on one device):
-#   embedding ........................ (encoder_tokens, decoder_tokens, encoder_mask, decoder_mask)
-#                                      -> (hidden, encoder_mask, decoder_tokens, decoder_mask)
-#   encoder.relative_position_bias ... -> (hidden, bias, encoder_mask, decoder_tokens, decoder_mask)
-#   encoder.layers.{i} ............... same
-#   encoder.final_norm ............... -> (encoder_output, encoder_mask, decoder_tokens, decoder_mask)
-#   decoder.embedding (tied) ......... -> (hidden, encoder_output, encoder_mask, decoder_mask)
-#   decoder.relative_position_bias ... -> (hidden, bias, encoder_output, encoder_mask, decoder_mask)
-#   decoder.layers.{i} ............... same
-#   decoder.final_norm ............... -> (decoder_output,)
-#   output (tied) or lm_head ......... -> (logits [seq, batch, vocab / TP],)
-# As in T5, one relative-position table serves a whole stack: its bias is computed once, before
-# the first block, and every block adds the same bias (HF stores the table in block 0). The bias
-# travels with all heads ([queries, keys, heads], gathered across TP ranks; each block takes its
-# own heads), so every TP rank of a pipeline stage sends the same activations and its gradient
-# comes back through the pipe to the table.
-
-
 def _embed(embedding: nn.Module, activations: tuple, dropout: float, **_) -> tuple:
     """Each stack drops out its embedded input and its final norm's output (HF's T5Stack)."""
     encoder_tokens, decoder_tokens, encoder_mask, decoder_mask = activations
@@ -277,7 +281,7 @@ def _local_heads(bias: torch.Tensor) -> torch.Tensor:
 
 
 def t5_layers(architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int) -> list[PipelineLayer]:
-    """T5 as pipeline layers (see the activations above); the decoder embedding and the tied
+    """T5 as pipeline layers (the module docstring lists their activations); the decoder embedding and the tied
     output layer reuse the shared `embedding`."""
     check_tensor_parallel(architecture, mp_config.tensor_model_parallel_size)
     hidden, vocab = architecture.hidden_size, architecture.vocab_size

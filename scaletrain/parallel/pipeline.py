@@ -153,12 +153,15 @@ def pack_activations(activations: tuple) -> tuple:
 
 
 def unpack_activations(packed: tuple) -> tuple:
+    """The tuple given to `pack_activations`, its floating tensors views of the packed one (so the
+    gradient of each flows into the packed tensor DeepSpeed received)."""
     floats, layout, *others = packed
-    shapes = [row[2:2 + row[1]].tolist() for row in layout.cpu() if row[0]]
-    parts = iter(part.view(shape) for part, shape in zip(
-        floats.reshape(-1).split([math.prod(shape) for shape in shapes]), shapes, strict=True))
-    others_iter = iter(others)
-    return tuple(next(parts) if row[0] else next(others_iter) for row in layout.cpu())
+    rows = layout.tolist()  # a few integers, read on the host once per micro-batch
+    shapes = [row[2:2 + row[1]] for row in rows if row[0]]
+    parts = floats.reshape(-1).split([math.prod(shape) for shape in shapes])
+    float_parts = iter(part.view(shape) for part, shape in zip(parts, shapes, strict=True))
+    other_parts = iter(others)
+    return tuple(next(float_parts) if row[0] else next(other_parts) for row in rows)
 
 
 def _as_tuple(value: tuple | list | torch.Tensor) -> tuple:

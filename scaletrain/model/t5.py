@@ -3,14 +3,39 @@
 Covers original T5 (ReLU FFN, output layer tied to the embedding) and T5 v1.1 (gated-GELU FFN,
 untied output layer). Activations are [sequence, batch, hidden] as in layers.py; checkpoint/hf_t5.py
 maps the parameter names onto Hugging Face's `T5ForConditionalGeneration`.
+
+The model is a list of pipeline layers (model/family.py) that `T5` runs on one device and
+parallel/pipeline.py cuts into DeepSpeed stages. Activations between them, masks [batch, seq]
+(1 = real token) as integers, so DeepSpeed passes them without gradients (None only on one device):
+
+    embedding ........................ (encoder_tokens, decoder_tokens, encoder_mask, decoder_mask)
+                                       -> (hidden, encoder_mask, decoder_tokens, decoder_mask)
+    encoder.relative_position_bias ... -> (hidden, bias, encoder_mask, decoder_tokens, decoder_mask)
+    encoder.layers.{i} (blocks) ...... same
+    encoder.final_norm ............... -> (encoder_output, encoder_mask, decoder_tokens, decoder_mask)
+    decoder.embedding (tied) ......... -> (hidden, encoder_output, encoder_mask, decoder_mask)
+    decoder.relative_position_bias ... -> (hidden, bias, encoder_output, encoder_mask, decoder_mask)
+    decoder.layers.{i} (blocks) ...... same
+    decoder.final_norm ............... -> (decoder_output,)
+    output (tied) or lm_head ......... -> (logits [seq, batch, vocab / TP],)
+
+The decoder embedding and the original T5's output layer are tied to `embedding`: one shared
+vocabulary matrix, whose gradient DeepSpeed all-reduces between the stages holding a copy. As in
+T5, one relative-position table serves a whole stack: its bias is computed once, before the first
+block, and every block adds the same bias (HF stores the table in block 0). The bias travels with
+all heads ([queries, keys, heads], gathered across TP ranks; each block takes its own heads), so
+every TP rank of a stage sends the same activations, and its gradient comes back through the pipe
+to the table. The encoder output travels down the decoder's stages for cross-attention.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -19,7 +44,7 @@ from torch import nn
 from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.span_corruption import random_spans_helper
-from scaletrain.model.family import HFAdapter, ModelFamily, PipelineLayer
+from scaletrain.model.family import HFAdapter, LayeredModel, ModelFamily, PipelineLayer
 from scaletrain.model.init import InitMethod, normal_init
 from scaletrain.model.layers import (
     KVCache,
@@ -29,6 +54,7 @@ from scaletrain.model.layers import (
     TransformerBlock,
     gelu_tanh,
     masked_vocab_parallel_loss,
+    parallel_lm_logits,
 )
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.scaling.counts import ModelCounts
@@ -114,13 +140,32 @@ class RelativePositionBias(nn.Module):
         tensor_parallel.set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
 
     def forward(self, query_length: int, key_length: int, query_start: int = 0) -> torch.Tensor:
-        """Bias [1, local heads, query_length, key_length] for queries at query_start.. (decoding
-        with a KV cache starts past the cached positions)."""
+        """Bias [query_length, key_length, all heads] for queries at query_start.. (decoding with a
+        KV cache starts past the cached positions), gathered from the TP ranks' heads."""
         queries = torch.arange(query_start, query_start + query_length, device=self.weight.device)
         keys = torch.arange(key_length, device=self.weight.device)
         relative = keys[None, :] - queries[:, None]
         buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
-        return F.embedding(buckets, self.weight).permute(2, 0, 1).unsqueeze(0)
+        return _GatherHeads.apply(F.embedding(buckets, self.weight))
+
+
+class _GatherHeads(torch.autograd.Function):
+    """[..., local heads] -> [..., all heads], concatenated in TP rank order; backward keeps this
+    rank's heads' gradient. (megatron's gather_from_tensor_model_parallel_region allocates on CUDA.)"""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor) -> torch.Tensor:
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        if world == 1:
+            return local
+        shards = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        return torch.cat(shards, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        return grad.chunk(world, dim=-1)[parallel_state.get_tensor_model_parallel_rank()].contiguous()
 
 
 def build_layer(
@@ -157,86 +202,145 @@ def build_layer(
                             cross_attention=cross, dropout=architecture.dropout)
 
 
-class T5Stack(nn.Module):
-    """Encoder (bidirectional) or decoder (causal, with cross-attention) layers and a final norm.
-
-    As in T5, one relative-position table serves the whole stack: the bias is computed once,
-    before the first layer, and every layer adds the same bias (HF stores the table in block 0).
-    """
-
-    def __init__(self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, decoder: bool) -> None:
-        super().__init__()
-        name = "decoder" if decoder else "encoder"
-        num_layers = architecture.num_decoder_layers if decoder else architecture.num_encoder_layers
-        self.decoder = decoder
-        self.relative_position_bias = RelativePositionBias(
-            architecture, bidirectional=not decoder, mp_config=mp_config,
-            init_method=normal_init(architecture.hidden_size**-0.5, seed, f"{name}.relative_position_bias"),
-        )
-        self.layers = nn.ModuleList(
-            build_layer(architecture, mp_config, seed, f"{name}.layers.{index}", decoder, index)
-            for index in range(num_layers)
-        )
-        self.final_norm = RMSNorm(architecture.hidden_size, architecture.layernorm_eps)
-        self.dropout = nn.Dropout(architecture.dropout)
-
-    def self_attention_bias(
-        self, seq_length: int, padding_mask: torch.Tensor | None, past: int = 0
-    ) -> torch.Tensor:
-        """Position bias plus padding (and, in the decoder, causal) mask: [batch or 1, heads, seq, past + seq]."""
-        keys = past + seq_length
-        bias = self.relative_position_bias(seq_length, keys, query_start=past)
-        allowed = _key_padding_allowed(padding_mask)
-        if self.decoder:
-            positions = torch.arange(keys, device=bias.device)
-            causal = positions[None, :] <= positions[past:, None]
-            allowed = causal if allowed is None else allowed & causal
-        return _mask_bias(bias, allowed)
-
-    def forward(
-        self,
-        embedded: torch.Tensor,
-        padding_mask: torch.Tensor | None,
-        encoder_output: torch.Tensor | None = None,
-        encoder_padding_mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        self_bias = self.self_attention_bias(embedded.shape[0], padding_mask, cache.length if cache else 0)
-        cross_bias = None
-        if self.decoder and encoder_padding_mask is not None:
-            # T5's cross-attention has no position bias, only the encoder padding mask.
-            cross_bias = _mask_bias(embedded.new_zeros(1, 1, 1, 1), _key_padding_allowed(encoder_padding_mask))
-        hidden = self.dropout(embedded)
-        for layer in self.layers:
-            hidden = layer(hidden, self_bias, encoder_output=encoder_output, cross_mask=cross_bias, cache=cache)
-        return self.dropout(self.final_norm(hidden))
+def _embed(embedding: nn.Module, activations: tuple, dropout: float, **_) -> tuple:
+    """Each stack drops out its embedded input and its final norm's output (HF's T5Stack)."""
+    encoder_tokens, decoder_tokens, encoder_mask, decoder_mask = activations
+    return _embed_tokens(embedding, encoder_tokens, dropout), encoder_mask, decoder_tokens, decoder_mask
 
 
-class T5(nn.Module):
-    """Encoder-decoder LM: shared vocab-parallel embedding, two stacks, vocab-parallel output layer.
+def _embed_tokens(embedding: nn.Module, tokens: torch.Tensor, dropout: float) -> torch.Tensor:
+    return F.dropout(embedding(tokens).transpose(0, 1), dropout, embedding.training)
 
-    `encode`, `decode` and `output_logits` (and the stacks' `layers`) are the pieces a pipeline
-    schedule would place on stages; `forward` runs them in order.
-    """
 
-    def __init__(self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int) -> None:
-        super().__init__()
-        check_tensor_parallel(architecture, mp_config.tensor_model_parallel_size)
-        self.architecture = architecture
-        hidden, vocab = architecture.hidden_size, architecture.vocab_size
+def _encoder_bias(table: RelativePositionBias, activations: tuple, **_) -> tuple:
+    hidden, *rest = activations
+    return hidden, table(hidden.shape[0], hidden.shape[0]), *rest
+
+
+def _encoder_block(block: TransformerBlock, activations: tuple, **_) -> tuple:
+    hidden, bias, encoder_mask, *rest = activations
+    mask = _mask_bias(_local_heads(bias), _key_padding_allowed(encoder_mask))
+    return block(hidden, mask), bias, encoder_mask, *rest
+
+
+def _encoder_final_norm(norm: RMSNorm, activations: tuple, dropout: float, **_) -> tuple:
+    hidden, _, *rest = activations
+    return F.dropout(norm(hidden), dropout, norm.training), *rest
+
+
+def _decoder_embed(embedding: nn.Module, activations: tuple, dropout: float, **_) -> tuple:
+    encoder_output, encoder_mask, decoder_tokens, decoder_mask = activations
+    return _embed_tokens(embedding, decoder_tokens, dropout), encoder_output, encoder_mask, decoder_mask
+
+
+def _decoder_bias(table: RelativePositionBias, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    hidden, *rest = activations
+    past = cache.length if cache is not None else 0
+    return hidden, table(hidden.shape[0], past + hidden.shape[0], query_start=past), *rest
+
+
+def _decoder_block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    hidden, bias, encoder_output, encoder_mask, decoder_mask = activations
+    bias_local = _local_heads(bias)
+    queries, keys = bias_local.shape[-2:]
+    positions = torch.arange(keys, device=bias.device)
+    allowed = positions[None, :] <= positions[keys - queries:, None]  # causal, past the cached positions
+    padding = _key_padding_allowed(decoder_mask)
+    self_mask = _mask_bias(bias_local, allowed if padding is None else padding & allowed)
+    cross_mask = None
+    if encoder_mask is not None:
+        # T5's cross-attention has no position bias, only the encoder padding mask.
+        cross_mask = _mask_bias(hidden.new_zeros(1, 1, 1, 1), _key_padding_allowed(encoder_mask))
+    hidden = block(hidden, self_mask, encoder_output=encoder_output, cross_mask=cross_mask, cache=cache)
+    return hidden, bias, encoder_output, encoder_mask, decoder_mask
+
+
+def _decoder_final_norm(norm: RMSNorm, activations: tuple, dropout: float, **_) -> tuple:
+    return (F.dropout(norm(activations[0]), dropout, norm.training),)
+
+
+def _tied_output(embedding: nn.Module, activations: tuple, **_) -> tuple:
+    """Mesh TF rescales before the tied output layer by d_model**-0.5, since the embedding has unit variance."""
+    (hidden,) = activations
+    return (parallel_lm_logits(hidden * embedding.weight.shape[1] ** -0.5, embedding.weight),)
+
+
+def _untied_output(lm_head: nn.Module, activations: tuple, **_) -> tuple:
+    logits, _ = lm_head(activations[0])
+    return (logits,)
+
+
+def _local_heads(bias: torch.Tensor) -> torch.Tensor:
+    """[queries, keys, all heads] -> this rank's heads [1, local heads, queries, keys]. The copy's
+    backward sums the ranks' gradients (each nonzero on its own heads only), so the bias gradient
+    is whole and the same on every TP rank."""
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    bias = tensor_parallel.copy_to_tensor_model_parallel_region(bias)
+    local = bias.chunk(world, dim=-1)[parallel_state.get_tensor_model_parallel_rank()]
+    return local.permute(2, 0, 1).unsqueeze(0)
+
+
+def t5_layers(architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int) -> list[PipelineLayer]:
+    """T5 as pipeline layers (the module docstring lists their activations); the decoder embedding and the tied
+    output layer reuse the shared `embedding`."""
+    check_tensor_parallel(architecture, mp_config.tensor_model_parallel_size)
+    hidden, vocab = architecture.hidden_size, architecture.vocab_size
+    dropout = {"dropout": architecture.dropout}
+
+    def embedding() -> nn.Module:
         # Unit-variance embedding (Mesh TF / T5X); with the d_model**-0.5 output scaling of the
         # tied head, or the fan-in init of the untied one, initial logits have unit variance.
-        self.embedding = tensor_parallel.VocabParallelEmbedding(
-            vocab, hidden, init_method=normal_init(1.0, seed, "embedding"), config=mp_config
-        )
-        self.encoder = T5Stack(architecture, mp_config, seed, decoder=False)
-        self.decoder = T5Stack(architecture, mp_config, seed, decoder=True)
-        self.lm_head = None
-        if not architecture.tie_embeddings:
-            self.lm_head = tensor_parallel.ColumnParallelLinear(
-                hidden, vocab, config=mp_config, bias=False, gather_output=False,
-                init_method=normal_init(hidden**-0.5, seed, "lm_head"),
-            )
+        return tensor_parallel.VocabParallelEmbedding(
+            vocab, hidden, init_method=normal_init(1.0, seed, "embedding"), config=mp_config)
+
+    def table(name: str, decoder: bool):
+        # A fresh init stream per build: DeepSpeed builds a layer once more to count its parameters.
+        return lambda: RelativePositionBias(
+            architecture, not decoder, mp_config, normal_init(hidden**-0.5, seed, f"{name}.relative_position_bias"))
+
+    def blocks(name: str, decoder: bool, count: int, run) -> list[PipelineLayer]:
+        return [PipelineLayer(f"{name}.layers.{index}", lambda index=index: build_layer(
+            architecture, mp_config, seed, f"{name}.layers.{index}", decoder, index), run, is_block=True)
+            for index in range(count)]
+
+    def final_norm() -> nn.Module:
+        return RMSNorm(hidden, architecture.layernorm_eps)
+
+    if architecture.tie_embeddings:
+        output = PipelineLayer("output", embedding, _tied_output, tied_to="embedding", tied_weight="weight")
+    else:
+        output = PipelineLayer("lm_head", lambda: tensor_parallel.ColumnParallelLinear(
+            hidden, vocab, config=mp_config, bias=False, gather_output=False,
+            init_method=normal_init(hidden**-0.5, seed, "lm_head")), _untied_output)
+    return [
+        PipelineLayer("embedding", embedding, partial(_embed, **dropout)),
+        PipelineLayer("encoder.relative_position_bias", table("encoder", False), _encoder_bias),
+        *blocks("encoder", False, architecture.num_encoder_layers, _encoder_block),
+        PipelineLayer("encoder.final_norm", final_norm, partial(_encoder_final_norm, **dropout)),
+        PipelineLayer(DECODER_EMBEDDING, embedding, partial(_decoder_embed, **dropout), tied_to="embedding",
+                      tied_weight="weight"),
+        PipelineLayer("decoder.relative_position_bias", table("decoder", True), _decoder_bias),
+        *blocks("decoder", True, architecture.num_decoder_layers, _decoder_block),
+        PipelineLayer("decoder.final_norm", final_norm, partial(_decoder_final_norm, **dropout)),
+        output,
+    ]
+
+
+DECODER_EMBEDDING = "decoder.embedding"
+
+
+class T5(LayeredModel):
+    """Encoder-decoder LM: shared vocab-parallel embedding, two stacks, vocab-parallel output layer.
+
+    `forward` runs every layer (recomputing blocks with checkpoint_interval while training);
+    `encode`, `decode` and `output_logits` run the encoder, decoder and output layers for generation.
+    """
+
+    def __init__(
+        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, checkpoint_interval: int = 0
+    ) -> None:
+        super().__init__(t5_layers(architecture, mp_config, seed), checkpoint_interval)
+        self.architecture = architecture
 
     def forward(
         self,
@@ -248,16 +352,14 @@ class T5(nn.Module):
     ) -> torch.Tensor:
         """Tokens and masks [batch, seq] (mask 1 = real token) -> mean cross-entropy over labels
         != -100 if labels are given, else vocab-parallel logits [batch, dec_seq, vocab / TP]."""
-        encoder_output = self.encode(encoder_tokens, encoder_padding_mask)
-        decoder_output = self.decode(decoder_tokens, encoder_output, encoder_padding_mask, decoder_padding_mask)
-        logits = self.output_logits(decoder_output)
+        (logits,) = self.run_layers((encoder_tokens, decoder_tokens, encoder_padding_mask, decoder_padding_mask))
         if labels is None:
             return logits.transpose(0, 1)
         return masked_vocab_parallel_loss(logits, labels)
 
     def encode(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[batch, seq] -> encoder output [seq, batch, hidden]."""
-        return self.encoder(self.embedding(tokens).transpose(0, 1), padding_mask)
+        return self.run_layers((tokens, None, padding_mask, None), until=DECODER_EMBEDDING)[0]
 
     def decode(
         self,
@@ -269,27 +371,18 @@ class T5(nn.Module):
     ) -> torch.Tensor:
         """Decoder input tokens [batch, seq] (shifted right) -> decoder output [seq, batch, hidden].
         With a KVCache the tokens continue the cached ones (incremental decoding)."""
-        embedded = self.embedding(tokens).transpose(0, 1)
-        output = self.decoder(embedded, padding_mask, encoder_output, encoder_padding_mask, cache)
+        activations = (encoder_output, encoder_padding_mask, tokens, padding_mask)
+        decoder = [(layer, module) for layer, module in self._layers[:-1] if layer.name.startswith("decoder.")]
+        for layer, module in decoder:
+            activations = layer.run(module, activations, cache=cache)
         if cache is not None:
             cache.length += tokens.shape[1]
-        return output
-
-    def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
-        """(module, parameter) pairs where a module uses a weight it does not own: the tied output
-        layer reuses the embedding. Sharded-parameter engines (ZeRO-3) must gather it for that module."""
-        return [] if self.lm_head is not None else [(self, self.embedding.weight)]
+        return activations[0]
 
     def output_logits(self, decoder_output: torch.Tensor) -> torch.Tensor:
         """[seq, batch, hidden] -> this rank's vocabulary shard of the logits [seq, batch, vocab / TP]."""
-        if self.lm_head is not None:
-            logits, _ = self.lm_head(decoder_output)
-            return logits
-        # Mesh TF rescales before the tied output layer, since the embedding has unit variance.
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(
-            decoder_output * self.architecture.hidden_size**-0.5
-        )
-        return F.linear(hidden, self.embedding.weight)
+        layer, module = self._layers[-1]
+        return layer.run(module, (decoder_output,))[0]
 
 
 def check_tensor_parallel(architecture: T5Architecture, tensor_parallel_size: int) -> None:
@@ -350,9 +443,12 @@ def architecture(config: Config) -> T5Architecture:
 
 
 def build(config: Config) -> T5:
-    return T5(architecture(config), model_parallel_config(config), config.train.seed)
+    return T5(architecture(config), model_parallel_config(config), config.train.seed,
+              config.train.activation_checkpoint_interval)
 
 
+def pipeline_layers(config: Config) -> list[PipelineLayer]:
+    return t5_layers(architecture(config), model_parallel_config(config), config.train.seed)
 
 
 def counts(config: Config) -> ModelCounts:
@@ -405,14 +501,8 @@ def validate(config: Config) -> None:
             f"model.relative_attention_num_buckets={buckets} must be even and >= 4, and "
             f"model.relative_attention_max_distance={distance} > num_buckets / 2 (T5's log buckets need the room)"
         )
-    if config.train.activation_checkpoint_interval:
-        raise ConfigError("train.activation_checkpoint_interval is not available for t5 yet; set it to 0")
     if model.num_heads * model.attention_head_dim % tensor:
         raise ConfigError(f"parallel.tensor={tensor} must divide the T5 attention size num_heads x head_dim")
-
-
-def _no_pipeline(config: Config) -> list[PipelineLayer]:
-    raise ConfigError("t5 has no pipeline stages yet; train it with parallel.pipeline=1")
 
 
 def _hf_adapter() -> HFAdapter:
@@ -429,10 +519,10 @@ FAMILY = ModelFamily(
     name="t5",
     config_class=T5Config,
     build=build,
-    pipeline_layers=_no_pipeline,
+    pipeline_layers=pipeline_layers,
     loss=lambda outputs, labels: masked_vocab_parallel_loss(outputs[0], labels[0]),
     objectives=("span_corruption", "prefix_lm"),
-    pipeline_objectives=(),
+    pipeline_objectives=("span_corruption", "prefix_lm"),
     batch_schema=lambda config: BatchSchema(
         inputs=("encoder_tokens", "decoder_tokens", "encoder_padding_mask", "decoder_padding_mask"), labels=("labels",)
     ),

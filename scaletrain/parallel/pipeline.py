@@ -4,12 +4,20 @@ Each `PipelineLayer` becomes one DeepSpeed layer that builds the family's module
 the model (`PipelineUnit`), so a stage's parameters carry the plain model's names and DeepSpeed's
 per-layer checkpoint files (layer_XX-model_YY-model_states.pt) consolidate by name. A tied layer
 (an output layer reusing the word embedding) is a TiedLayerSpec: DeepSpeed builds a copy on the
-last stage and all-reduces the tied weight's gradient between the first and last stage.
+last stage and all-reduces the tied weight's gradient between the first and last stage; several
+layers may be tied to one owner (T5's decoder embedding and output layer).
+
+Between stages, a stage's floating activations travel as one tensor (`pack_activations`): DeepSpeed
+sends back gradients for every floating tensor it received, but with TP > 1 it partitions only the
+first across the TP ranks and asserts the others need no gradient. So several tensors with
+gradients (T5's hidden state, encoder output and position bias) cross stages as one, which, being
+partitioned across TP ranks, must be the same on each of them.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import deepspeed
 import torch
@@ -75,6 +83,12 @@ class TransformerPipeline(PipelineModule):
             checkpointable_layers=[PipelineBlock.__name__],
         )
 
+    def forward(self, forward_input: tuple | torch.Tensor) -> tuple | torch.Tensor:
+        if self.stage_id > 0:
+            forward_input = unpack_activations(forward_input)
+        outputs = super().forward(forward_input)
+        return pack_activations(_as_tuple(outputs)) if self.stage_id < self.num_stages - 1 else outputs
+
     def split_batch(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         return self.batch_schema.split(batch)
 
@@ -120,6 +134,34 @@ def _layer_specs(layers: list[PipelineLayer]) -> list[LayerSpec]:
 
 def _run_tied(layer: PipelineLayer, unit: PipelineUnit, activations: tuple | torch.Tensor) -> tuple:
     return run_layer(layer, unit, activations)
+
+
+def pack_activations(activations: tuple) -> tuple:
+    """(floats, layout, *others): the floating tensors flattened into one, and an integer layout
+    [tensors, 2 + dims] of (is floating, ndim, *shape) from which `unpack_activations` restores
+    the tuple in order."""
+    floats = [tensor for tensor in activations if tensor.is_floating_point()]
+    if not floats:
+        raise ValueError("a pipeline stage must pass at least one floating activation to the next")
+    width = 2 + max(tensor.dim() for tensor in activations)
+    layout = torch.zeros(len(activations), width, dtype=torch.long)
+    for row, tensor in zip(layout, activations, strict=True):
+        row[:2 + tensor.dim()] = torch.tensor([int(tensor.is_floating_point()), tensor.dim(), *tensor.shape])
+    packed = floats[0].contiguous() if len(floats) == 1 else torch.cat([tensor.reshape(-1) for tensor in floats])
+    others = [tensor for tensor in activations if not tensor.is_floating_point()]
+    return packed, layout.to(packed.device), *others
+
+
+def unpack_activations(packed: tuple) -> tuple:
+    """The tuple given to `pack_activations`, its floating tensors views of the packed one (so the
+    gradient of each flows into the packed tensor DeepSpeed received)."""
+    floats, layout, *others = packed
+    rows = layout.tolist()  # a few integers, read on the host once per micro-batch
+    shapes = [row[2:2 + row[1]] for row in rows if row[0]]
+    parts = floats.reshape(-1).split([math.prod(shape) for shape in shapes])
+    float_parts = iter(part.view(shape) for part, shape in zip(parts, shapes, strict=True))
+    other_parts = iter(others)
+    return tuple(next(float_parts) if row[0] else next(other_parts) for row in rows)
 
 
 def _as_tuple(value: tuple | list | torch.Tensor) -> tuple:

@@ -64,7 +64,8 @@ def _inputs(family: str) -> tuple[dict, dict]:
 
 
 LAYOUTS = [("gpt", "parallel.tensor=2"), ("bert", "parallel.tensor=2"), ("t5", "parallel.tensor=2"),
-           ("llama", "parallel.tensor=2"), ("gpt", "parallel.pipeline=2"), ("bert", "parallel.pipeline=2")]
+           ("llama", "parallel.tensor=2"), ("gpt", "parallel.pipeline=2"), ("bert", "parallel.pipeline=2"),
+           ("t5", "parallel.pipeline=2")]
 
 
 @pytest.mark.slow

@@ -156,3 +156,24 @@ def test_relative_position_buckets_match_hugging_face(num_buckets: int, max_dist
 def test_rejects_a_tensor_parallel_size_that_does_not_divide_the_heads():
     with pytest.raises(ValueError, match="does not divide num_heads=4"):
         T5(RELU_TIED, mp_config(3), seed=SEED)
+
+
+def _gradients_with_recomputation(rank: int, world_size: int) -> dict:
+    parallel_state.initialize_model_parallel()
+    results = {}
+    for interval in (0, 1, 2):
+        model = T5(GATED_UNTIED, mp_config(1), seed=SEED, checkpoint_interval=interval)
+        loss = model(**t5_batch())
+        loss.backward()
+        results[interval] = (loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()})
+    return results
+
+
+def test_activation_recomputation_is_exact():
+    results = run_on_ranks(_gradients_with_recomputation, 1)[0]
+    baseline_loss, baseline_grads = results[0]
+    for interval in (1, 2):
+        loss, grads = results[interval]
+        assert torch.equal(loss, baseline_loss)
+        for name, grad in baseline_grads.items():
+            assert torch.equal(grads[name], grad), f"{name} differs with checkpoint interval {interval}"

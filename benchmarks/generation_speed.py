@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["configs/llama_tiny.yaml", "configs/gpt_tiny.yaml"],
                         help="model shapes to time (default: the tiny llama and gpt)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="context length (model.seq_length) to build the models with (default: the config's); "
+                             "generation past it slides the window, where the cache saves nothing")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     if args.threads:
@@ -42,7 +45,8 @@ def main() -> None:
     parallel_state.initialize_model_parallel()
     try:
         for path in args.configs:
-            config = resolve_for_world(load_config(os.path.join(REPO, path)), world_size=1)
+            overrides = [f"model.seq_length={args.seq_length}"] if args.seq_length else []
+            config = resolve_for_world(load_config(os.path.join(REPO, path), overrides), world_size=1)
             model = build_model(config).eval()
             cached = tokens_per_second(model, config, args.tokens, use_cache=True)
             recomputed = tokens_per_second(model, config, args.tokens, use_cache=False)

@@ -24,3 +24,14 @@ def test_gpt_throughput_times_scaletrain_and_the_plain_reference(small_dataset: 
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"scaletrain: +[\d.]+ ms/step", result.stdout), result.stdout
     assert re.search(r"step time ratio scaletrain / plain PyTorch: [\d.]+", result.stdout), result.stdout
+
+
+def test_generation_speed_times_both_decoders():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/generation_speed.py", "--tokens", "4", "--seq-length", "16"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for family in ("llama", "gpt"):
+        assert re.search(rf"{family} .* KV cache [\d.]+ tokens/s, recomputation [\d.]+ tokens/s, speedup [\d.]+x",
+                         result.stdout), result.stdout

@@ -432,13 +432,14 @@ def _validate_parallel(config: Config) -> None:
 
 
 def _validate_sequence_parallel(config: Config) -> None:
-    from scaletrain.model.registry import get_family
+    from scaletrain.model.registry import FAMILY_MODULES, get_family
 
     parallel, model = config.parallel, config.model
     if not get_family(model.family).sequence_parallel:
+        supported = [name for name in FAMILY_MODULES if get_family(name).sequence_parallel]
         raise ConfigError(
-            f"parallel.sequence_parallel is not available for {model.family} yet (it is for gpt and llama); "
-            "set it to false"
+            f"parallel.sequence_parallel is not available for {model.family} yet (it is for "
+            f"{', '.join(supported)}); set it to false"
         )
     if parallel.tensor < 2:
         raise ConfigError("parallel.sequence_parallel splits the sequence over tensor-parallel ranks; "

@@ -56,6 +56,14 @@ def test_gpt3_175b_shape_and_batch():
         (["train.max_skipped_steps=0"], "train.max_skipped_steps=0 must be >= 1"),
         (["train.inject_nonfinite_loss_at=[3, 0]"], "train.inject_nonfinite_loss_at=[3, 0] must list steps >= 1"),
         (["train.lr=.inf"], "train.lr=inf and train.min_lr=0.0002 must be finite numbers"),
+        (["model.num_kv_heads=2"], "unknown key model.num_kv_heads"),  # a llama key in a gpt section
+        (["model.family=llama", "model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
+        (["model.family=llama", "model.num_heads=12", "model.head_dim=16", "model.num_kv_heads=3", "parallel.tensor=4"],
+         "parallel.tensor=4 and model.num_kv_heads=3: one must divide the other"),
+        (["parallel.sequence_parallel=true"], "set parallel.tensor >= 2"),
+        (["parallel.sequence_parallel=true", "parallel.tensor=2", "model.dropout=0.1"], "set model.dropout=0"),
+        (["model.family=bert", "objective.kind=mlm", "parallel.sequence_parallel=true", "parallel.tensor=2"],
+         "not available for bert yet (it is for gpt, llama)"),
     ],
 )
 def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):

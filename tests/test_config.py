@@ -99,3 +99,14 @@ def test_base_include_and_missing_file(tmp_path):
     assert config.train.lr == 0.001 and config.model.num_layers == 4
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "name, params", [("llama2_7b", 6_738_415_616), ("llama2_13b", 13_015_864_320), ("llama2_70b", 68_976_648_192),
+                     ("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)],
+)
+def test_llama_configs_load_with_their_published_sizes(name, params):
+    """The family's own counts from the config files (Touvron et al. 2023; Meta's Llama 3 model cards)."""
+    from scaletrain.scaling.counts import model_counts
+
+    assert model_counts(load_config(REPO / "configs" / f"{name}.yaml")).total_params == params

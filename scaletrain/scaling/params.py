@@ -155,7 +155,9 @@ def largest_gathered_module(config: Config, tensor_parallel: int) -> ParameterCo
 
 
 def stage_layers(config: Config, pipeline_parallel: int, stage: int) -> list[LayerParameters]:
-    """The layers stage `stage` builds (a tied layer on the last stage stands for its copy)."""
+    """The layers stage `stage` builds. A tied layer stands for DeepSpeed's copy of the module it is
+    tied to, which a stage builds once, and only if it does not hold that module already (T5's
+    decoder embedding next to the encoder's on stage 0 shares it)."""
     model = model_parameters(config)
     if pipeline_parallel > 1 and not model.pipelined:
         raise ConfigError(f"{model.family} has no pipeline stages; plan it with PP=1")
@@ -171,8 +173,10 @@ def stage_layers(config: Config, pipeline_parallel: int, stage: int) -> list[Lay
             layer_stage = pipeline_parallel - 1  # after the last block
         if layer_stage != stage:
             continue
-        if layer.tied_to is not None and pipeline_parallel == 1:
-            continue  # the output layer runs the module it is tied to
+        if layer.tied_to is not None and (
+            pipeline_parallel == 1 or any(layer.tied_to in (other.name, other.tied_to) for other in chosen)
+        ):
+            continue  # runs a module this stage already holds
         chosen.append(layer)
     return chosen
 

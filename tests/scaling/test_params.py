@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, config_from_dict, load_config
+from scaletrain.config import config_from_dict, load_config
 from scaletrain.scaling.counts import model_counts
 from scaletrain.scaling.params import model_parameters, num_blocks, pipelined, stage_parameters, total_parameters
 from tests.distributed.harness import run_on_ranks
@@ -113,12 +113,18 @@ def test_known_model_sizes():
     assert 220e6 < total_parameters(_family_config("t5_base")) < 225e6
 
 
-def test_t5_is_counted_whole_and_only_at_pipeline_1():
+def test_t5_stages_share_the_embedding_they_hold():
+    """T5 pipelines encoder then decoder blocks (3 + 3 in t5_tiny, whose output layer is untied). At
+    PP=2 the decoder's tied embedding follows the encoder onto stage 0, which holds the shared table:
+    no copy, the stages add up to the model. At PP=3 it lands on stage 1 (encoder block 2, decoder
+    block 0), which builds a copy of the table."""
     config = _family_config("t5_tiny")
-    assert not pipelined(config)
+    assert pipelined(config)
     assert num_blocks(config) == config.model.num_layers + config.model.num_decoder_layers  # encoder, decoder
-    with pytest.raises(ConfigError):
-        stage_parameters(config, 1, 2, 0)
+    table = config.padded_vocab_size * config.model.hidden_size
+    for pipeline, copies in ((2, 0), (3, 1)):
+        stages = sum(stage_parameters(config, 1, pipeline, stage).total for stage in range(pipeline))
+        assert stages == total_parameters(config) + copies * table
 
 
 def test_untied_output_layer_is_not_copied_and_stages_add_up():

@@ -212,10 +212,12 @@ class BERT(LayeredModel):
         padding_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         sentence_order_labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        masked_accuracy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens, token_types, padding_mask (1 = real token), labels (-100 = not predicted): [batch, seq];
         sentence_order_labels: [batch]. The loss if labels are given, else vocab-parallel logits
-        [batch, seq, vocab / TP]."""
+        [batch, seq, vocab / TP]; with masked_accuracy, `masked_token_accuracy`'s counts. Everything
+        runs through forward, so ZeRO-3 gathers the tied decoder weight it has registered here."""
         if sentence_order_labels is not None and not self.has_sentence_order_head:
             raise ValueError(
                 "sentence_order_labels were given but this BERT has no sentence-order head; "
@@ -225,6 +227,9 @@ class BERT(LayeredModel):
         if labels is None:
             return outputs[0].transpose(0, 1)
         targets = labels.transpose(0, 1)[labels.transpose(0, 1) != IGNORE_INDEX]
+        if masked_accuracy:
+            predictions = vocab_parallel_argmax(outputs[0].detach())
+            return (predictions == targets).sum(), torch.tensor(targets.numel(), device=targets.device)
         loss = tensor_parallel.vocab_parallel_cross_entropy(outputs[0].float(), targets).sum() / max(targets.numel(), 1)
         if sentence_order_labels is not None:
             loss = loss + F.cross_entropy(outputs[1].float(), sentence_order_labels)
@@ -249,10 +254,7 @@ class BERT(LayeredModel):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(correct, labelled) counts of labelled positions whose full-vocabulary argmax is the label.
         Counts rather than a ratio, so validation can sum them over batches and data-parallel ranks."""
-        logits = self.run_layers(_inputs(tokens, token_types, padding_mask), labels=labels)[0]
-        targets = labels.transpose(0, 1)[labels.transpose(0, 1) != IGNORE_INDEX]
-        predictions = vocab_parallel_argmax(logits)
-        return (predictions == targets).sum(), torch.tensor(targets.numel(), device=targets.device)
+        return self(tokens, token_types, padding_mask, labels=labels, masked_accuracy=True)
 
 
 def _inputs(tokens: torch.Tensor, token_types: torch.Tensor | None, padding_mask: torch.Tensor | None) -> tuple:

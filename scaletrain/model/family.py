@@ -105,13 +105,18 @@ class LayeredModel(nn.Module):
         super().__init__()
         self.checkpoint_interval = checkpoint_interval
         modules: dict[str, nn.Module] = {}
+        self._borrowed: list[nn.Parameter] = []
         for layer in layers:
             if layer.tied_to is None:
                 modules[layer.name] = layer.build()  # runs as built; its parameters live at layer.name
-                install(self, layer.name, modules[layer.name])
+                if install(self, layer.name, modules[layer.name]) is not modules[layer.name]:
+                    # merged into a module already there (BERT's decoder bias into lm_head): the
+                    # built module is not in the tree, so no forward hook sees its own parameters
+                    self._borrowed += list(modules[layer.name].parameters(recurse=False))
+            else:
+                self._borrowed.append(modules[layer.tied_to].get_parameter(layer.tied_weight))
         # A plain list: the modules are already registered at their names.
         self._layers = [(layer, modules[layer.tied_to or layer.name]) for layer in layers]
-        self._tied = [modules[layer.tied_to].get_parameter(layer.tied_weight) for layer in layers if layer.tied_to]
 
     def run_layers(self, activations: Activations, until: str | None = None, **context: Any) -> Activations:
         """Activations after every layer (or up to, not including, the first layer named `until`).
@@ -130,9 +135,10 @@ class LayeredModel(nn.Module):
         return _run_chunked(pending, activations, interval)
 
     def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
-        """(module, parameter) pairs where a module uses a weight it does not own: the tied output
-        layer runs in this model's forward. ZeRO-3 must gather it for that module."""
-        return [(self, parameter) for parameter in self._tied]
+        """(module, parameter) pairs where a module uses a weight no called submodule owns: a tied
+        output layer's, or one merged into another module's place, both used in this model's
+        forward. ZeRO-3 must gather them for it."""
+        return [(self, parameter) for parameter in self._borrowed]
 
 
 def _run_chunked(

@@ -29,7 +29,6 @@ FAMILIES = {
 LAYOUTS = {
     "single": (1, []),
     "tp2": (2, ["parallel.tensor=2"]),
-    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
     "dp2_zero3": (2, ["parallel.zero_stage=3"]),
     "pp2": (2, ["parallel.pipeline=2"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),

@@ -14,6 +14,7 @@ from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.masking import masking_budget
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
+from scaletrain.model.gpt import run_final_norm
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     ParallelAttention,
@@ -149,10 +150,6 @@ def _block(block: TransformerBlock, activations: tuple, **_) -> tuple:
     return block(hidden, key_padding_attention_mask(padding_mask)), padding_mask
 
 
-def _final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
-    return (norm(activations[0]),)
-
-
 def _heads(heads: BertHeads, activations: tuple, labels: torch.Tensor | None = None, **_) -> tuple:
     (hidden,) = activations
     selected = hidden if labels is None else hidden[labels.transpose(0, 1) != IGNORE_INDEX]
@@ -182,7 +179,7 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
         PipelineLayer(
             "final_norm",
             lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps) if pre_norm else nn.Identity(),
-            _final_norm,
+            run_final_norm,
         ),
         PipelineLayer("", lambda: BertHeads(config), _heads),
         PipelineLayer("decoder", lambda: BertEmbedding(config), _decoder, tied_to="embedding",

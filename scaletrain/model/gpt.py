@@ -107,14 +107,16 @@ def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = 
     return (embedding(tokens, start=cache.length if cache is not None else 0), *rest)
 
 
-def _block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+def run_decoder_block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+    """A causal block on (hidden, [prefix_lengths]); shared by every decoder family."""
     hidden, *rest = activations
     seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
     mask = prefix_lm_attention_mask(rest[0], seq_length) if rest else None
     return (block(hidden, mask, cache=cache), *rest)
 
 
-def _final_norm(norm: nn.Module, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+def run_final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
+    """The final norm on the hidden state; whatever travelled beside it (masks) ends here."""
     return (norm(activations[0]),)
 
 
@@ -126,10 +128,10 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
     return [
         PipelineLayer("embedding", lambda: GPTEmbedding(config), _embed),
-        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
-          for layer in range(model.num_layers)),
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_decoder_block,
+                        is_block=True) for layer in range(model.num_layers)),
         PipelineLayer("final_norm", lambda: sequence_parallel_region(
-            config, nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)), _final_norm),
+            config, nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)), run_final_norm),
         PipelineLayer("output", lambda: GPTEmbedding(config), _tied_output, tied_to="embedding",
                       tied_weight="word.weight"),
     ]

@@ -16,16 +16,21 @@ from torch import nn
 
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
-from scaletrain.model.gpt import DECODER_BATCH, DecoderLM, lm_loss, sequence_parallel_region
+from scaletrain.model.gpt import (
+    DECODER_BATCH,
+    DecoderLM,
+    lm_loss,
+    run_decoder_block,
+    run_final_norm,
+    sequence_parallel_region,
+)
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
-    KVCache,
     ParallelAttention,
     ParallelMLP,
     RMSNorm,
     RotaryEmbedding,
     TransformerBlock,
-    full_sequence_length,
 )
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
@@ -110,19 +115,6 @@ def _embed(embedding: LlamaEmbedding, activations: tuple, **_) -> tuple:
     return (embedding(tokens), *rest)
 
 
-def _block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
-    from scaletrain.model.gpt import prefix_lm_attention_mask
-
-    hidden, *rest = activations
-    seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
-    mask = prefix_lm_attention_mask(rest[0], seq_length) if rest else None
-    return (block(hidden, mask, cache=cache), *rest)
-
-
-def _final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
-    return (norm(activations[0]),)
-
-
 def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, **_) -> tuple:
     logits, _ = output(activations[0])
     return (logits,)
@@ -132,10 +124,10 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
     return [
         PipelineLayer("embedding", lambda: LlamaEmbedding(config), _embed),
-        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
-          for layer in range(model.num_layers)),
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_decoder_block,
+                        is_block=True) for layer in range(model.num_layers)),
         PipelineLayer("final_norm", lambda: sequence_parallel_region(
-            config, RMSNorm(model.hidden_size, model.layernorm_eps)), _final_norm),
+            config, RMSNorm(model.hidden_size, model.layernorm_eps)), run_final_norm),
         PipelineLayer("output", lambda: output_layer(config), _output),
     ]
 

@@ -13,7 +13,8 @@ from megatron.core import parallel_state
 
 from scaletrain.config import config_from_dict, validate
 from scaletrain.model import build_model
-from scaletrain.model.sampling import gather_vocab, sample_seq2seq, sample_tokens
+from scaletrain.model.sampling import sample_seq2seq, sample_tokens
+from scaletrain.parallel.sharding import gather_last_dim
 from tests.distributed.harness import run_on_ranks
 from tests.train.runs import REPO, launcher, run_scaletrain, scaletrain_environment, tiny_overrides
 
@@ -49,7 +50,7 @@ def _greedy_seq2seq_by_recomputation(model: torch.nn.Module, prompt: list[int], 
         tokens = [0]
         for _ in range(new_tokens):
             decoded = model.decode(torch.tensor([tokens]), encoder_output)
-            tokens.append(int(gather_vocab(model.output_logits(decoded)[-1, 0])[:VOCAB].argmax()))
+            tokens.append(int(gather_last_dim(model.output_logits(decoded)[-1, 0])[:VOCAB].argmax()))
     return tokens[1:]
 
 

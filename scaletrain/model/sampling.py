@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from torch import nn
 
 from scaletrain.model.layers import KVCache
+from scaletrain.parallel.sharding import gather_last_dim
 
 
 @torch.no_grad()
@@ -58,7 +57,7 @@ class _RecomputedWindow:
 
     def __call__(self, tokens: list[int]) -> torch.Tensor:
         window = torch.tensor([tokens[-self.context_length:]], dtype=torch.long)
-        return gather_vocab(self.model(window)[0, -1])
+        return gather_last_dim(self.model(window)[0, -1])
 
 
 class _CachedWindow:
@@ -76,7 +75,7 @@ class _CachedWindow:
             new = tokens[-self.context_length:]
         self.consumed = len(tokens)
         logits = self.model(torch.tensor([new], dtype=torch.long), cache=self.cache)
-        return gather_vocab(logits[0, -1])
+        return gather_last_dim(logits[0, -1])
 
 
 @torch.no_grad()
@@ -103,23 +102,12 @@ def sample_seq2seq(
     tokens = [start_token]
     for _ in range(max_new_tokens):
         decoded = model.decode(torch.tensor([tokens[-1:]], dtype=torch.long), encoder_output, cache=cache)
-        logits = gather_vocab(model.output_logits(decoded)[-1, 0])[:vocab_size].float()
+        logits = gather_last_dim(model.output_logits(decoded)[-1, 0])[:vocab_size].float()
         next_token = _choose(logits, temperature, top_k, generator)
         tokens.append(next_token)
         if next_token == stop_token:
             break
     return tokens[1:]
-
-
-def gather_vocab(local: torch.Tensor) -> torch.Tensor:
-    """Full-vocabulary logits [..., vocab] from this rank's shard [..., vocab / TP] (on CPU too:
-    megatron's own gather allocates on CUDA)."""
-    world_size = parallel_state.get_tensor_model_parallel_world_size()
-    if world_size == 1:
-        return local
-    shards = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=-1)
 
 
 def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> int:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -57,6 +56,7 @@ from scaletrain.model.layers import (
     parallel_lm_logits,
 )
 from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.parallel.sharding import gather_last_dim
 from scaletrain.scaling.counts import ModelCounts
 
 FFN_ACTIVATIONS = ("relu", "gated-gelu")
@@ -155,12 +155,7 @@ class _GatherHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor) -> torch.Tensor:
-        world = parallel_state.get_tensor_model_parallel_world_size()
-        if world == 1:
-            return local
-        shards = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-        return torch.cat(shards, dim=-1)
+        return gather_last_dim(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,20 @@ r, r + world, ... (see `_initialize_affine_weight_cpu`). These helpers invert an
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+def gather_last_dim(local: torch.Tensor) -> torch.Tensor:
+    """Every TP rank's shard [..., n / TP] concatenated in rank order along the last dim (vocabulary
+    shards of logits, heads of T5's position bias). On CPU too: megatron's own gather allocates on
+    CUDA. No autograd: callers that need a backward wrap it."""
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    if world_size == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=-1)
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.errors import DataError
-from scaletrain.data.objectives import IGNORE_INDEX, NoiseTag, TokenizerInfo, sequence_rng
+from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from scaletrain.batch import IGNORE_INDEX  # noqa: F401  (re-exported for the collators)
+from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.errors import DataError
 from scaletrain.data.tokenizer import Tokenizer
 

@@ -122,7 +122,7 @@ def _layer_specs(layers: list[PipelineLayer]) -> list[LayerSpec]:
             owner = owners[layer.tied_to]
             specs.append(TiedLayerSpec(
                 owner.name, PipelineUnit, owner, tied_weight_attr=f"{owner.name}.{layer.tied_weight}",
-                forward_fn=functools.partial(_run_tied, layer),
+                forward_fn=functools.partial(run_layer, layer),
             ))
         elif layer.name in tied_keys:
             tied_weight = next(other.tied_weight for other in layers if other.tied_to == layer.name)
@@ -130,10 +130,6 @@ def _layer_specs(layers: list[PipelineLayer]) -> list[LayerSpec]:
         else:
             specs.append(LayerSpec(PipelineBlock if layer.is_block else PipelineUnit, layer))
     return specs
-
-
-def _run_tied(layer: PipelineLayer, unit: PipelineUnit, activations: tuple | torch.Tensor) -> tuple:
-    return run_layer(layer, unit, activations)
 
 
 def pack_activations(activations: tuple) -> tuple:

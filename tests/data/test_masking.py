@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.errors import DataError
 from scaletrain.data.loader import build_train_loader
@@ -23,7 +24,7 @@ from scaletrain.data.masking import (
     mlm_collator,
     span_length_distribution,
 )
-from scaletrain.data.objectives import IGNORE_INDEX, NoiseTag, TokenizerInfo, sequence_rng
+from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
 from scaletrain.data.sampler import GlobalSampleOrder
 from scaletrain.data.tokenizer import Tokenizer
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.masking import mlm_collator
-from scaletrain.data.objectives import IGNORE_INDEX, TokenizerInfo
+from scaletrain.data.objectives import TokenizerInfo
 from scaletrain.data.sentence_pairs import SentencePairDataset, truncate_pair
 from scaletrain.data.tokenizer import Tokenizer
 

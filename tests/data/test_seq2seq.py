@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from scaletrain.data.objectives import IGNORE_INDEX, TokenizerInfo
+from scaletrain.batch import IGNORE_INDEX
+from scaletrain.data.objectives import TokenizerInfo
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.tokenizer import Tokenizer
 

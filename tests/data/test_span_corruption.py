@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.errors import DataError
-from scaletrain.data.objectives import IGNORE_INDEX, TokenizerInfo, prefix_lm_collator
+from scaletrain.data.objectives import TokenizerInfo, prefix_lm_collator
 from scaletrain.data.sampler import GlobalSampleOrder
 from scaletrain.data.span_corruption import (
     noise_span_counts,

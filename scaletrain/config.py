@@ -57,6 +57,20 @@ def _default_model() -> ModelConfig:
 
 
 @dataclass
+class BlendEntry:
+    """One prepared dataset of a blend and its share of the training samples."""
+
+    dir: str  # a prepared dataset, as data.dir
+    weight: float  # relative: weights are normalised over the blend
+    name: str | None = None  # in per-dataset metrics (val_loss/NAME); default: the last part of dir
+
+    @property
+    def label(self) -> str:
+        """The name per-dataset metrics carry: `name`, else the last part of `dir` (a path or a URL)."""
+        return self.name or self.dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+@dataclass
 class DataConfig:
     dir: str = "data/gpt_tiny"  # tokenizer + shards + manifest
     raw: list[str] = field(default_factory=list)  # text files, directories or globs for `prepare`
@@ -66,6 +80,18 @@ class DataConfig:
     max_tokens_per_shard: int = 1 << 22
     prepare_workers: int = 2
     loader_workers: int = 1
+    # Train on a weighted mix of prepared datasets (Megatron's --data-path 0.3 A 0.7 B) instead of dir:
+    # [{dir: data/fineweb_edu, weight: 0.7}, {dir: data/wikipedia, weight: 0.3}]. All must share one tokenizer.
+    blend: list[BlendEntry] = field(default_factory=list)
+
+    def sources(self) -> list[BlendEntry]:
+        """The datasets a run trains on: the blend's, or data.dir alone with weight 1."""
+        return self.blend or [BlendEntry(self.dir, 1.0)]
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where a run's tokenizer is: the (first) dataset it trains on, as all of a blend share one."""
+        return self.sources()[0].dir
 
 
 @dataclass
@@ -542,6 +568,16 @@ def _validate_data(config: Config) -> None:
         raise ConfigError(f"data.val_fraction={data.val_fraction} must be in [0, 1)")
     if data.loader_workers < 0 or data.prepare_workers < 1:
         raise ConfigError("data.loader_workers must be >= 0 and data.prepare_workers >= 1")
+    names = []
+    for index, entry in enumerate(data.blend):
+        if not (entry.weight > 0 and math.isfinite(entry.weight)):
+            raise ConfigError(f"data.blend[{index}].weight={entry.weight} must be a positive number")
+        if not entry.dir:
+            raise ConfigError(f"data.blend[{index}].dir is empty; give the prepared dataset's directory or URL")
+        names.append(entry.label)
+    duplicated = sorted({name for name in names if names.count(name) > 1})
+    if duplicated:
+        raise ConfigError(f"data.blend names {duplicated} more than one dataset; give each entry a distinct `name`")
 
 
 def resolve_for_world(config: Config, world_size: int) -> Config:

@@ -107,6 +107,10 @@ class GlobalIndexDataset(torch.utils.data.Dataset):
             raise DataError(f"order covers {order.num_samples} samples but the dataset has {packed.num_samples}")
         self.packed, self.order = packed, order
 
+    @property
+    def sequence_length(self) -> int:
+        return self.packed.seq_length
+
     def __getitem__(self, global_index: int) -> dict:
         sample_id = self.order.sample_id(global_index)
         return {"global_index": global_index, "sample_id": sample_id, "tokens": self.packed.sample(sample_id)}

@@ -18,19 +18,21 @@ class GlobalSampleOrder:
 
     As Megatron's pretraining random sampler: each epoch is a fresh permutation
     drawn from `default_rng([seed, epoch])`, so any g is computable without
-    replaying earlier epochs. With shuffle=False (evaluation) it is g % N.
+    replaying earlier epochs. With shuffle=False (evaluation) it is g % N. `stream` tells apart
+    orders that share a seed: the datasets of a blend draw from `default_rng([seed, stream, epoch])`.
     """
 
-    def __init__(self, num_samples: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True, stream: int | None = None) -> None:
         if num_samples < 1:
             raise DataError(f"num_samples={num_samples} must be positive")
         self.num_samples, self.seed, self.shuffle = num_samples, seed, shuffle
+        self._seed_words = [seed] if stream is None else [seed, stream]
         self._cached_epoch: int | None = None
         self._cached_permutation: np.ndarray | None = None
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
         if self._cached_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
+            rng = np.random.default_rng([*self._seed_words, epoch])
             self._cached_permutation, self._cached_epoch = rng.permutation(self.num_samples), epoch
         return self._cached_permutation
 

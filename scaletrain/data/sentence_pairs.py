@@ -38,12 +38,13 @@ class SentencePairDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, documents: PackedSequenceDataset, tokenizer_info: TokenizerInfo, seq_length: int, seed: int,
-                 task: str = "sop", shuffle: bool = True) -> None:
+                 task: str = "sop", shuffle: bool = True, stream: int | None = None) -> None:
         if task not in TASKS:
             raise DataError(f"sentence-pair task {task!r} is unknown; use 'nsp' (BERT) or 'sop' (ALBERT)")
         if seq_length < 5:
             raise DataError(f"seq_length={seq_length} leaves no room for two segments in [CLS] A [SEP] B [SEP]")
         self.documents, self.tokenizer_info, self.seed, self.task = documents, tokenizer_info, seed, task
+        self.sequence_length = seq_length
         self.max_num_tokens = seq_length - 3  # [CLS], [SEP], [SEP]
         self._index_sentences()
         self._index_chunks()
@@ -53,7 +54,7 @@ class SentencePairDataset(torch.utils.data.Dataset):
         if task == "nsp" and len(self._nonempty_documents) < 2:
             raise DataError(f"NSP draws B from another document, but the {documents.split!r} split has "
                             f"{len(self._nonempty_documents)} non-empty; use task='sop' or more documents")
-        self.order = GlobalSampleOrder(len(self.chunk_document), seed, shuffle)
+        self.order = GlobalSampleOrder(len(self.chunk_document), seed, shuffle, stream)
 
     @property
     def num_samples(self) -> int:

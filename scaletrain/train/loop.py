@@ -38,7 +38,7 @@ from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
 from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged, weights_are_finite
-from scaletrain.train.objective import Objective, build_objective
+from scaletrain.train.objective import Objective, ValidationSet, build_objective
 from scaletrain.train.preflight import check_data_matches
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
 from scaletrain.train.schedule import learning_rate
@@ -253,18 +253,34 @@ def write_run_summary(
 
 
 def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str, float]:
-    """Validation metrics over a fixed prefix of the validation split, identical for every layout."""
+    """Validation metrics over a fixed prefix of the validation split, identical for every layout.
+
+    A blend reports each dataset's metrics (val_loss/NAME) and, under the plain names, their
+    weighted mean: the loss expected under the blend's mixture, free of sampling noise."""
+    sets = objective.validation_sets
+    if len(sets) == 1:
+        return _evaluate_set(engine, objective, topology, sets[0])
+    per_set = {validation.name: _evaluate_set(engine, objective, topology, validation) for validation in sets}
+    metrics: dict[str, float] = {}
+    for validation in sets:
+        for key, value in per_set[validation.name].items():
+            metrics[key] = metrics.get(key, 0.0) + validation.weight * value
+    for name, values in per_set.items():
+        metrics.update({f"{key}/{name}": value for key, value in values.items()})
+    return metrics
+
+
+def _evaluate_set(engine: Any, objective: Objective, topology: Topology, validation: ValidationSet) -> dict[str, float]:
     config = objective.config
     per_step = config.train.micro_batch_size * topology.data_parallel_size
-    available = objective.num_eval_samples()
-    num_samples = min(config.train.eval_samples, available) // per_step * per_step
+    num_samples = min(config.train.eval_samples, validation.num_samples) // per_step * per_step
     if num_samples == 0:
         raise ConfigError(
-            f"the validation split of {config.data.dir} holds {available} sequences of {config.model.seq_length} "
-            f"tokens, fewer than one evaluation step (micro_batch_size x data-parallel size = {per_step}); "
-            "raise data.val_fraction and re-prepare, or set train.eval_every=0"
+            f"the validation split of {validation.name} holds {validation.num_samples} sequences of "
+            f"{config.model.seq_length} tokens, fewer than one evaluation step (micro_batch_size x data-parallel "
+            f"size = {per_step}); raise data.val_fraction and re-prepare, or set train.eval_every=0"
         )
-    loader = objective.eval_loader(topology.data_parallel_rank, topology.data_parallel_size, num_samples)
+    loader = objective.eval_loader(validation, topology.data_parallel_rank, topology.data_parallel_size, num_samples)
     family = get_family(config.model.family)
     return evaluation_metrics(engine, list(_device_batches(loader, topology.device)), family)
 

@@ -12,11 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.config import Config
+from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
+from scaletrain.data.manifest import load_manifest
 from scaletrain.data.masking import mlm_collator
 from scaletrain.data.objectives import TokenizerInfo, causal_lm_collate, prefix_lm_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
@@ -37,17 +39,26 @@ class Objective:
     # raw tokens than its encoder length because spans collapse into sentinels.
     packed_seq_length: int
 
-    def dataset(self, split: str, shuffle: bool) -> GlobalIndexDataset | SentencePairDataset:
+    def dataset(self, split: str, shuffle: bool) -> Dataset:
+        """The split's samples keyed by global index: data.dir's, or the blend of data.blend's datasets."""
+        sources = self.config.data.sources()
+        if len(sources) == 1:
+            return self.source_dataset(sources[0].dir, split, shuffle)
+        datasets = [self.source_dataset(source.dir, split, shuffle, stream=index)
+                    for index, source in enumerate(sources)]
+        return BlendedDataset(datasets, [source.weight for source in sources], [source.label for source in sources])
+
+    def source_dataset(self, location: str, split: str, shuffle: bool,
+                       stream: int | None = None) -> GlobalIndexDataset | SentencePairDataset:
+        """One prepared dataset's split; `stream` gives each dataset of a blend its own epoch order."""
         config = self.config
-        data_dir = Path(config.data.dir)
         seed = config.train.seed if shuffle else 0
         if config.objective.sentence_pairs != "none":
-            documents = PackedSequenceDataset(data_dir, split, config.model.seq_length)
-            return SentencePairDataset(
-                documents, self.tokenizer_info, config.model.seq_length, seed, config.objective.sentence_pairs, shuffle
-            )
-        packed = PackedSequenceDataset(data_dir, split, self.packed_seq_length)
-        return GlobalIndexDataset(packed, GlobalSampleOrder(packed.num_samples, seed, shuffle))
+            documents = PackedSequenceDataset(Path(location), split, config.model.seq_length)
+            return SentencePairDataset(documents, self.tokenizer_info, config.model.seq_length, seed,
+                                       config.objective.sentence_pairs, shuffle, stream)
+        packed = PackedSequenceDataset(Path(location), split, self.packed_seq_length)
+        return GlobalIndexDataset(packed, GlobalSampleOrder(packed.num_samples, seed, shuffle, stream))
 
     def train_loader(self, data_parallel_rank: int, data_parallel_size: int, consumed_samples: int) -> DataLoader:
         sampler = DistributedPretrainingSampler(
@@ -55,24 +66,40 @@ class Objective:
         )
         return batch_loader(self.dataset("train", shuffle=True), sampler, self.config.data.loader_workers, self.collate)
 
-    def eval_loader(self, data_parallel_rank: int, data_parallel_size: int, num_samples: int) -> DataLoader:
-        """The first `num_samples` validation sequences in fixed order, with fixed noise."""
+    def eval_loader(self, validation: ValidationSet, data_parallel_rank: int, data_parallel_size: int,
+                    num_samples: int) -> DataLoader:
+        """The first `num_samples` sequences of a validation set in fixed order, with fixed noise."""
         sampler = DistributedPretrainingSampler(
             self.config.train.micro_batch_size, data_parallel_rank, data_parallel_size, 0, num_samples
         )
-        return batch_loader(self.validation_dataset, sampler, 0, self.collate)
-
-    def num_eval_samples(self) -> int:
-        return self.validation_dataset.order.num_samples
+        return batch_loader(validation.dataset, sampler, 0, self.collate)
 
     @functools.cached_property
-    def validation_dataset(self) -> GlobalIndexDataset | SentencePairDataset:
-        """Built once per run: every evaluation reads the same fixed-order prefix."""
-        return self.dataset("val", shuffle=False)
+    def validation_sets(self) -> list[ValidationSet]:
+        """Built once per run, so every evaluation reads the same fixed-order prefix. A blend's datasets
+        are evaluated one by one: each gets its own loss, and the blend's is their weighted mean."""
+        sources = self.config.data.sources()
+        total = sum(source.weight for source in sources)
+        return [ValidationSet(source.label, source.weight / total,
+                              self.source_dataset(source.dir, "val", shuffle=False)) for source in sources]
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    name: str
+    weight: float  # normalised over the blend; 1 without one
+    dataset: GlobalIndexDataset | SentencePairDataset
+
+    @property
+    def num_samples(self) -> int:
+        return self.dataset.order.num_samples
 
 
 def build_objective(config: Config) -> Objective:
-    info = TokenizerInfo.from_tokenizer(Tokenizer.load(Path(config.data.dir)))
+    sources = config.data.sources()
+    if len(sources) > 1:
+        check_same_tokenizer({source.label: load_manifest(Path(source.dir)) for source in sources})
+    info = TokenizerInfo.from_tokenizer(Tokenizer.load(Path(config.data.tokenizer_dir)))
     kind = config.objective.resolved_kind(config.model.family)
     objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
     if kind == "causal_lm":

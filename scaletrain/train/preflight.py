@@ -14,6 +14,7 @@ from pathlib import Path
 from scaletrain.checkpoint.manager import read_meta, resume_candidates
 from scaletrain.checkpoint.reshard import check_reshardable, describe_layout
 from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
+from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest, load_manifest
 from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock
@@ -29,6 +30,15 @@ class Preflight:
     resume_step: int | None
     resume_path: Path | None
     resharded_from: str | None = None  # the checkpoint's own layout, when it differs from this run's
+
+    def _data_line(self) -> str:
+        data = self.config.data
+        splits = ", ".join(f"{name} {split.num_tokens:,} tokens" for name, split in self.manifest.splits.items())
+        if not data.blend:
+            return f"{data.dir}, vocab {self.manifest.vocab_size}, {splits}"
+        total = sum(entry.weight for entry in data.blend)
+        mix = " + ".join(f"{entry.weight / total:.3f} {entry.dir}" for entry in data.blend)
+        return f"blend {mix}, vocab {self.manifest.vocab_size}"
 
     def summary(self) -> str:
         config, counts = self.config, model_counts(self.config)
@@ -47,8 +57,7 @@ class Preflight:
             f"batch: global {global_batch} = micro {config.train.micro_batch_size} x grad_accum "
             f"{config.train.grad_accum} x DP {parallel.data}; {tokens_per_step:,} tokens per step, "
             f"{config.train.steps} steps, {config.train.steps * tokens_per_step:,} tokens",
-            f"data: {config.data.dir}, vocab {self.manifest.vocab_size}, "
-            + ", ".join(f"{name} {split.num_tokens:,} tokens" for name, split in self.manifest.splits.items()),
+            f"data: {self._data_line()}",
             f"run: {config.run.dir} {start}",
         ])
 
@@ -74,14 +83,18 @@ def preflight(config_path: Path, overrides: list[str], world_size: int) -> Prefl
 
 
 def check_data_matches(config: Config) -> Manifest:
-    """The prepared dataset at data.dir (its manifest and checksums), with the config's vocabulary size."""
-    manifest = load_manifest(Path(config.data.dir))
-    if manifest.vocab_size != config.data.vocab_size:
-        raise ConfigError(
-            f"data.vocab_size={config.data.vocab_size} but {config.data.dir} was prepared with "
-            f"vocab_size={manifest.vocab_size}; set data.vocab_size={manifest.vocab_size} or re-run prepare"
-        )
-    return manifest
+    """The prepared datasets the run reads (their manifests and checksums), agreeing on one tokenizer
+    and with the config's vocabulary size; returns the first (data.dir's, or the blend's first)."""
+    manifests = {source.label: (source.dir, load_manifest(Path(source.dir))) for source in config.data.sources()}
+    if len(manifests) > 1:
+        check_same_tokenizer({label: manifest for label, (_, manifest) in manifests.items()})
+    for location, manifest in manifests.values():
+        if manifest.vocab_size != config.data.vocab_size:
+            raise ConfigError(
+                f"data.vocab_size={config.data.vocab_size} but {location} was prepared with "
+                f"vocab_size={manifest.vocab_size}; set data.vocab_size={manifest.vocab_size} or re-run prepare"
+            )
+    return next(iter(manifests.values()))[1]
 
 
 def _check_resume_layout(config: Config, path: Path) -> tuple[int, str | None]:

@@ -14,7 +14,7 @@ TORCH_PIP_ARGS ?=
 CORPUS := data/raw/shakespeare
 ENGLISH_CORPUS := data/raw/english
 
-.PHONY: install demo corpus corpus-english test lint clean
+.PHONY: install demo corpus corpus-english corpus-fineweb-edu test lint clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,11 @@ corpus: install
 # The ~9M-word English corpus for scaling sweeps (needs npm, and apt-get + dpkg-deb for the docs).
 corpus-english: install
 	$(BIN)/python data_pipelines/english.py --out $(ENGLISH_CORPUS)
+
+# FineWeb-Edu's sample-10BT (~10B tokens, streamed from the Hugging Face Hub) for configs/gpt3_*.yaml;
+# e.g. `make corpus-fineweb-edu FINEWEB_EDU_ARGS="--max-documents 100000"` for a slice.
+corpus-fineweb-edu: install
+	$(BIN)/python data_pipelines/web_corpora.py fineweb-edu --out data/raw/fineweb_edu $(FINEWEB_EDU_ARGS)
 
 demo: corpus
 	$(BIN)/scaletrain prepare configs/gpt_tiny.yaml

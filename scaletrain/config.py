@@ -66,6 +66,13 @@ class DataConfig:
     max_tokens_per_shard: int = 1 << 22
     prepare_workers: int = 2
     loader_workers: int = 1
+    # data.dir may be a URL (https://, s3://, gs://, file://) or 'pipe:COMMAND {file}' (data/storage.py);
+    # remote shards are downloaded whole into this cache and memory-mapped. null: $SCALETRAIN_CACHE or
+    # ~/.cache/scaletrain. The limit covers all datasets in the cache; least recently used files go first.
+    cache_dir: str | None = None
+    cache_limit_gb: float = 100.0
+    download_retries: int = 4  # after a dropped connection, HTTP 5xx or truncated body; backoff doubles
+    download_backoff_s: float = 1.0
 
 
 @dataclass
@@ -542,6 +549,15 @@ def _validate_data(config: Config) -> None:
         raise ConfigError(f"data.val_fraction={data.val_fraction} must be in [0, 1)")
     if data.loader_workers < 0 or data.prepare_workers < 1:
         raise ConfigError("data.loader_workers must be >= 0 and data.prepare_workers >= 1")
+    if not data.cache_limit_gb > 0:
+        raise ConfigError(f"data.cache_limit_gb={data.cache_limit_gb} must be > 0; it should hold at least the "
+                          "shards one node reads at once (about loader_workers x ranks per node shards)")
+    if data.download_retries < 0 or not 0 <= data.download_backoff_s <= 600:
+        raise ConfigError(f"data.download_retries={data.download_retries} must be >= 0 and "
+                          f"data.download_backoff_s={data.download_backoff_s} in [0, 600]")
+    if data.dir.startswith("pipe:") and "{file}" not in data.dir:
+        raise ConfigError(f"data.dir={data.dir!r} is a pipe: command without the {{file}} placeholder for the file "
+                          "name; write e.g. 'pipe:aws s3 cp s3://bucket/dataset/{file} -'")
 
 
 def resolve_for_world(config: Config, world_size: int) -> Config:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch.utils.data import DataLoader
 
@@ -23,6 +22,7 @@ from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleO
 from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
+from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model.registry import get_family
 
@@ -39,7 +39,7 @@ class Objective:
 
     def dataset(self, split: str, shuffle: bool) -> GlobalIndexDataset | SentencePairDataset:
         config = self.config
-        data_dir = Path(config.data.dir)
+        data_dir = dataset_location(config.data)
         seed = config.train.seed if shuffle else 0
         if config.objective.sentence_pairs != "none":
             documents = PackedSequenceDataset(data_dir, split, config.model.seq_length)
@@ -72,7 +72,7 @@ class Objective:
 
 
 def build_objective(config: Config) -> Objective:
-    info = TokenizerInfo.from_tokenizer(Tokenizer.load(Path(config.data.dir)))
+    info = TokenizerInfo.from_tokenizer(Tokenizer.load(dataset_location(config.data).tokenizer_path()))
     kind = config.objective.resolved_kind(config.model.family)
     objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
     if kind == "causal_lm":

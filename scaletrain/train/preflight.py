@@ -15,6 +15,7 @@ from scaletrain.checkpoint.manager import read_meta, resume_candidates
 from scaletrain.checkpoint.reshard import check_reshardable, describe_layout
 from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
 from scaletrain.data.manifest import Manifest, load_manifest
+from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock
 
@@ -74,8 +75,9 @@ def preflight(config_path: Path, overrides: list[str], world_size: int) -> Prefl
 
 
 def check_data_matches(config: Config) -> Manifest:
-    """The prepared dataset at data.dir (its manifest and checksums), with the config's vocabulary size."""
-    manifest = load_manifest(Path(config.data.dir))
+    """The prepared dataset at data.dir (its manifest and checksums; a remote one's tokenizer and indexes
+    fetched into the cache), with the config's vocabulary size."""
+    manifest = load_manifest(dataset_location(config.data))
     if manifest.vocab_size != config.data.vocab_size:
         raise ConfigError(
             f"data.vocab_size={config.data.vocab_size} but {config.data.dir} was prepared with "

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import Config, ConfigError, load_config
-from scaletrain.data.manifest import MANIFEST_NAME, load_manifest
+from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.counts import ModelCounts, model_counts
 from scaletrain.scaling.sweep.layout import RUNS_DIR
 from scaletrain.scaling.sweep.spec import ModelShape, ShapeRule, SweepSpec
@@ -198,10 +198,10 @@ def _shape_for(base: Config, rule: ShapeRule, target: float) -> ModelShape:
 
 
 def _train_tokens(base: Config) -> int | None:
-    data_dir = Path(base.data.dir)
-    if not (data_dir / MANIFEST_NAME).is_file():
+    location = dataset_location(base.data)
+    if not location.is_prepared():
         return None
-    return load_manifest(data_dir).splits["train"].num_tokens
+    return location.load_manifest().splits["train"].num_tokens
 
 
 def _shape_label(shape: ModelShape) -> str:

@@ -241,3 +241,21 @@ def test_config_checks_the_cache_settings() -> None:
         load_config(config, ["data.download_retries=-1"])
     with pytest.raises(ConfigError, match=r"without the \{file\} placeholder"):
         load_config(config, ["data.dir=pipe:cat /data/x"])
+
+
+def test_a_run_config_with_a_remote_data_dir_trains_on_the_same_batches(small_dataset: Path, tmp_path: Path) -> None:
+    from scaletrain.train.objective import build_objective
+    from scaletrain.train.preflight import check_data_matches
+
+    def first_batches(data_dir: str) -> list[torch.Tensor]:
+        config = load_config(REPO / "configs" / "gpt_tiny.yaml", [
+            f"data.dir={data_dir}", "data.vocab_size=1024", "data.num_sentinels=16", f"data.cache_dir={tmp_path}",
+            "model.seq_length=32", "train.micro_batch_size=4", "data.loader_workers=0"])
+        assert check_data_matches(config).vocab_size == 1024
+        loader = build_objective(config).train_loader(0, 1, consumed_samples=0)
+        return [batch["tokens"] for batch in itertools.islice(loader, 3)]
+
+    with serve(small_dataset) as (url, _):
+        remote = first_batches(url)
+    assert all(torch.equal(a, b) for a, b in zip(first_batches(str(small_dataset)), remote, strict=True))
+    assert cached_files(tmp_path)

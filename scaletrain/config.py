@@ -80,6 +80,13 @@ class DataConfig:
     max_tokens_per_shard: int = 1 << 22
     prepare_workers: int = 2
     loader_workers: int = 1
+    # data.dir may be a URL (https://, s3://, gs://, file://) or 'pipe:COMMAND {file}' (data/storage.py);
+    # remote shards are downloaded whole into this cache and memory-mapped. null: $SCALETRAIN_CACHE or
+    # ~/.cache/scaletrain. The limit covers all datasets in the cache; least recently used files go first.
+    cache_dir: str | None = None
+    cache_limit_gb: float = 100.0
+    download_retries: int = 4  # after a dropped connection, HTTP 5xx or truncated body; backoff doubles
+    download_backoff_s: float = 1.0
     # Train on a weighted mix of prepared datasets (Megatron's --data-path 0.3 A 0.7 B) instead of dir:
     # [{dir: data/fineweb_edu, weight: 0.7}, {dir: data/wikipedia, weight: 0.3}]. All must share one tokenizer.
     blend: list[BlendEntry] = field(default_factory=list)
@@ -578,6 +585,16 @@ def _validate_data(config: Config) -> None:
     duplicated = sorted({name for name in names if names.count(name) > 1})
     if duplicated:
         raise ConfigError(f"data.blend names {duplicated} more than one dataset; give each entry a distinct `name`")
+    if not data.cache_limit_gb > 0:
+        raise ConfigError(f"data.cache_limit_gb={data.cache_limit_gb} must be > 0; it should hold at least the "
+                          "shards one node reads at once (about loader_workers x ranks per node shards)")
+    if data.download_retries < 0 or not 0 <= data.download_backoff_s <= 600:
+        raise ConfigError(f"data.download_retries={data.download_retries} must be >= 0 and "
+                          f"data.download_backoff_s={data.download_backoff_s} in [0, 600]")
+    for key, location in [("data.dir", data.dir)] + [(f"data.blend[{i}].dir", e.dir) for i, e in enumerate(data.blend)]:
+        if location.startswith("pipe:") and "{file}" not in location:
+            raise ConfigError(f"{key}={location!r} is a pipe: command without the {{file}} placeholder for the file "
+                              "name; write e.g. 'pipe:aws s3 cp s3://bucket/dataset/{file} -'")
 
 
 def resolve_for_world(config: Config, world_size: int) -> Config:

@@ -10,6 +10,7 @@ import torch
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.manager import CheckpointError, latest_checkpoint
 from scaletrain.config import Config, ParallelConfig, load_config, resolve_for_world
+from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model import build_model
 from scaletrain.model.registry import get_family
@@ -36,7 +37,7 @@ def generate_text(
     init_distributed(config)
     try:
         model = load_model(config, checkpoint)
-        tokenizer = Tokenizer.load(Path(config.data.dir))
+        tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
         sample = SAMPLERS[family.generation]
         new_ids = sample(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
                          torch.Generator().manual_seed(seed))

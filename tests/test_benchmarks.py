@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -35,3 +36,16 @@ def test_generation_speed_times_both_decoders():
     for family in ("llama", "gpt"):
         assert re.search(rf"{family} .* KV cache [\d.]+ tokens/s, recomputation [\d.]+ tokens/s, speedup [\d.]+x",
                          result.stdout), result.stdout
+
+
+def test_loader_throughput_reports_every_configuration():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/loader_throughput.py", "--tokens", "200000", "--tokens-per-shard", "50000",
+         "--seq-length", "128", "--micro-batch", "2", "--batches", "3", "--workers", "1", "2"],
+        cwd=REPO, env={**scaletrain_environment(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for label, workers in itertools.product(("local", "http warm", "http cold"), (1, 2)):
+        assert re.search(rf"{label} +workers={workers}: +[\d.]+ samples/s, +[\d,]+ tokens/s; headroom per node "
+                         r"\(8 loaders\) +[\d.]+x", result.stdout), result.stdout

@@ -12,6 +12,7 @@ import torch
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.manager import CheckpointError, latest_checkpoint
 from scaletrain.config import load_config
+from scaletrain.data.storage import dataset_location
 from scaletrain.generate import single_process_config
 from scaletrain.model import build_model
 from scaletrain.model.registry import FAMILY_MODULES, get_family
@@ -36,7 +37,7 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     get_family(config.model.family).hf().export(state, config, staging)
-    for tokenizer_file in Path(config.data.dir).glob("tokenizer.*"):
+    for tokenizer_file in dataset_location(config.data).tokenizer_files():
         shutil.copy(tokenizer_file, staging / tokenizer_file.name)
     if out_dir.exists():
         out_dir.rmdir()

@@ -14,28 +14,31 @@ import numpy as np
 import torch.utils.data
 
 from scaletrain.data.errors import DataError
-from scaletrain.data.manifest import load_manifest
 from scaletrain.data.sampler import GlobalSampleOrder
-from scaletrain.data.shards import SplitIndex, open_shard
+from scaletrain.data.shards import SplitIndex
+from scaletrain.data.storage import DatasetLocation, ShardCacheSettings, open_location
 
 
 class PackedSequenceDataset:
     """Sample i of a split's packed stream, reading only the documents that overlap it.
 
     Shards are opened lazily, per process (memory maps made before a fork are
-    not reused after it), and checked against the manifest on first open.
+    not reused after it), and checked against the manifest on first open. `location` is a local
+    directory, a URL or `pipe:` command (remote shards come through the cache `cache`; see
+    data/storage.py), or a DatasetLocation; the samples are the same wherever the dataset lives.
     """
 
-    def __init__(self, data_dir: Path, split: str, seq_length: int) -> None:
+    def __init__(self, location: Path | str | DatasetLocation, split: str, seq_length: int, *,
+                 cache: ShardCacheSettings | None = None) -> None:
         if seq_length < 1:
             raise DataError(f"seq_length={seq_length} must be positive")
-        self.data_dir = Path(data_dir)
-        manifest = load_manifest(self.data_dir)
+        self.location = open_location(location, cache)
+        manifest = self.location.load_manifest()
         self.split, self.seq_length = split, seq_length
         self._split_info = manifest.split(split)
         self._dtype = np.dtype(manifest.token_dtype)
         self.eos_id = manifest.eos_id
-        index = SplitIndex.load(self.data_dir / self._split_info.index_file)
+        index = SplitIndex.load(self.location.local_file(self._split_info.index_file, self._split_info.index_sha256))
         self._shard_ids, self._byte_offsets, self._num_tokens = index.shard_ids, index.byte_offsets, index.num_tokens
         # Stream position of each document's first token: the tokens before it plus one eos per earlier document.
         self._doc_starts = index.cum_tokens[:-1] + np.arange(len(index.num_tokens), dtype=np.int64)
@@ -51,6 +54,11 @@ class PackedSequenceDataset:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def data_dir(self) -> Path:
+        """A local directory `Tokenizer.load` reads this dataset's tokenizer from (the cache's copy if remote)."""
+        return self.location.tokenizer_path().parent
 
     @property
     def num_docs(self) -> int:
@@ -84,8 +92,7 @@ class PackedSequenceDataset:
         if self._shards_pid != os.getpid():
             self._shards, self._shards_pid = {}, os.getpid()
         if shard_id not in self._shards:
-            info = self._split_info.shards[shard_id]
-            self._shards[shard_id] = open_shard(self.data_dir / info.name, info)
+            self._shards[shard_id] = self.location.open_shard(self._split_info.shards[shard_id])
         return self._shards[shard_id]
 
     def __getstate__(self) -> dict:

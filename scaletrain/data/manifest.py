@@ -7,8 +7,12 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scaletrain.data.errors import DataError
+
+if TYPE_CHECKING:
+    from scaletrain.data.storage import DatasetLocation, ShardCacheSettings
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -89,20 +93,23 @@ def write_manifest(manifest: Manifest, data_dir: Path) -> Path:
     return path
 
 
-def load_manifest(data_dir: Path) -> Manifest:
+def load_manifest(location: Path | str | DatasetLocation, *, cache: ShardCacheSettings | None = None) -> Manifest:
     """Read and check a prepared dataset's manifest: format, tokenizer and index checksums.
 
-    Shards are checked lazily by the reader (size and sha256 on first open, per
-    process), since hashing every shard here would cost a full read of the data.
+    `location` is a local directory, an fsspec URL, a `pipe:` command or a DatasetLocation
+    (data/storage.py); remote files are checked as they enter the cache `cache` (ShardCacheSettings,
+    None for the default). Shards are checked lazily by the reader (size and sha256 on first open,
+    per process), since hashing every shard here would cost a full read of the data.
     """
-    data_dir = Path(data_dir)
-    path = data_dir / MANIFEST_NAME
-    if not path.exists():
-        raise DataError(
-            f"no {MANIFEST_NAME} in {data_dir}: it is not a prepared dataset; run `scaletrain prepare CONFIG` first"
-        )
+    from scaletrain.data.storage import open_location  # storage builds on this module
+
+    return open_location(location, cache).load_manifest()
+
+
+def parse_manifest(text: str, path: str, data_dir: str) -> Manifest:
+    """The manifest in `text` (read from `path` of the dataset at `data_dir`), or a DataError saying how to fix it."""
     try:
-        manifest = Manifest.from_json(path.read_text())
+        manifest = Manifest.from_json(text)
     except (ValueError, TypeError, KeyError) as error:
         raise DataError(
             f"{path} is unreadable ({error}); delete {data_dir} and re-run `scaletrain prepare CONFIG`"
@@ -112,19 +119,29 @@ def load_manifest(data_dir: Path) -> Manifest:
             f"{path} has format_version {manifest.format_version}, this scaletrain reads {FORMAT_VERSION}; "
             "re-run `scaletrain prepare CONFIG` into a new data_dir"
         )
-    verify_file(data_dir / manifest.tokenizer_file, manifest.tokenizer_sha256)
-    for split in manifest.splits.values():
-        verify_file(data_dir / split.index_file, split.index_sha256)
     return manifest
 
 
+_VERIFIED_FILES: set[tuple[str, str, int, int]] = set()
+
+
 def verify_file(path: Path, expected_sha256: str) -> None:
-    """Raise DataError naming `path` unless it exists with the expected sha256."""
-    if not path.exists():
-        raise DataError(f"{path} is listed in the manifest but missing; re-run `scaletrain prepare CONFIG`")
+    """Raise DataError naming `path` unless it exists with the expected sha256.
+
+    Hashed once per process while the file keeps its size and mtime: every loader of a run (train,
+    val, the tokenizer) checks the same files, and the index of a large corpus is gigabytes.
+    """
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"{path} is listed in the manifest but missing; re-run `scaletrain prepare CONFIG`") from None
+    key = (os.path.realpath(path), expected_sha256, stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED_FILES:
+        return
     actual = file_sha256(path)
     if actual != expected_sha256:
         raise DataError(
             f"checksum mismatch for {path}: manifest expects sha256 {expected_sha256}, file has {actual}; "
             "it was modified or corrupted after prepare: re-run `scaletrain prepare CONFIG`"
         )
+    _VERIFIED_FILES.add(key)

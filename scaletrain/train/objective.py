@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -25,6 +24,7 @@ from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleO
 from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
+from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model.registry import get_family
 
@@ -54,10 +54,10 @@ class Objective:
         config = self.config
         seed = config.train.seed if shuffle else 0
         if config.objective.sentence_pairs != "none":
-            documents = PackedSequenceDataset(Path(location), split, config.model.seq_length)
+            documents = PackedSequenceDataset(dataset_location(config.data, location), split, config.model.seq_length)
             return SentencePairDataset(documents, self.tokenizer_info, config.model.seq_length, seed,
                                        config.objective.sentence_pairs, shuffle, stream)
-        packed = PackedSequenceDataset(Path(location), split, self.packed_seq_length)
+        packed = PackedSequenceDataset(dataset_location(config.data, location), split, self.packed_seq_length)
         return GlobalIndexDataset(packed, GlobalSampleOrder(packed.num_samples, seed, shuffle, stream))
 
     def train_loader(self, data_parallel_rank: int, data_parallel_size: int, consumed_samples: int) -> DataLoader:
@@ -98,8 +98,9 @@ class ValidationSet:
 def build_objective(config: Config) -> Objective:
     sources = config.data.sources()
     if len(sources) > 1:
-        check_same_tokenizer({source.label: load_manifest(Path(source.dir)) for source in sources})
-    info = TokenizerInfo.from_tokenizer(Tokenizer.load(Path(config.data.tokenizer_dir)))
+        check_same_tokenizer({source.label: load_manifest(dataset_location(config.data, source.dir))
+                              for source in sources})
+    info = TokenizerInfo.from_tokenizer(Tokenizer.load(dataset_location(config.data).tokenizer_path()))
     kind = config.objective.resolved_kind(config.model.family)
     objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
     if kind == "causal_lm":

@@ -16,6 +16,7 @@ from scaletrain.checkpoint.reshard import check_reshardable, describe_layout
 from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest, load_manifest
+from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock
 
@@ -83,9 +84,11 @@ def preflight(config_path: Path, overrides: list[str], world_size: int) -> Prefl
 
 
 def check_data_matches(config: Config) -> Manifest:
-    """The prepared datasets the run reads (their manifests and checksums), agreeing on one tokenizer
-    and with the config's vocabulary size; returns the first (data.dir's, or the blend's first)."""
-    manifests = {source.label: (source.dir, load_manifest(Path(source.dir))) for source in config.data.sources()}
+    """The prepared datasets the run reads (their manifests and checksums; a remote one's tokenizer and
+    indexes fetched into the cache), agreeing on one tokenizer and with the config's vocabulary size;
+    returns the first (data.dir's, or the blend's first)."""
+    manifests = {source.label: (source.dir, load_manifest(dataset_location(config.data, source.dir)))
+                 for source in config.data.sources()}
     if len(manifests) > 1:
         check_same_tokenizer({label: manifest for label, (_, manifest) in manifests.items()})
     for location, manifest in manifests.values():

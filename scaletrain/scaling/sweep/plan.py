@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config import Config, ConfigError, load_config
-from scaletrain.data.manifest import MANIFEST_NAME, load_manifest
+from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.counts import ModelCounts, model_counts
 from scaletrain.scaling.sweep.layout import RUNS_DIR
 from scaletrain.scaling.sweep.spec import ModelShape, ShapeRule, SweepSpec
@@ -73,7 +73,8 @@ def plan_sweep(spec: SweepSpec) -> SweepPlan:
     train_tokens = _train_tokens(base)
     runs, warnings = [], []
     if train_tokens is None:
-        warnings.append(f"{base.data.dir} is not prepared, so epochs are unknown: run `scaletrain prepare {spec.base}`")
+        unprepared = " / ".join(source.dir for source in base.data.sources())
+        warnings.append(f"{unprepared} is not prepared, so epochs are unknown: run `scaletrain prepare {spec.base}`")
     amounts = spec.budgets if spec.mode == "isoflop" else spec.tokens
     for amount in sorted(amounts):
         for shape in _shapes_for_amount(spec, base, shapes, amount):
@@ -198,10 +199,15 @@ def _shape_for(base: Config, rule: ShapeRule, target: float) -> ModelShape:
 
 
 def _train_tokens(base: Config) -> int | None:
-    data_dir = Path(base.data.dir)
-    if not (data_dir / MANIFEST_NAME).is_file():
+    """Training tokens a run reads before it repeats any: the train split's, or for a blend the fewest
+    tokens after which one of its datasets starts a second epoch (its tokens / its weight)."""
+    sources = base.data.sources()
+    total_weight = sum(source.weight for source in sources)
+    locations = [dataset_location(base.data, source.dir) for source in sources]
+    if not all(location.is_prepared() for location in locations):
         return None
-    return load_manifest(data_dir).splits["train"].num_tokens
+    return min(int(location.load_manifest().splits["train"].num_tokens * total_weight / source.weight)
+               for location, source in zip(locations, sources, strict=True))
 
 
 def _shape_label(shape: ModelShape) -> str:

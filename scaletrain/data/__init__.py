@@ -6,9 +6,11 @@ Modules, one concern each:
   documents   raw input files -> named documents, deterministic train/val split
   shards      webdataset tar shards and the byte-offset index for zero-copy reads
   manifest    manifest.json: what was prepared, with checksums; loading + checks
+  storage     where a dataset lives: local, fsspec URL or pipe: command; the verified shard cache
   prepare     `prepare_dataset`: all of the above, published atomically
   dataset     packed next-token sequences read straight from the shards
   sampler     sample order as a function of (seed, global index); DP rank slicing
+  blend       weighted blends of prepared datasets, a function of (seed, global index) too
   loader      DataLoaders for training and evaluation
   objectives  collators per training objective
 """

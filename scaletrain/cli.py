@@ -130,10 +130,14 @@ def _prepare(args: argparse.Namespace) -> None:
         config.data.raw, data_dir, vocab_size=config.data.vocab_size, num_sentinels=config.data.num_sentinels,
         val_fraction=config.data.val_fraction, max_tokens_per_shard=config.data.max_tokens_per_shard,
         num_workers=config.data.prepare_workers, seed=config.train.seed, overwrite=args.force, show_progress=True,
+        dedup=config.data.dedup, tokenizer_file=config.data.tokenizer,
+        tokenizer_train_bytes=config.data.tokenizer_train_bytes,
     )
     totals = ", ".join(f"{name}: {split.num_docs} documents, {split.num_tokens} tokens in {len(split.shards)} shards"
                        for name, split in manifest.splits.items())
-    print(f"prepared {data_dir} ({totals})")
+    dropped = manifest.settings.get("duplicates_dropped")
+    duplicates = "; deduplication off" if dropped is None else f"; {dropped} exact duplicate documents dropped"
+    print(f"prepared {data_dir} ({totals}{duplicates})")
 
 
 def _train(args: argparse.Namespace) -> int:

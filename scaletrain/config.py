@@ -64,8 +64,11 @@ class DataConfig:
     num_sentinels: int = 100  # T5 <extra_id_i>, appended at the end of the vocabulary
     val_fraction: float = 0.05
     max_tokens_per_shard: int = 1 << 22
-    prepare_workers: int = 2
+    prepare_workers: int = 2  # sentencepiece threads that tokenize during `prepare`
     loader_workers: int = 1
+    dedup: bool = True  # `prepare` drops documents whose normalised text an earlier one has (exact dedup)
+    tokenizer: str | None = None  # a sentencepiece .model to reuse (e.g. another dataset's tokenizer.model)
+    tokenizer_train_bytes: int | None = None  # train the tokenizer on a seeded sample of about this many bytes
 
 
 @dataclass
@@ -542,6 +545,12 @@ def _validate_data(config: Config) -> None:
         raise ConfigError(f"data.val_fraction={data.val_fraction} must be in [0, 1)")
     if data.loader_workers < 0 or data.prepare_workers < 1:
         raise ConfigError("data.loader_workers must be >= 0 and data.prepare_workers >= 1")
+    if data.tokenizer_train_bytes is not None and data.tokenizer_train_bytes <= 0:
+        raise ConfigError(f"data.tokenizer_train_bytes={data.tokenizer_train_bytes} must be positive, "
+                          "or null to train the tokenizer on the whole corpus")
+    if data.tokenizer is not None and data.tokenizer_train_bytes is not None:
+        raise ConfigError(f"data.tokenizer={data.tokenizer} reuses a tokenizer, so data.tokenizer_train_bytes="
+                          f"{data.tokenizer_train_bytes} would train none; set one of them")
 
 
 def resolve_for_world(config: Config, world_size: int) -> Config:

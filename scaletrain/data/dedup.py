@@ -1,16 +1,17 @@
 """Exact document deduplication: the first document with a given normalised text is kept, later copies dropped.
 
-Published corpora remove exact duplicates before anything fuzzier: CCNet hashes
-each paragraph after lower-casing, replacing digits by 0 and stripping
+Published corpora remove exact duplicates before anything fuzzier: CCNet
+hashes each paragraph after lower-casing, replacing digits by 0 and stripping
 punctuation and accents (Wenzek et al. 2020, "Deduplication"); Dolma drops
 documents whose URL, and paragraphs whose text, a Bloom filter has already seen
-(allenai/dolma, docs/deduplication.md); RefinedWeb combines MinHash near-duplicate
-removal with exact-substring removal (Penedo et al. 2023; Lee et al. 2022). We hash whole documents after a milder
-normalisation that only undoes encoding accidents — Unicode NFKC (full-width and
-ligature forms), case folding, and every whitespace run (CRLF, trailing blanks,
-re-wrapped lines) collapsed to one space. Digits, punctuation and accents are
-kept: whole documents that differ in them are different editions, which a
-corpus recipe's near-duplicate step (e.g. data_pipelines/shakespeare.py) decides on.
+(allenai/dolma, docs/deduplication.md); RefinedWeb combines MinHash
+near-duplicate removal with exact-substring removal (Penedo et al. 2023; Lee et
+al. 2022). We hash whole documents after a milder normalisation that only undoes
+encoding accidents: Unicode NFKC (full-width and ligature forms), case folding,
+and every whitespace run (CRLF, trailing blanks, re-wrapped lines) collapsed to
+one space. Digits, punctuation and accents are kept: whole documents that differ
+in them are different editions, which a corpus recipe's near-duplicate step
+(e.g. data_pipelines/shakespeare.py) decides on.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ def prepare_dataset(
     files = resolve_raw_paths(raw_paths)
     documents = list_documents(files)
     progress = PrepareProgress(show_progress)
+    num_duplicates = None
     if dedup:
         documents, num_duplicates = _drop_duplicates(documents, progress)
     splits = assign_splits([doc.name for doc in documents], val_fraction, seed)
@@ -74,14 +75,10 @@ def prepare_dataset(
             model_path = write_tokenizer(staging / TOKENIZER_PREFIX, reused_model, num_sentinels)
         tokenizer = Tokenizer.load(model_path)
         dtype = token_dtype(tokenizer.vocab_size)
-        writers = {split: SplitShardWriter(staging, split, max_tokens_per_shard, dtype) for split in SPLITS}
         progress.note(f"tokenizing {len(documents):,} documents with {num_workers} workers")
-        progress.start(len(documents))
-        token_arrays = tokenize_texts(model_path, iter_texts(documents), num_workers, dtype)
-        for doc_id, (split, tokens) in enumerate(zip(splits, token_arrays, strict=True)):
-            writers[split].add(doc_id, tokens)
-            progress.update(len(tokens))
-        progress.close()
+        writers = _write_shards(staging, documents, splits, model_path, dtype, max_tokens_per_shard, num_workers,
+                                progress)
+        source = "trained" if tokenizer_file is None else str(Path(tokenizer_file).resolve())
         manifest = Manifest(
             tokenizer_file=model_path.name,
             tokenizer_sha256=file_sha256(model_path),
@@ -91,10 +88,8 @@ def prepare_dataset(
             token_dtype=dtype.name,
             splits=_finish_splits(writers, staging),
             settings={"seed": seed, "val_fraction": val_fraction, "max_tokens_per_shard": max_tokens_per_shard,
-                      "num_raw_files": len(files), "dedup": dedup,
-                      "duplicates_dropped": num_duplicates if dedup else None,
-                      "tokenizer_source": "trained" if tokenizer_file is None else str(Path(tokenizer_file).resolve()),
-                      "tokenizer_train_bytes": tokenizer_train_bytes},
+                      "num_raw_files": len(files), "dedup": dedup, "duplicates_dropped": num_duplicates,
+                      "tokenizer_source": source, "tokenizer_train_bytes": tokenizer_train_bytes},
         )
         write_manifest(manifest, staging)
         _publish(staging, data_dir)
@@ -102,6 +97,20 @@ def prepare_dataset(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return load_manifest(data_dir)
+
+
+def _write_shards(staging: Path, documents: list[Document], splits: list[str], model_path: Path, dtype: np.dtype,
+                  max_tokens_per_shard: int, num_workers: int,
+                  progress: PrepareProgress) -> dict[str, SplitShardWriter]:
+    """Tokenize the documents in order into each split's shards; doc ids count the kept documents."""
+    writers = {split: SplitShardWriter(staging, split, max_tokens_per_shard, dtype) for split in SPLITS}
+    progress.start(len(documents))
+    token_arrays = tokenize_texts(model_path, iter_texts(documents), num_workers, dtype)
+    for doc_id, (split, tokens) in enumerate(zip(splits, token_arrays, strict=True)):
+        writers[split].add(doc_id, tokens)
+        progress.update(len(tokens))
+    progress.close()
+    return writers
 
 
 def _drop_duplicates(documents: list[Document], progress: PrepareProgress) -> tuple[list[Document], int]:
@@ -196,9 +205,11 @@ def tokenize_texts(model_path: Path, texts: Iterable[str], num_workers: int, dty
     Threads, not processes: sentencepiece's batched encode splits a list of
     texts over its own threads on one loaded model, so nothing is pickled to
     workers and back, as a process pool must for every text and token list.
-    Measured on 2 cores (benchmarks/tokenize_throughput.py), one thread matches a
-    plain `encode` loop and two run about 1.9x faster, where a 2-process pool
-    with per-document pickling was slower than the plain loop.
+    Measured on 2 shared cores (benchmarks/tokenize_throughput.py): one thread
+    costs the same CPU time as a plain `encode` loop, two run up to 1.9x faster
+    when the second core is free, where a 2-process pool with per-document
+    pickling ran slower than the plain loop. A batch is split between threads by
+    whole documents, so one huge document keeps one thread busy alone.
     """
     tokenizer = Tokenizer.load(model_path)
     for batch in batched_by_size(texts, num_workers * BATCH_CHARS_PER_THREAD):

@@ -91,9 +91,9 @@ def tokenizer_training_lines(documents: Sequence[Document], seed: int, max_sente
     With `sample_bytes`, documents are taken in the order of a hash of (seed, name)
     until their sizes add up to the budget, and lines are read from them only until
     each one's share is spent, so the lines total at most `sample_bytes` UTF-8 bytes
-    and the rest of the corpus is never read (a tokenizer learns its merges from a
-    few GB as well as from hundreds). The sample is a function of (seed, document
-    names and sizes), whatever order the files are listed in. Past `max_sentences`
+    and no other .txt file is read (a .jsonl file holding a sampled line is still
+    scanned for it): a tokenizer learns its merges from a few GB as well as from
+    hundreds. The sample is a function of (seed, document names and sizes). Past `max_sentences`
     lines, a seeded subset is chosen in a second pass so that only the chosen lines,
     never the whole corpus, are held in memory.
     """

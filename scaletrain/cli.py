@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scaletrain import __version__
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import Config, ConfigError, load_config
 from scaletrain.disk import DiskWriteError
 from scaletrain.model.registry import FAMILY_MODULES
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
+
+if TYPE_CHECKING:
+    from scaletrain.data.manifest import Manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,22 +124,46 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args: argparse.Namespace) -> None:
-    from scaletrain.data.manifest import MANIFEST_NAME
-    from scaletrain.data.prepare import prepare_dataset
+    """Prepare into data.dir; a remote data.dir (s3://, gs://, file://) is prepared in a staging
+    directory under the shard cache and uploaded, manifest last."""
+    from scaletrain.data.storage import ShardCacheSettings, dataset_location, is_local, upload_dataset, writable_url
 
     config = load_config(args.config, args.overrides)
-    data_dir = Path(config.data.dir)
-    if (data_dir / MANIFEST_NAME).is_file() and not args.force:
-        print(f"{data_dir} is already prepared; pass --force to rebuild it")
+    target = config.data.dir
+    if not is_local(target):
+        writable_url(target)
+    if dataset_location(config.data, target).is_prepared() and not args.force:
+        print(f"{target} is already prepared; pass --force to rebuild it")
         return
-    manifest = prepare_dataset(
-        config.data.raw, data_dir, vocab_size=config.data.vocab_size, num_sentinels=config.data.num_sentinels,
-        val_fraction=config.data.val_fraction, max_tokens_per_shard=config.data.max_tokens_per_shard,
-        num_workers=config.data.prepare_workers, seed=config.train.seed, overwrite=args.force, show_progress=True,
-    )
+    if is_local(target):
+        manifest = _prepare_into(config, Path(target), overwrite=args.force)
+    else:
+        staging_root = ShardCacheSettings.from_data_config(config.data).directory / "prepare"
+        staging_root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=staging_root))
+        try:
+            manifest = _prepare_into(config, staging / "dataset", overwrite=False)
+            print(f"uploading to {target}", file=sys.stderr)
+            upload_dataset(staging / "dataset", target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     totals = ", ".join(f"{name}: {split.num_docs} documents, {split.num_tokens} tokens in {len(split.shards)} shards"
                        for name, split in manifest.splits.items())
-    print(f"prepared {data_dir} ({totals})")
+    dropped = manifest.settings.get("duplicates_dropped")
+    duplicates = "; deduplication off" if dropped is None else f"; {dropped} exact duplicate documents dropped"
+    print(f"prepared {target} ({totals}{duplicates})")
+
+
+def _prepare_into(config: Config, data_dir: Path, overwrite: bool) -> Manifest:
+    from scaletrain.data.prepare import prepare_dataset
+
+    return prepare_dataset(
+        config.data.raw, data_dir, vocab_size=config.data.vocab_size, num_sentinels=config.data.num_sentinels,
+        val_fraction=config.data.val_fraction, max_tokens_per_shard=config.data.max_tokens_per_shard,
+        num_workers=config.data.prepare_workers, seed=config.train.seed, overwrite=overwrite, show_progress=True,
+        dedup=config.data.dedup, tokenizer_file=config.data.tokenizer,
+        tokenizer_train_bytes=config.data.tokenizer_train_bytes,
+    )
 
 
 def _train(args: argparse.Namespace) -> int:

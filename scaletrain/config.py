@@ -78,7 +78,10 @@ class DataConfig:
     num_sentinels: int = 100  # T5 <extra_id_i>, appended at the end of the vocabulary
     val_fraction: float = 0.05
     max_tokens_per_shard: int = 1 << 22
-    prepare_workers: int = 2
+    prepare_workers: int = 2  # sentencepiece threads that tokenize during `prepare`
+    dedup: bool = True  # `prepare` drops documents whose normalised text an earlier one has (exact dedup)
+    tokenizer: str | None = None  # a sentencepiece .model to reuse (e.g. another dataset's tokenizer.model)
+    tokenizer_train_bytes: int | None = None  # train the tokenizer on a seeded sample of about this many bytes
     loader_workers: int = 1
     # data.dir may be a URL (https://, s3://, gs://, file://) or 'pipe:COMMAND {file}' (data/storage.py);
     # remote shards are downloaded whole into this cache and memory-mapped. null: $SCALETRAIN_CACHE or
@@ -94,11 +97,6 @@ class DataConfig:
     def sources(self) -> list[BlendEntry]:
         """The datasets a run trains on: the blend's, or data.dir alone with weight 1."""
         return self.blend or [BlendEntry(self.dir, 1.0)]
-
-    @property
-    def tokenizer_dir(self) -> str:
-        """Where a run's tokenizer is: the (first) dataset it trains on, as all of a blend share one."""
-        return self.sources()[0].dir
 
 
 @dataclass
@@ -595,6 +593,12 @@ def _validate_data(config: Config) -> None:
         if location.startswith("pipe:") and "{file}" not in location:
             raise ConfigError(f"{key}={location!r} is a pipe: command without the {{file}} placeholder for the file "
                               "name; write e.g. 'pipe:aws s3 cp s3://bucket/dataset/{file} -'")
+    if data.tokenizer_train_bytes is not None and data.tokenizer_train_bytes <= 0:
+        raise ConfigError(f"data.tokenizer_train_bytes={data.tokenizer_train_bytes} must be positive, "
+                          "or null to train the tokenizer on the whole corpus")
+    if data.tokenizer is not None and data.tokenizer_train_bytes is not None:
+        raise ConfigError(f"data.tokenizer={data.tokenizer} reuses a tokenizer, so data.tokenizer_train_bytes="
+                          f"{data.tokenizer_train_bytes} would train none; set one of them")
 
 
 def resolve_for_world(config: Config, world_size: int) -> Config:

@@ -49,3 +49,17 @@ def test_loader_throughput_reports_every_configuration():
     for label, workers in itertools.product(("local", "http warm", "http cold"), (1, 2)):
         assert re.search(rf"{label} +workers={workers}: +[\d.]+ samples/s, +[\d,]+ tokens/s; headroom per node "
                          r"\(8 loaders\) +[\d.]+x", result.stdout), result.stdout
+def test_tokenize_throughput_times_the_plain_loop_and_prepare(small_dataset_raw: list[Path]):
+    works = [str(path) for path in small_dataset_raw if path.name.startswith(("phoenix", "sonnets"))]
+    result = subprocess.run(
+        [sys.executable, "benchmarks/tokenize_throughput.py", *works, "--vocab-size", "400", "--num-sentinels",
+         "8", "--repeats", "1", "--end-to-end"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rate = r"[\d,]+ tokens/s, [\d.]+ MB/s"
+    assert re.search(rf"plain sentencepiece encode loop: {rate}", result.stdout), result.stdout
+    for workers in (1, 2):
+        assert re.search(rf"prepare tokenization, {workers} worker\(s\): {rate} .*; [\d.]+x the plain loop",
+                         result.stdout), result.stdout
+        assert re.search(rf"prepare end to end, {workers} worker\(s\): {rate}", result.stdout), result.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 
+import numpy as np
 import pytest
 
 from scaletrain import __version__
@@ -88,3 +89,35 @@ def test_prepare_reports_its_stages_and_progress_as_plain_lines_in_a_log(small_d
     assert "\r" not in result.stderr and 1 <= len(progress) <= 10, lines
     assert progress[-1].startswith(f"prepare: tokenized {len(small_dataset_raw)}/{len(small_dataset_raw)} documents")
     assert result.stdout.startswith(f"prepared {tmp_path / 'data'}")
+
+
+def test_prepare_into_a_url_uploads_a_dataset_that_reads_like_a_local_one(small_dataset_raw, tmp_path):
+    from scaletrain.data.dataset import PackedSequenceDataset
+    from scaletrain.data.storage import ShardCacheSettings
+
+    works = [path for path in small_dataset_raw if path.name.startswith(("phoenix", "sonnets", "tempest"))]
+    raw_dir = tmp_path / "raw"
+    raw_dir.mkdir()
+    for path in works:
+        (raw_dir / path.name).write_bytes(path.read_bytes())
+    common = ["configs/gpt_tiny.yaml", f"data.raw=[{raw_dir}]", "data.vocab_size=1024", "data.num_sentinels=16",
+              "data.val_fraction=0.3", f"data.cache_dir={tmp_path / 'cache'}"]
+    remote_url = f"file://{tmp_path / 'bucket' / 'ds'}"
+    for target in (str(tmp_path / "local"), remote_url):
+        result = subprocess.run([*launcher(1), "prepare", *common, f"data.dir={target}"], cwd=REPO,
+                                env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.startswith(f"prepared {target}")
+    assert not any((tmp_path / "cache" / "prepare").iterdir()), "the staging copy was left behind"
+    cache = ShardCacheSettings(tmp_path / "reader_cache")
+    local = PackedSequenceDataset(tmp_path / "local", "train", 64)
+    remote = PackedSequenceDataset(remote_url, "train", 64, cache=cache)
+    assert remote.num_samples == local.num_samples
+    for index in range(0, local.num_samples, 7):
+        np.testing.assert_array_equal(remote.sample(index), local.sample(index))
+
+    refused = subprocess.run([*launcher(1), "prepare", *common, "data.dir=https://example.com/ds"], cwd=REPO,
+                             env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert "cannot write a dataset to https://example.com/ds" in refused.stderr
+    assert "prepare: training" not in refused.stderr  # refused before any work

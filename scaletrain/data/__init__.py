@@ -4,6 +4,7 @@ Modules, one concern each:
   errors      DataError, the one exception for data problems a user can fix
   tokenizer   sentencepiece BPE with the fixed special-id layout BERT/T5 rely on
   documents   raw input files -> named documents, deterministic train/val split
+  dedup       exact deduplication of documents by a hash of their normalised text
   shards      webdataset tar shards and the byte-offset index for zero-copy reads
   manifest    manifest.json: what was prepared, with checksums; loading + checks
   storage     where a dataset lives: local, fsspec URL or pipe: command; the verified shard cache

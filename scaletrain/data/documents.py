@@ -17,11 +17,16 @@ SUFFIXES = (".txt", ".jsonl")
 
 @dataclass(frozen=True)
 class Document:
-    """Where a document's text is. `name` is stable across runs and decides the split."""
+    """Where a document's text is. `name` is stable across runs and decides the split.
+
+    `num_bytes` is its size on disk (the .txt file, or the .jsonl line with its JSON escapes), known
+    without reading the text, so a byte budget (the tokenizer's training sample) can be planned up front.
+    """
 
     name: str
     path: Path
     line: int | None = None  # 0-based line of a .jsonl file; None for a whole .txt file
+    num_bytes: int = 0
 
 
 def resolve_raw_paths(raw_paths: Sequence[Path | str]) -> list[Path]:
@@ -57,9 +62,10 @@ def list_documents(files: Sequence[Path]) -> list[Document]:
         name = path.name
         if path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as lines:
-                documents.extend(Document(f"{name}:{n}", path, n) for n, line in enumerate(lines) if line.strip())
+                documents.extend(Document(f"{name}:{n}", path, n, len(line.encode()))
+                                 for n, line in enumerate(lines) if line.strip())
         else:
-            documents.append(Document(name, path))
+            documents.append(Document(name, path, num_bytes=path.stat().st_size))
     return documents
 
 

@@ -441,13 +441,9 @@ def upload_dataset(local_dir: Path, location: str) -> str:
     Order: shards, split indexes, tokenizer files, then manifest.json last, so a reader never finds a
     manifest whose files are not all there (it is what makes a directory a dataset).
     """
-    if str(location).startswith(PIPE_PREFIX) or str(location).split("://", 1)[0] in ("http", "https"):
-        raise DataError(f"cannot write a dataset to {location}: it is read-only here; prepare the dataset locally "
-                        "and upload the directory with that service's own tool (aws s3 cp --recursive, gsutil, "
-                        "rsync), or upload_dataset to a writable fsspec URL (s3://, gs://, file://)")
+    url = writable_url(location)
     source = LocalDataset(Path(local_dir))
     manifest = source.load_manifest()
-    url = str(location) if "://" in str(location) else f"file://{Path(location).resolve()}"
     filesystem = filesystem_for(url)
     target = url.rstrip("/")
     filesystem.makedirs(target, exist_ok=True)
@@ -457,3 +453,13 @@ def upload_dataset(local_dir: Path, location: str) -> str:
     for name in [*shards, *indexes, manifest.tokenizer_file, layout, MANIFEST_NAME]:
         filesystem.put_file(str(Path(local_dir) / name), f"{target}/{name}")
     return str(location)
+
+
+def writable_url(location: str | Path) -> str:
+    """The fsspec URL `upload_dataset` writes to; refuses, before any work is done, a location that
+    is read-only here (a pipe: command, plain HTTP)."""
+    if str(location).startswith(PIPE_PREFIX) or str(location).split("://", 1)[0] in ("http", "https"):
+        raise DataError(f"cannot write a dataset to {location}: it is read-only here; prepare the dataset locally "
+                        "and upload the directory with that service's own tool (aws s3 cp --recursive, gsutil, "
+                        "rsync), or give a writable fsspec URL (s3://, gs://, file://)")
+    return str(location) if "://" in str(location) else f"file://{Path(location).resolve()}"

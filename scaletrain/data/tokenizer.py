@@ -38,20 +38,23 @@ MAX_TRAINING_LINE_CHARS = 4096
 
 
 def train_tokenizer(
-    text_files: Sequence[Path],
+    sources: Sequence[Path] | Sequence[Document],
     output_prefix: Path,
     vocab_size: int,
     num_sentinels: int = 100,
     seed: int = 0,
     max_sentences: int = 2_000_000,
+    sample_bytes: int | None = None,
 ) -> Path:
-    """Train a BPE model on the lines of `text_files`; write `<prefix>.model` and `<prefix>.layout.json`.
+    """Train a BPE model on the lines of `sources`; write `<prefix>.model` and `<prefix>.layout.json`.
 
+    `sources` are raw files, or the Documents `prepare` kept after deduplication.
     sentencepiece learns `vocab_size - num_sentinels` pieces; the sentinels take
-    the last `num_sentinels` ids. Deterministic: lines are subsampled (if there
-    are more than `max_sentences`) by our own seeded generator, and training runs
-    on one thread (thread count is recorded in the model file, and BPE on a few
-    MB takes about a second anyway). Returns the `.model` path.
+    the last `num_sentinels` ids. With `sample_bytes` it learns from a seeded
+    sample of about that many bytes (see `tokenizer_training_lines`). Deterministic:
+    lines are subsampled (if there are more than `max_sentences`) by our own seeded
+    generator, and training runs on one thread (thread count is recorded in the
+    model file, and BPE on a few MB takes about a second anyway). Returns the `.model` path.
     """
     num_pieces = vocab_size - num_sentinels
     minimum = len(SPECIAL_IDS) + 256 + 1
@@ -60,7 +63,8 @@ def train_tokenizer(
             f"vocab_size={vocab_size} with num_sentinels={num_sentinels} leaves {num_pieces} sentencepiece pieces; "
             f"need at least {minimum} (7 special ids + 256 byte pieces + merges): raise vocab_size."
         )
-    lines = _training_lines(text_files, max_sentences, seed)
+    documents = [s for s in sources if isinstance(s, Document)] or list_documents([Path(s) for s in sources])
+    lines = tokenizer_training_lines(documents, seed, max_sentences, sample_bytes)
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
     try:
@@ -75,31 +79,75 @@ def train_tokenizer(
     except RuntimeError as error:
         raise DataError(
             f"sentencepiece could not train vocab_size={vocab_size} (num_sentinels={num_sentinels}) on "
-            f"{len(text_files)} files: {error}. Lower vocab_size or add text."
+            f"{len(lines):,} lines of {len(sources)} sources: {error}. Lower vocab_size or add text."
         ) from error
-    return _write_tokenizer(Path(output_prefix), model.getvalue(), num_sentinels)
+    return write_tokenizer(Path(output_prefix), model.getvalue(), num_sentinels)
 
 
-def _training_lines(text_files: Sequence[Path], max_sentences: int, seed: int) -> list[str]:
-    """Non-blank lines of the files; past `max_sentences`, a seeded subset chosen in a second pass
-    so that only the chosen lines, never the whole corpus, are held in memory."""
-    documents = list_documents([Path(path) for path in text_files])
-    total = sum(1 for _ in _lines(documents))
+def tokenizer_training_lines(documents: Sequence[Document], seed: int, max_sentences: int = 2_000_000,
+                             sample_bytes: int | None = None) -> list[str]:
+    """The non-blank lines sentencepiece learns from: all of them, or a seeded sample.
+
+    With `sample_bytes`, documents are taken in the order of a hash of (seed, name)
+    until their sizes add up to the budget, and lines are read from them only until
+    each one's share is spent, so the lines total at most `sample_bytes` UTF-8 bytes
+    and no other .txt file is read (a .jsonl file holding a sampled line is still
+    scanned for it): a tokenizer learns its merges from a few GB as well as from
+    hundreds. The sample is a function of (seed, document names and sizes). Past `max_sentences`
+    lines, a seeded subset is chosen in a second pass so that only the chosen lines,
+    never the whole corpus, are held in memory.
+    """
+    shares = None
+    if sample_bytes is not None:
+        documents, shares = sample_documents(documents, sample_bytes, seed)
+    total = sum(1 for _ in _lines(documents, shares))
     if total == 0:
-        raise DataError(f"no text to train the tokenizer on in {len(text_files)} files, e.g. {text_files[:3]}")
+        where = ", ".join(str(doc.path) for doc in documents[:3])
+        raise DataError(f"no text to train the tokenizer on in {len(documents)} documents, e.g. {where}")
     if total <= max_sentences:
-        return list(_lines(documents))
+        return list(_lines(documents, shares))
     chosen = np.zeros(total, dtype=bool)
     chosen[np.random.default_rng(seed).choice(total, size=max_sentences, replace=False)] = True
-    return [line for number, line in enumerate(_lines(documents)) if chosen[number]]
+    return [line for number, line in enumerate(_lines(documents, shares)) if chosen[number]]
 
 
-def _lines(documents: Sequence[Document]) -> Iterator[str]:
-    for text in iter_texts(documents):
-        yield from (line[:MAX_TRAINING_LINE_CHARS] for line in text.split("\n") if line.strip())
+def sample_documents(documents: Sequence[Document], sample_bytes: int,
+                     seed: int) -> tuple[list[Document], list[int]]:
+    """A seeded sample of about `sample_bytes`: (documents in corpus order, bytes to take from each)."""
+    if sample_bytes <= 0:
+        raise DataError(f"tokenizer_train_bytes={sample_bytes} must be positive")
+
+    def sample_key(index: int) -> bytes:
+        return hashlib.sha256(f"tokenizer-sample:{seed}:{documents[index].name}".encode()).digest()
+
+    shares: dict[int, int] = {}
+    remaining = sample_bytes
+    for index in sorted(range(len(documents)), key=sample_key):
+        if remaining <= 0:
+            break
+        shares[index] = min(max(documents[index].num_bytes, 1), remaining)
+        remaining -= shares[index]
+    chosen = sorted(shares)
+    return [documents[index] for index in chosen], [shares[index] for index in chosen]
 
 
-def _write_tokenizer(prefix: Path, model_bytes: bytes, num_sentinels: int) -> Path:
+def _lines(documents: Sequence[Document], shares: Sequence[int] | None = None) -> Iterator[str]:
+    """Training lines, cut to MAX_TRAINING_LINE_CHARS; with `shares`, at most that many bytes per document."""
+    for number, text in enumerate(iter_texts(documents)):
+        budget = None if shares is None else shares[number]
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            line = line[:MAX_TRAINING_LINE_CHARS]
+            if budget is not None:
+                budget -= len(line.encode())
+                if budget < 0:
+                    break
+            yield line
+
+
+def write_tokenizer(prefix: Path, model_bytes: bytes, num_sentinels: int) -> Path:
+    """Write `<prefix>.model` and the `<prefix>.layout.json` that `Tokenizer.load` checks it against."""
     model_path = prefix.with_name(prefix.name + ".model")
     processor = spm.SentencePieceProcessor(model_proto=model_bytes)
     layout = {
@@ -115,6 +163,54 @@ def _write_tokenizer(prefix: Path, model_bytes: bytes, num_sentinels: int) -> Pa
     _write_atomic(model_path, model_bytes)
     _write_atomic(_layout_path(prefix), (json.dumps(layout, indent=1) + "\n").encode())
     return model_path
+
+
+def read_reusable_model(model_file: Path, vocab_size: int, num_sentinels: int) -> bytes:
+    """The bytes of an existing sentencepiece model, once checked to fit this vocab_size and num_sentinels.
+
+    Datasets that share a tokenizer share token ids, so a model trained on one
+    corpus (or a sample of it) can tokenize another, or a larger version of the
+    same. It must have our layout: the 7 special pieces, then the 256 byte pieces
+    (byte fallback, which exact round trips and '\\n' as <0x0A> rely on). A
+    `<prefix>.layout.json` beside it (as `prepare` writes) must agree with it.
+    """
+    model_file = Path(model_file)
+    fix = "point data.tokenizer at another dataset's tokenizer.model, or remove it to train a new tokenizer"
+    if not model_file.is_file():
+        raise DataError(f"data.tokenizer={model_file} is not a file; {fix}")
+    model_bytes = model_file.read_bytes()
+    try:
+        processor = spm.SentencePieceProcessor(model_proto=model_bytes)
+    except RuntimeError as error:
+        raise DataError(f"data.tokenizer={model_file} is not a sentencepiece model ({error}); {fix}") from error
+    _check_reusable_layout(model_file, processor, fix)
+    layout_path = _layout_path(_prefix_of(model_file))
+    layout = json.loads(layout_path.read_text()) if layout_path.is_file() else None
+    pieces = processor.get_piece_size()
+    sentinels = num_sentinels if layout is None else layout["num_sentinels"]
+    if layout is not None and layout["model_sha256"] != hashlib.sha256(model_bytes).hexdigest():
+        raise DataError(f"data.tokenizer={model_file} does not match {layout_path} beside it (another training); "
+                        f"copy the two files together, or {fix}")
+    if (pieces + num_sentinels, num_sentinels) != (vocab_size, sentinels):
+        made_with = "" if layout is None else f" (it was made with num_sentinels={sentinels})"
+        raise DataError(
+            f"data.tokenizer={model_file} has {pieces} sentencepiece pieces{made_with}, which does not fit "
+            f"data.vocab_size={vocab_size} with data.num_sentinels={num_sentinels}: set "
+            f"data.vocab_size={pieces + sentinels} data.num_sentinels={sentinels} to reuse it, "
+            "or remove data.tokenizer to train a new tokenizer"
+        )
+    return model_bytes
+
+
+def _check_reusable_layout(model_file: Path, processor: spm.SentencePieceProcessor, fix: str) -> None:
+    expected = [PAD, UNK, BOS, EOS, *USER_SYMBOLS, *(f"<0x{byte:02X}>" for byte in range(256))]
+    if processor.get_piece_size() < len(expected) or [
+        processor.id_to_piece(i) for i in range(len(expected))
+    ] != expected:
+        raise DataError(
+            f"data.tokenizer={model_file} lacks scaletrain's id layout (ids 0-6 {expected[:7]}, then the 256 byte "
+            f"pieces <0x00>..<0xFF>); it was not made by `scaletrain prepare`: {fix}"
+        )
 
 
 def _write_atomic(path: Path, payload: bytes) -> None:
@@ -186,6 +282,14 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int) -> list[list[int]]:
+        """Ids of each text, as `encode` gives them, encoded on `num_threads` of sentencepiece's C++ threads.
+
+        One call per batch costs one Python round trip instead of one per text,
+        and the threads share one loaded model (benchmarks/tokenize_throughput.py).
+        """
+        return self._processor.encode(texts, num_threads=num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; sentinel ids render as `<extra_id_i>`, pad/bos/eos as nothing."""

@@ -1,5 +1,6 @@
 """A blended run through the CLI: prepared with one reused tokenizer, checked, trained on two ranks,
-stopped mid-run and resumed exactly, with a validation loss per dataset and their weighted mean."""
+stopped mid-run and resumed exactly (reading one dataset over HTTP the second time), with a
+validation loss per dataset and their weighted mean."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMALL_DATASET_SETTINGS
+from tests.data.test_storage import serve
 from tests.train.runs import DEMO_CONFIG, run_scaletrain, tiny_overrides
 
 WEIGHTS = {"shakespeare": 0.25, "tragedies": 0.75}
@@ -37,7 +39,7 @@ def tragedies_dataset(shakespeare_corpus: list[Path], small_dataset: Path,
     return data_dir
 
 
-def blend_overrides(small_dataset: Path, tragedies: Path, run_dir: Path, *extra: str) -> list[str]:
+def blend_overrides(small_dataset: Path, tragedies: Path | str, run_dir: Path, *extra: str) -> list[str]:
     blend = (f"data.blend=[{{dir: {small_dataset}, weight: 1, name: shakespeare}}, "
              f"{{dir: {tragedies}, weight: 3, name: tragedies}}]")
     return [str(DEMO_CONFIG), *tiny_overrides(small_dataset, run_dir), blend, f"train.steps={STEPS}",
@@ -57,9 +59,12 @@ def test_a_blended_run_resumes_exactly_and_reports_each_dataset(small_dataset: P
 
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     run_scaletrain("train", blend_overrides(small_dataset, tragedies_dataset, straight), nproc=2)
-    run_scaletrain("train", blend_overrides(small_dataset, tragedies_dataset, interrupted, "train.exit_after=4"),
-                   nproc=2, stopped_early=True)
-    run_scaletrain("train", blend_overrides(small_dataset, tragedies_dataset, interrupted), nproc=2)
+    with serve(tragedies_dataset) as (url, requests):
+        remote = [f"data.cache_dir={tmp_path / 'cache'}"]
+        run_scaletrain("train", blend_overrides(small_dataset, url, interrupted, "train.exit_after=4", *remote),
+                       nproc=2, stopped_early=True)
+        run_scaletrain("train", blend_overrides(small_dataset, url, interrupted, *remote), nproc=2)
+    assert requests["manifest.json"] > 0 and any(name.startswith("train-") for name in requests)
 
     def by_step(run_dir: Path) -> tuple[dict[int, float], dict[int, dict]]:
         losses, evaluations = {}, {}

@@ -602,9 +602,13 @@ def _validate_data(config: Config) -> None:
 
 
 def resolve_for_world(config: Config, world_size: int) -> Config:
-    """The config with parallel.data and train.grad_accum fixed for this world size.
+    """The config with parallel.data, parallel.zero_stage and train.grad_accum fixed for this world size.
 
-    DP is derived from the world size, or checked against it when the config sets it.
+    DP is derived from the world size, or checked against it when the config sets it. ZeRO-1/2
+    with one data-parallel rank and no pipeline have nothing to partition and run as stage 0:
+    DeepSpeed's plain optimizer path, without ZeRO's flat fp32 copies of every weight and gradient
+    and the copies back each step (a 30M GPT on CPU: 1.24x a plain PyTorch loop as ZeRO-1, 0.99x as
+    stage 0). Pipelines keep their stage: DeepSpeed's pipelined ZeRO-0 checkpoints do not reshard.
     """
     model_parallel = config.parallel.tensor * config.parallel.pipeline
     if world_size % model_parallel:
@@ -629,9 +633,12 @@ def resolve_for_world(config: Config, world_size: int) -> Config:
                 "change the micro-batch size or the number of processes"
             )
         grad_accum = config.train.global_batch_size // per_step
+    zero_stage = config.parallel.zero_stage
+    if data_parallel == 1 and config.parallel.pipeline == 1 and zero_stage in (1, 2):
+        zero_stage = 0
     return dataclasses.replace(
         config,
-        parallel=dataclasses.replace(config.parallel, data=data_parallel),
+        parallel=dataclasses.replace(config.parallel, data=data_parallel, zero_stage=zero_stage),
         train=dataclasses.replace(config.train, grad_accum=grad_accum, global_batch_size=None),
     )
 

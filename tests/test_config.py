@@ -110,3 +110,16 @@ def test_llama_configs_load_with_their_published_sizes(name, params):
     from scaletrain.scaling.counts import model_counts
 
     assert model_counts(load_config(REPO / "configs" / f"{name}.yaml")).total_params == params
+
+
+@pytest.mark.parametrize(("world_size", "overrides", "stage"), [
+    (1, ["parallel.zero_stage=1"], 0),  # one data-parallel rank: nothing to partition
+    (1, ["parallel.zero_stage=2"], 0),
+    (1, ["parallel.zero_stage=3"], 3),  # asked for explicitly, kept (it changes how weights are held)
+    (2, ["parallel.zero_stage=1"], 1),
+    (2, ["parallel.zero_stage=2", "parallel.tensor=2"], 0),
+    (2, ["parallel.zero_stage=1", "parallel.pipeline=2"], 1),  # pipelined ZeRO-0 checkpoints do not reshard
+])
+def test_zero_stages_that_partition_nothing_run_as_stage_0(world_size, overrides, stage):
+    config = resolve_for_world(load_config(REPO / "configs" / "gpt_tiny.yaml", overrides), world_size)
+    assert config.parallel.zero_stage == stage

@@ -26,7 +26,7 @@ def deepspeed_config(config: Config, precision: str) -> dict[str, Any]:
         "gradient_accumulation_steps": config.train.grad_accum,
         "gradient_clipping": config.train.grad_clip,
         "zero_optimization": {"stage": config.parallel.zero_stage},
-        # Our optimizer is torch's AdamW (fused on GPU); DeepSpeed only wraps it for ZeRO.
+        # Our optimizer is torch's fused AdamW; DeepSpeed only wraps it for ZeRO.
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision == "bf16"},
         "steps_per_print": 1 << 62,
@@ -47,7 +47,9 @@ def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> t
         apex_adam = _apex_fused_adam()
         if apex_adam is not None:
             return apex_adam(groups, lr=config.train.lr, betas=betas, eps=1e-8, adam_w_mode=True)
-    return torch.optim.AdamW(groups, lr=config.train.lr, betas=betas, eps=1e-8, fused=device.type == "cuda")
+    # torch's fused AdamW (one kernel over all tensors; on CPU since torch 2.4) rather than its
+    # default per-tensor loop, which CPU tensors otherwise get.
+    return torch.optim.AdamW(groups, lr=config.train.lr, betas=betas, eps=1e-8, fused=True)
 
 
 def _apex_fused_adam() -> type | None:
@@ -101,5 +103,24 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         config=deepspeed_config(config, precision),
         mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
     )
+    if topology.data_parallel_size == 1 and config.parallel.zero_stage == 0 and topology.pipeline_parallel_size == 1:
+        # Nothing to average: DeepSpeed would still flatten every gradient into buckets, all-reduce
+        # them over a group of one and copy them back, each step. (ZeRO-1/2 move gradients into
+        # their partitions on that path, and the pipeline engine has its own; both keep it.)
+        engine.enable_backward_allreduce = False
+    _keep_clipping_norm(engine)
     safe_checkpoint_engine(engine)
     return engine
+
+
+def _keep_clipping_norm(engine: Any) -> None:
+    """Without ZeRO or bf16, DeepSpeed clips with the global gradient norm it computes but does not keep
+    it (`clip_fp32_gradients` drops clip_grad_norm_'s return), so `get_global_grad_norm` would say
+    None: keep it, as the ZeRO and bf16 optimizers do, for the step's `grad_norm`."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_keep_norm() -> None:
+        engine._global_grad_norm = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_and_keep_norm

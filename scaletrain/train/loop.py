@@ -119,10 +119,10 @@ def _run(
     flops_per_step = model_counts(config).flops_per_token * tokens_per_step
     peak_flops = _cluster_peak_flops(config, topology)
     objective = build_objective(config)
-    batches = _device_batches(
+    batches = TimedBatches(_device_batches(
         objective.train_loader(topology.data_parallel_rank, topology.data_parallel_size, state.consumed_samples),
         topology.device,
-    )
+    ))
     if state.step == 0 and config.train.eval_every:
         logger.log({"step": 0, **evaluate(engine, objective, topology)})
     interactive = sys.stderr.isatty()
@@ -137,6 +137,7 @@ def _run(
     try:
         while state.step < config.train.steps:
             step_started = time.perf_counter()
+            batches.take_waited()
             guard.start_step(inject_nonfinite_loss=state.step + 1 in config.train.inject_nonfinite_loss_at
                              and topology.data_parallel_rank == 0)
             # The LR is a function of the step and the config as written now, so a resume with a
@@ -150,7 +151,8 @@ def _run(
             state.consecutive_skipped_steps = state.consecutive_skipped_steps + 1 if guard.skipped else 0
             steps_this_run += 1
             record.update(step=state.step, tokens=state.step * tokens_per_step, step_time_s=elapsed,
-                          tokens_per_s=tokens_per_step / elapsed, skipped_steps=state.skipped_steps)
+                          tokens_per_s=tokens_per_step / elapsed, skipped_steps=state.skipped_steps,
+                          data_wait_fraction=batches.take_waited() / elapsed)
             if peak_flops:
                 record["mfu"] = flops_per_step / elapsed / peak_flops
             if state.step % config.train.log_every == 0:
@@ -331,6 +333,30 @@ def _load_any_layout(engine: Any, path: Path, config: Config, topology: Topology
 def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     for batch in loader:
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+class TimedBatches:
+    """The training batches, counting the wall time a step spends waiting for the next one: the
+    loader (its workers, tokenization-free packed reads, collation) is off the critical path when
+    `data_wait_fraction` in metrics.jsonl stays near 0."""
+
+    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]) -> None:
+        self._batches = batches
+        self.waited_s = 0.0
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
+        try:
+            return next(self._batches)
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def take_waited(self) -> float:
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
 
 
 def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:

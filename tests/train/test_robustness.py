@@ -239,10 +239,10 @@ def running(pid: str) -> bool:
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    """A 4 MiB tmpfs (room for one 2.8 MB checkpoint of the tiny model, not two); root only."""
+    """A 3 MiB tmpfs (room for one 2.1 MB checkpoint of the tiny model, not two); root only."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount_point)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill ({mounted.stderr.strip()}); needs root")

@@ -48,7 +48,8 @@ def test_validation_loss_falls_on_real_text(trained_run: Path, small_dataset: Pa
     assert validation[0] > validation[100] > validation[200]
     assert validation[200] < unigram_cross_entropy(small_dataset, 64, 16) - 0.15, "no better than unigram statistics"
     record = training[200]
-    assert {"loss", "lr", "tokens", "tokens_per_s", "grad_norm", "step_time_s"} <= set(record)
+    assert {"loss", "lr", "tokens", "tokens_per_s", "grad_norm", "step_time_s", "data_wait_fraction"} <= set(record)
+    assert 0 <= record["data_wait_fraction"] < 1
     assert record["tokens"] == 200 * 8 * 64
     assert record["lr"] < training[10]["lr"], "cosine decay"
 

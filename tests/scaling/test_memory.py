@@ -67,10 +67,16 @@ def test_two_rank_weights_and_optimizer_state_exact_per_rank(case, two_rank_meas
         assert (rank[case]["weights"], rank[case]["optimizer"]) == (weights, optimizer)
 
 
-def test_zero1_data_parallel_halves_the_optimizer_state(single_rank_measurements, two_rank_measurements):
-    single = single_rank_measurements["zero1"]["optimizer"]
+def test_zero1_on_one_rank_holds_no_master_copy(single_rank_measurements):
+    """ZeRO-1 with nothing to partition runs as stage 0 (resolve_for_world): no fp32 master copy."""
+    assert single_rank_measurements["zero1"] == single_rank_measurements["zero0"]
+
+
+def test_zero1_data_parallel_halves_the_master_weights_and_moments(single_rank_measurements, two_rank_measurements):
+    """Per rank: half of the fp32 master weights and both Adam moments (12 bytes per parameter)."""
+    num_params = single_rank_measurements["zero0"]["weights"] // 4
     for rank in two_rank_measurements:
-        assert abs(rank["dp2_zero1"]["optimizer"] - single / 2) <= 64  # padding + step counters
+        assert abs(rank["dp2_zero1"]["optimizer"] - 12 * num_params / 2) <= 64  # padding + step counters
 
 
 def test_gradients_without_zero_are_one_per_weight(single_rank_measurements):

@@ -46,7 +46,6 @@ import argparse
 import glob
 import gzip
 import json
-import os
 import re
 import shutil
 import sys
@@ -55,6 +54,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from scaletrain.disk import replace_directory
 
 RECIPE_VERSION = 1
 SOURCE_NAME = "SOURCE.json"
@@ -380,7 +381,7 @@ def build_corpus(
                               f"{counts['dropped']}); loosen the filters or check --language")
         summary = {"recipe_version": RECIPE_VERSION, "settings": settings, "counts": counts, "files": files}
         (staging / SOURCE_NAME).write_text(json.dumps(summary, indent=1) + "\n")
-        publish(staging, out_dir)
+        replace_directory(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -419,17 +420,6 @@ def check_target(out_dir: Path, existing: dict | None, overwrite: bool) -> None:
     if not overwrite:
         raise CorpusError(f"{out_dir} holds a {existing['settings']['recipe']} corpus built with other settings; "
                           "pass --overwrite to replace it or pick another --out")
-
-
-def publish(staging: Path, out_dir: Path) -> None:
-    """Swap the finished staging dir in; an old corpus goes only after the new one is in place."""
-    retired = None
-    if out_dir.exists():
-        retired = out_dir.with_name(f".{out_dir.name}.retired-{os.getpid()}")
-        os.rename(out_dir, retired)
-    os.rename(staging, out_dir)
-    if retired is not None:
-        shutil.rmtree(retired)
 
 
 def parse_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, CorpusOptions]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 
@@ -40,3 +41,15 @@ def free_bytes(path: Path) -> int:
     `parents`, `/` or `.`, always exists)."""
     existing = next(candidate for candidate in (path, *path.parents) if candidate.exists())
     return shutil.disk_usage(existing).free
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Swap a finished staging directory in for `target`: an old `target` is renamed aside first and
+    removed only once the new one is in place, so readers find the old contents or the new, never half."""
+    retired = None
+    if target.exists():
+        retired = target.with_name(f".{target.name}.retired-{os.getpid()}")
+        os.rename(target, retired)
+    os.rename(staging, target)
+    if retired is not None:
+        shutil.rmtree(retired)

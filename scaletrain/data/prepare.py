@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from scaletrain.data.errors import DataError
 from scaletrain.data.manifest import MANIFEST_NAME, Manifest, SplitInfo, file_sha256, load_manifest, write_manifest
 from scaletrain.data.shards import SplitShardWriter, token_dtype
 from scaletrain.data.tokenizer import Tokenizer, read_reusable_model, train_tokenizer, write_tokenizer
+from scaletrain.disk import replace_directory
 
 SPLITS = ("train", "val")
 TOKENIZER_PREFIX = "tokenizer"
@@ -92,7 +92,7 @@ def prepare_dataset(
                       "tokenizer_source": source, "tokenizer_train_bytes": tokenizer_train_bytes},
         )
         write_manifest(manifest, staging)
-        _publish(staging, data_dir)
+        replace_directory(staging, data_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -181,17 +181,6 @@ def _check_target(data_dir: Path, overwrite: bool) -> None:
         raise DataError(f"{data_dir} exists and is not a prepared dataset; choose another data_dir or empty it")
     if not overwrite:
         raise DataError(f"{data_dir} already holds a prepared dataset; delete it or pass overwrite=True to replace it")
-
-
-def _publish(staging: Path, data_dir: Path) -> None:
-    """Swap the finished staging dir in; the old dataset (if any) goes only after the new one is in place."""
-    retired = None
-    if data_dir.exists():
-        retired = data_dir.with_name(f".{data_dir.name}.retired-{os.getpid()}")
-        os.rename(data_dir, retired)
-    os.rename(staging, data_dir)
-    if retired is not None:
-        shutil.rmtree(retired)
 
 
 # Texts per sentencepiece call: enough for every thread to stay busy to the end of a batch

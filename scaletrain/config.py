@@ -148,6 +148,15 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 0
+    # cosine: warmup, then cosine decay to min_lr at train.steps (GPT-3). wsd: warmup, constant, then a
+    # cooldown over the last cooldown_fraction of the steps (train/schedule.py); a WSD run can be
+    # continued past its stable phase, which is what cooldown branches and ladder sweeps use.
+    lr_schedule: str = "cosine"
+    cooldown_fraction: float = 0.2  # wsd: Hägele et al. 2024 find a 20% 1-sqrt cooldown matches cosine
+    cooldown_shape: str = "sqrt"  # wsd: sqrt (lr falls as 1 - sqrt(progress)) | linear
+    # A checkpoint directory (RUN/checkpoints/step_NNNNNNNN) this run starts from when it has no
+    # checkpoint of its own: a cooldown branch of a WSD run (weights, optimizer, step, data position, RNG).
+    branch_from: str | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -171,11 +180,27 @@ class TrainConfig:
     # steps (1-based, as logged) the first data-parallel rank's loss is made NaN. Leave empty.
     inject_nonfinite_loss_at: list[int] = field(default_factory=list)
 
+    @property
+    def cooldown_steps(self) -> int:
+        """Steps of the WSD cooldown at the end of the run (0 for cosine, or wsd with no cooldown)."""
+        return cooldown_steps(self.steps, self.cooldown_fraction) if self.lr_schedule == "wsd" else 0
+
+
+LR_SCHEDULES = ("cosine", "wsd")
+COOLDOWN_SHAPES = ("sqrt", "linear")
+
+
+def cooldown_steps(steps: int, fraction: float) -> int:
+    """round(fraction x steps): the one rounding a run's schedule and a ladder's branch points share."""
+    return round(fraction * steps)
+
 
 @dataclass
 class CheckpointConfig:
     every: int = 100
     keep_last: int = 2
+    # steps that are also checkpointed and never pruned: the branch points of a WSD run's cooldowns
+    keep_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -373,9 +398,14 @@ def validate(config: Config) -> None:
     _validate_objective(config)
     _validate_parallel(config)
     _validate_train(config)
+    _validate_schedule(config.train)
     _validate_data(config)
     if config.checkpoint.every < 1 or config.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
+    outside = [step for step in config.checkpoint.keep_steps if not 1 <= step <= config.train.steps]
+    if outside:
+        raise ConfigError(f"checkpoint.keep_steps has {outside}, outside [1, train.steps={config.train.steps}]; "
+                          "list steps this run reaches (or raise train.steps)")
     if config.tracking.wandb not in ("offline", "online", "disabled"):
         raise ConfigError(f"tracking.wandb={config.tracking.wandb!r}; use offline, online or disabled")
     if not config.tracking.job_type:
@@ -558,6 +588,26 @@ def _validate_train(config: Config) -> None:
         )
     if train.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={train.grad_clip} must be >= 0 (0 disables clipping)")
+
+
+def _validate_schedule(train: TrainConfig) -> None:
+    """The LR schedule's keys; a branch's checkpoint is checked when the run starts (checkpoint/manager.py)."""
+    if train.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"train.lr_schedule={train.lr_schedule!r}; use {' or '.join(LR_SCHEDULES)}")
+    if not 0.0 <= train.cooldown_fraction < 1.0:
+        raise ConfigError(f"train.cooldown_fraction={train.cooldown_fraction} must be in [0, 1) (0.2 is the "
+                          "usual WSD cooldown; 0 keeps the LR constant after warmup)")
+    if train.cooldown_shape not in COOLDOWN_SHAPES:
+        raise ConfigError(f"train.cooldown_shape={train.cooldown_shape!r}; use {' or '.join(COOLDOWN_SHAPES)}")
+    if train.warmup_steps + train.cooldown_steps > train.steps:
+        raise ConfigError(
+            f"train.warmup_steps={train.warmup_steps} plus the cooldown of {train.cooldown_steps} steps "
+            f"(train.cooldown_fraction={train.cooldown_fraction} x train.steps={train.steps}) exceed train.steps; "
+            "lower one of them or raise train.steps"
+        )
+    if train.branch_from is not None and not train.branch_from:
+        raise ConfigError("train.branch_from is empty; give a checkpoint directory (RUN/checkpoints/step_NNNNNNNN) "
+                          "or null")
 
 
 def _validate_data(config: Config) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from scaletrain.checkpoint.safe_load import UnsafeCheckpointError, load_tensors, take_write_failure
 from scaletrain.config import Config, save_config
@@ -108,7 +109,7 @@ def _publish(staging: Path, final: Path, config: Config, meta: dict[str, Any]) -
     os.replace(staging, final)
     root = final.parent
     _write_atomically(root / "latest", final.name)
-    _prune(root, config.checkpoint.keep_last)
+    _prune(root, config.checkpoint.keep_last, config.checkpoint.keep_steps)
 
 
 def _attempt_write(write: Callable[[], Any], path: Path) -> str | None:
@@ -133,14 +134,15 @@ def _raise_if_any_failed(failure: str | None, staging: Path, topology: Topology)
 
 def resume_candidates(config: Config) -> list[Path]:
     """train.resume as checkpoints to try in order: `never` none; `auto` every complete one, newest
-    first (a newest one that fails to load gives way to the one before); an explicit path that one."""
+    first (a newest one that fails to load gives way to the one before); an explicit path that one.
+    Where that leaves none, a cooldown branch (train.branch_from) starts from its checkpoint, so an
+    interrupted branch resumes its own checkpoints rather than branching again."""
     setting = config.train.resume
-    if setting == "never":
-        return []
-    if setting == "auto":
-        latest = latest_checkpoint(Path(config.run.dir))
-        others = sorted((p for p in complete_checkpoints(Path(config.run.dir)) if p != latest), reverse=True)
-        return [latest, *others] if latest else others
+    if setting in ("never", "auto"):
+        own = _own_checkpoints(Path(config.run.dir)) if setting == "auto" else []
+        if own or config.train.branch_from is None:
+            return own
+        return [check_branch_point(Path(config.train.branch_from), config)]
     path = Path(setting)
     if not (path / META_FILE).is_file():
         raise CheckpointError(
@@ -148,6 +150,76 @@ def resume_candidates(config: Config) -> list[Path]:
             f"use train.resume=auto or a directory under {checkpoint_root(Path(config.run.dir))}"
         )
     return [path]
+
+
+def _own_checkpoints(run_dir: Path) -> list[Path]:
+    latest = latest_checkpoint(run_dir)
+    others = sorted((p for p in complete_checkpoints(run_dir) if p != latest), reverse=True)
+    return [latest, *others] if latest else others
+
+
+# Keys a cooldown branch may set apart from the run it branches from: its length and schedule,
+# where it lives and reports, and how it is checkpointed, evaluated and stopped. The layout may
+# differ too (the checkpoint is resharded, as any resume); the global batch may not.
+BRANCH_FREE_KEYS = (
+    "train.steps", "train.lr_schedule", "train.cooldown_fraction", "train.cooldown_shape", "train.branch_from",
+    "train.resume", "train.eval_every", "train.eval_samples", "train.exit_after", "train.exit_after_minutes",
+    "train.stop_signals", "train.log_every", "train.micro_batch_size", "train.grad_accum",
+    "train.global_batch_size", "run.", "checkpoint.", "tracking.", "parallel.",
+)
+
+
+def check_branch_point(path: Path, config: Config) -> Path:
+    """train.branch_from, refused unless it is a complete checkpoint before train.steps of a run whose
+    config is this one's apart from BRANCH_FREE_KEYS: then resuming it continues the very run that a
+    fresh run of this config would be (Hägele et al. 2024, sec. 3: a cooldown of a constant-LR run)."""
+    if not (path / META_FILE).is_file() or not (path / "config.yaml").is_file():
+        raise CheckpointError(
+            f"train.branch_from={path}: no complete checkpoint there (missing {META_FILE} or config.yaml); "
+            "give a directory RUN/checkpoints/step_NNNNNNNN of the run to branch from"
+        )
+    step = read_meta(path).step
+    if step >= config.train.steps:
+        raise CheckpointError(
+            f"train.branch_from={path} is at step {step}, not before train.steps={config.train.steps}; "
+            "branch from an earlier checkpoint or raise train.steps"
+        )
+    differing = _branch_differences(yaml.safe_load((path / "config.yaml").read_text()), config)
+    if differing:
+        raise CheckpointError(
+            f"train.branch_from={path} was trained with a different config: {'; '.join(differing)}. A branch "
+            f"may change only {', '.join(BRANCH_FREE_KEYS)}; set the others as that run had them (its "
+            f"config.yaml), or train this run fresh (train.branch_from=null)"
+        )
+    return path
+
+
+def _branch_differences(stored: dict[str, Any], config: Config) -> list[str]:
+    ours, theirs = _flatten(config.to_dict()), _flatten(stored)
+    differing = [f"{key}={theirs.get(key)!r} there, {ours.get(key)!r} here"
+                 for key in sorted(set(ours) | set(theirs))
+                 if not key.startswith(BRANCH_FREE_KEYS) and ours.get(key) != theirs.get(key)]
+    batch_here = _global_batch(config.to_dict())
+    batch_there = _global_batch(stored)
+    if batch_here != batch_there:
+        differing.append(f"global batch size {batch_there} there, {batch_here} here")
+    return differing
+
+
+def _global_batch(config: dict[str, Any]) -> int:
+    train = config["train"]
+    return train.get("global_batch_size") or (
+        train["micro_batch_size"] * train["grad_accum"] * (config["parallel"].get("data") or 1))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -242,7 +314,9 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(root: Path, keep_last: int, keep_steps: list[int]) -> None:
+    """Remove all but the newest keep_last checkpoints, and those at checkpoint.keep_steps (branch points)."""
     complete = complete_checkpoints(root.parent)
     for old in complete[:-keep_last]:
-        shutil.rmtree(old)
+        if int(old.name.removeprefix("step_")) not in keep_steps:
+            shutil.rmtree(old)

@@ -174,7 +174,8 @@ def _run(
                 if finished:
                     final_metrics = metrics
             state.stopped_by = None if finished else stop.poll(steps_this_run, topology.device)
-            if state.step % config.checkpoint.every == 0 or state.stopped_by or finished:
+            if (state.step % config.checkpoint.every == 0 or state.step in config.checkpoint.keep_steps
+                    or state.stopped_by or finished):
                 _save_finite_checkpoint(engine, config, topology, state)
             if finished and topology.is_logging_rank:
                 write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
@@ -302,6 +303,8 @@ def _restore_or_start(
         except CheckpointError as failure:
             error = failure
         if not any_rank(error is not None, topology.device):
+            if path == _branch_point(config) and topology.is_logging_rank:
+                _write_run_config(config, run_dir)  # a branch starts its run directory here
             return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
                               skipped_steps=meta.skipped_steps,
                               consecutive_skipped_steps=meta.consecutive_skipped_steps)
@@ -314,9 +317,17 @@ def _restore_or_start(
         if topology.is_logging_rank:
             print(f"warning: skipping checkpoint {path}: {reason}; trying {candidates[index + 1]}", file=sys.stderr)
     if topology.is_logging_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.yaml")
+        _write_run_config(config, run_dir)
     return TrainState()
+
+
+def _branch_point(config: Config) -> Path | None:
+    return Path(config.train.branch_from) if config.train.branch_from else None
+
+
+def _write_run_config(config: Config, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.yaml")
 
 
 def _load_any_layout(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:

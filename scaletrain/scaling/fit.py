@@ -1,14 +1,16 @@
 """Scaling-law fits: the three approaches of Hoffmann et al. 2022 ("Training Compute-Optimal Large
-Language Models", sec. 3), their compute-optimal allocations and bootstrap intervals.
+Language Models", sec. 3) and the law forms of laws.py, chosen by backtest (backtest.py), with
+compute-optimal allocations on the sweep's exact FLOPs line, bootstrap intervals and prediction
+intervals that include run-to-run noise.
 
-- Approach 1 (sec. 3.1): the lower envelope of smoothed training loss against FLOPs over every
-  run's curve; the runs on the envelope give N_opt(C) and D_opt(C), fitted as power laws.
+- Approach 1 (sec. 3.1): the lower envelope of loss against FLOPs over every run's final,
+  decayed point (not mid-schedule training losses); the runs on it give N_opt(C) and D_opt(C).
 - Approach 2 (sec. 3.2): per FLOP budget a parabola of loss in log N (and one in log D) whose
   vertex is that budget's N_opt (D_opt); power laws across budgets.
 - Approach 3 (sec. 3.3, app. D.2): L(N, D) = E + A / N^alpha + B / D^beta, fitted by minimising
-  the Huber loss (delta = 1e-3) of log L with L-BFGS from a grid of initialisations.
-N_opt ∝ C^a and D_opt ∝ C^b throughout (sec. 3, Table 2). Reading runs and writing fit.json are
-in fit_source.py; the figures in fit_plots.py.
+  the Huber loss of log L (the paper's delta = 1e-3 unless given) with L-BFGS from a grid.
+N_opt ∝ C^a and D_opt ∝ C^b throughout (sec. 3, Table 2). Reading runs is in fit_inputs.py,
+writing fit.json in fit_source.py, the figures in fit_plots.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,23 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import minimize
+from scipy.stats import norm
+
+from scaletrain.scaling.backtest import Backtest, choose_form, rolling_backtest
+from scaletrain.scaling.laws import (
+    BUDGET_TOLERANCE,
+    LAW_FORMS,
+    FlopsPerToken,
+    LawFit,
+    Noise,
+    Point,
+    fit_law,
+    flops_per_token_model,
+    group_by_budget,
+    line_allocation,
+    refit_law,
+    run_to_run_noise,
+)
 
 APPROACHES = ("approach1", "approach2", "approach3")
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, sec. 3.3
@@ -38,7 +57,6 @@ BOOTSTRAP_GRID_STARTS = 8  # see refit_parametric
 # values are ~1e-3 (a sum of Huber losses with delta = 1e-3): the polish runs to these tolerances.
 POLISHED_STARTS = 5
 POLISH_OPTIONS = {"maxiter": 5000, "ftol": 1e-15, "gtol": 1e-12}
-BUDGET_TOLERANCE = 0.05  # runs whose FLOPs differ by less than this share an IsoFLOP budget
 FRONTIER_BINS = 40
 MIN_FRONTIER_POINTS = 3  # Approach 1: a power law through >= 3 envelope bins ...
 MIN_FRONTIER_SIZES = 2  # ... reached by >= 2 model sizes
@@ -47,21 +65,12 @@ MIN_BUDGETS = 2  # ... and a power law across budgets needs 2 of them
 MIN_POINTS_PARAMETRIC = 5  # Approach 3: as many distinct (N, D) as constants
 MIN_BOOTSTRAP_FITS = 10  # fewer successful refits give no interval
 SMOOTHING_FRACTION = 0.05
+LOG_MAX = math.log(np.finfo(float).max)  # ~709.8: exp overflows beyond
+PREDICTION_NOISE_DRAWS = 50  # draws of run-to-run noise per bootstrap refit in ScalingFit.predict
 
 
 # ---------------------------------------------------------------------------------------------
 # Inputs and power laws
-
-
-@dataclass(frozen=True)
-class Point:
-    """One finished run: parameters N, tokens D, FLOPs C, final loss, and its IsoFLOP budget if recorded."""
-
-    params: float
-    tokens: float
-    flops: float
-    loss: float
-    budget: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,11 @@ class FitData:
     curves: list[Curve | None]
 
     def envelope_curves(self) -> list[Curve]:
-        """Approach 1's input: each run's curve, or its final point (a CSV's loss, a sweep's val_loss) alone."""
-        return [curve if curve is not None else final_point_curve(point)
-                for point, curve in zip(self.points, self.curves, strict=True)]
+        """Approach 1's input: each run's final point (a sweep's val_loss, a CSV's loss), not its training
+        curve: mid-schedule losses of a run with a decaying schedule lie above what a run stopped there
+        (with its own full decay) reaches, so their envelope is biased (Hoffmann et al. 2022, sec. 3.1
+        and app. A match the schedule to each budget). The curves stay in `curves` for plotting."""
+        return [final_point_curve(point) for point in self.points]
 
     def subset(self, indices: ArrayLike) -> FitData:
         return FitData([self.points[i] for i in indices], [self.curves[i] for i in indices])
@@ -226,22 +237,6 @@ class IsoFlopFit:
         return {"a": self.n_law.exponent, "b": self.d_law.exponent}
 
 
-def group_by_budget(points: list[Point], tolerance: float = BUDGET_TOLERANCE) -> list[list[int]]:
-    """Indices of the points on each IsoFLOP profile: the recorded budget where there is one, else
-    runs whose FLOPs lie within `tolerance` (relative) of the smallest FLOPs of their group."""
-    recorded: dict[float, list[int]] = {}
-    clusters: list[list[int]] = []
-    for index in sorted(range(len(points)), key=lambda i: points[i].flops):
-        point = points[index]
-        if point.budget is not None:
-            recorded.setdefault(point.budget, []).append(index)
-        elif clusters and point.flops <= points[clusters[-1][0]].flops * (1 + tolerance):
-            clusters[-1].append(index)
-        else:
-            clusters.append([index])
-    return list(recorded.values()) + clusters
-
-
 def isoflop_minimum(group: list[Point]) -> IsoFlopMinimum:
     """The vertex of the parabola of loss in ln N (sec. 3.2, fig. 3), and of the one in ln D.
 
@@ -332,8 +327,12 @@ class ParametricFit:
                 "b": self.b}
 
     def theta(self) -> np.ndarray:
-        """The optimiser's coordinates (a, b, e, alpha, beta) = (ln A, ln B, ln E, alpha, beta)."""
-        return np.array([math.log(self.A), math.log(self.B), math.log(self.E), self.alpha, self.beta])
+        """The optimiser's coordinates (a, b, e, alpha, beta) = (ln A, ln B, ln E, alpha, beta). A constant
+        that is 0 (a fit whose E underflowed: the data have no irreducible term) maps to ln of the
+        smallest positive double rather than to log(0)."""
+        tiny = np.finfo(float).tiny
+        return np.array([math.log(max(self.A, tiny)), math.log(max(self.B, tiny)), math.log(max(self.E, tiny)),
+                         self.alpha, self.beta])
 
 
 ApproachFit = EnvelopeFit | IsoFlopFit | ParametricFit
@@ -483,7 +482,12 @@ def _parametric_data(params: ArrayLike, tokens: ArrayLike, losses: ArrayLike) ->
 
 
 def _parametric_fit(theta: np.ndarray, objective: float, starts: int) -> ParametricFit:
+    """ValueError (not a raw OverflowError) when an end point's ln A, ln B or ln E is beyond exp's range:
+    a start that ran off to a degenerate law, which a bootstrap counts as a failed refit."""
     a, b, e, alpha, beta = (float(v) for v in theta)
+    if not all(math.isfinite(v) for v in theta) or max(a, b, e) > LOG_MAX:
+        raise ValueError(f"Approach 3's optimum is degenerate (ln A {a:.3g}, ln B {b:.3g}, ln E {e:.3g}, "
+                         f"alpha {alpha:.3g}, beta {beta:.3g}): exp overflows")
     return ParametricFit(math.exp(e), math.exp(a), math.exp(b), alpha, beta, float(objective), starts)
 
 
@@ -518,21 +522,23 @@ def fit_parametric(params: ArrayLike, tokens: ArrayLike, losses: ArrayLike, star
 
 
 def refit_parametric(data: FitData, samples: list[np.ndarray], full: ParametricFit,
-                     delta: float = HUBER_DELTA) -> list[ParametricFit | None]:
+                     delta: float = HUBER_DELTA) -> list[ParametricFit | str]:
     """Approach 3 on every bootstrap resample, all in one batched L-BFGS run.
 
     Each resample starts from the full-data optimum and the BOOTSTRAP_GRID_STARTS (8) grid starts
     with the lowest full-data objective, not from all 4,500: its optimum lies near the full-data one,
     and 100 refits then take about a second. No scipy polish here; batched_lbfgs' tolerances suffice
-    for intervals. A resample with fewer than MIN_POINTS_PARAMETRIC distinct runs gets None.
+    for intervals. A resample that fails gets the reason instead of a fit: fewer than
+    MIN_POINTS_PARAMETRIC distinct runs, no finite end, or an end that overflows exp.
     """
     log_n, log_d, log_l = (np.log([getattr(p, key) for p in data.points]) for key in ("params", "tokens", "loss"))
     ranked = np.argsort(huber_objective(CHINCHILLA_GRID, log_n, log_d, log_l, delta)[0], kind="stable")
     starts = np.vstack([full.theta(), CHINCHILLA_GRID[ranked[:BOOTSTRAP_GRID_STARTS]]])
     usable = [i for i, chosen in enumerate(samples)
               if len(set(zip(log_n[chosen].tolist(), log_d[chosen].tolist(), strict=True))) >= MIN_POINTS_PARAMETRIC]
+    too_few = f"fewer than {MIN_POINTS_PARAMETRIC} distinct (N, D) in the resample"
     if not usable:
-        return [None] * len(samples)
+        return [too_few] * len(samples)
     rows = np.array([samples[i] for i in usable])  # (resamples, runs): every resample has as many runs as data
     resample_of = np.repeat(np.arange(len(usable)), len(starts))
 
@@ -541,75 +547,299 @@ def refit_parametric(data: FitData, samples: list[np.ndarray], full: ParametricF
         return huber_objective(theta, log_n[chosen], log_d[chosen], log_l[chosen], delta)
 
     ends, values = batched_lbfgs(_in_chunks(objective, len(log_n)), np.tile(starts, (len(usable), 1)))
-    fits: list[ParametricFit | None] = [None] * len(samples)
+    fits: list[ParametricFit | str] = [too_few] * len(samples)
     for position, sample in enumerate(usable):
         block = slice(position * len(starts), (position + 1) * len(starts))
         best = np.argmin(np.where(np.isfinite(values[block]), values[block], np.inf))
+        fits[sample] = "no start reached a finite objective"
         if np.isfinite(values[block][best]):
-            fits[sample] = _parametric_fit(ends[block][best], values[block][best], len(starts))
+            try:
+                fits[sample] = _parametric_fit(ends[block][best], values[block][best], len(starts))
+            except ValueError as reason:
+                fits[sample] = str(reason)
     return fits
 
 
-def compute_optimal(fit: ApproachFit, flops: float) -> dict[str, float]:
-    """N*, D* and D*/N* at budget C from an approach's allocation (its power laws, or eq. 4 for
-    Approach 3, which adds its predicted loss L(N*, D*)); NaN where undefined."""
-    n_opt, d_opt = (float(value) for value in fit.allocation(flops))
+def compute_optimal(fit: ApproachFit, flops: float, fpt: FlopsPerToken | None = None) -> dict[str, float]:
+    """N*, D* and D*/N* at budget C from an approach (Approach 3 adds its loss L(N*, D*)); NaN where
+    undefined. With `fpt`, on the exact line fpt(N) D = C: Approaches 1 and 2 take N* from their power
+    law and D* = C / fpt(N*); Approach 3 minimises its L along the line. Without, each approach's own
+    allocation (Approach 3: eq. 4 on C = 6ND), kept for the closed form."""
+    if fpt is None:
+        n_opt, d_opt = (float(value) for value in fit.allocation(flops))
+        loss = float(fit.loss(n_opt, d_opt)) if isinstance(fit, ParametricFit) else math.nan
+    elif isinstance(fit, ParametricFit):
+        n_opt, d_opt, loss = line_allocation(fit.loss, flops, fpt)
+    else:
+        n_opt = float(fit.n_law(flops))
+        d_opt = float(flops / fpt(n_opt)) if math.isfinite(n_opt) and n_opt > 0 else math.nan
     prediction = {"n_opt": n_opt, "d_opt": d_opt, "tokens_per_param": d_opt / n_opt if n_opt > 0 else math.nan}
     if isinstance(fit, ParametricFit):
-        prediction["loss"] = float(fit.loss(n_opt, d_opt))
+        prediction["loss"] = loss
     return prediction
 
 
 # ---------------------------------------------------------------------------------------------
-# All approaches, and the bootstrap
+# Law forms: fit, bootstrap, backtest
+
+
+@dataclass
+class LawResult:
+    """One law form on these runs: the full-data fit, its successful bootstrap refits (failures are
+    counted in ScalingFit.bootstrap_failures), its rolling backtest, and what leave-one-out refits
+    need (the runs, the FLOPs line). `corpus_tokens`: the largest unique_tokens recorded, the
+    corpus a data-constrained prediction assumes."""
+
+    fit: LawFit
+    refits: list[LawFit]
+    backtest: Backtest
+    points: list[Point] = field(repr=False)
+    fpt: FlopsPerToken = field(repr=False)
+    _leave_one_out: list[LawFit] | None = field(default=None, repr=False)
+
+    @property
+    def corpus_tokens(self) -> float | None:
+        recorded = [p.unique_tokens for p in self.points if p.unique_tokens is not None]
+        return max(recorded) if recorded else None
+
+    def loss_function(self, fit: LawFit) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        return lambda params, tokens: fit.loss(params, tokens, self.corpus_tokens)
+
+    def allocation(self, flops: float, fit: LawFit | None = None) -> tuple[float, float, float]:
+        """(N*, D*, L*) of `fit` (default: the full-data fit) on the exact FLOPs line."""
+        return line_allocation(self.loss_function(fit or self.fit), flops, self.fpt)
+
+    def loo_shift_pct(self, flops: float) -> float:
+        """max over runs of |L*_-i - L*| / L* in %: how far leaving one run out of the fit moves the
+        predicted optimal loss at `flops` (a run that alone decides the prediction shows here). NaN
+        when L* is undefined or no leave-one-out refit succeeds. The refits are made once, then kept."""
+        optimum = self.allocation(flops)[2]
+        if not math.isfinite(optimum):
+            return math.nan
+        shifts = [abs(self.allocation(flops, refit)[2] - optimum) for refit in self._leave_one_out_fits()]
+        shifts = [shift for shift in shifts if math.isfinite(shift)]
+        return 100.0 * max(shifts) / optimum if shifts else math.nan
+
+    def _leave_one_out_fits(self) -> list[LawFit]:
+        if self._leave_one_out is None:
+            self._leave_one_out = []
+            for index in range(len(self.points)):
+                refit = _refit_law(self.fit, self.points[:index] + self.points[index + 1:])
+                if isinstance(refit, LawFit):
+                    self._leave_one_out.append(refit)
+        return self._leave_one_out
+
+
+def _law_columns(points: list[Point]) -> tuple[np.ndarray, ...]:
+    unique = [math.nan if p.unique_tokens is None else p.unique_tokens for p in points]
+    return (np.array([p.params for p in points]), np.array([p.tokens for p in points]),
+            np.array([p.loss for p in points]), np.array(unique, dtype=float))
+
+
+def _refit_law(full: LawFit, points: list[Point]) -> LawFit | str:
+    """laws.refit_law on other runs (a resample, all but one). Any failure, an exception or non-finite
+    constants, is returned as its reason, never raised."""
+    try:
+        refit = refit_law(full, *_law_columns(points))
+    except Exception as error:  # noqa: BLE001 - a refit that fails for any reason is counted, not fatal
+        return f"{type(error).__name__}: {error}"
+    if not all(math.isfinite(value) for value in refit.constants.values()):
+        return "non-finite constants"
+    return refit
+
+
+def fit_laws(points: list[Point], forms: tuple[str, ...], objective: str, huber_delta: float | None,
+             samples: list[np.ndarray], fpt: FlopsPerToken) -> tuple[dict[str, LawResult], dict[str, str],
+                                                                     dict[str, dict[str, int]]]:
+    """Each form on every run, its bootstrap refits and its rolling backtest (with the full fit's
+    delta); the forms that cannot be fitted with their reasons; each form's refit failures by reason."""
+    laws, skipped, failures = {}, {}, {}
+    for form in forms:
+        try:
+            full = fit_law(form, *_law_columns(points), objective, huber_delta)
+        except Exception as error:  # noqa: BLE001 - one form failing must not stop the others
+            skipped[form] = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+            continue
+        refits, failures[form] = [], {}
+        for chosen in samples:
+            refit = _refit_law(full, [points[i] for i in chosen])
+            if isinstance(refit, LawFit):
+                refits.append(refit)
+            else:
+                failures[form][refit] = failures[form].get(refit, 0) + 1
+        backtest = rolling_backtest(form, points, objective, full.huber_delta)
+        laws[form] = LawResult(full, refits, backtest, points, fpt)
+    return laws, skipped, failures
+
+
+# ---------------------------------------------------------------------------------------------
+# All approaches and forms, and the bootstrap
+
+
+def _assumed_line() -> FlopsPerToken:
+    return FlopsPerToken("6N", "C = 6ND (assumed)")
 
 
 @dataclass
 class ScalingFit:
     """The fits on all runs, the reasons for the approaches that could not run, and the bootstrap refits
-    (one dict approach -> fit per resample; an approach missing from a resample failed on it)."""
+    (one dict approach -> fit per resample; an approach missing from a resample failed on it); the law
+    forms (LawResult each), the form chosen by backtest and why, run-to-run noise, the FLOPs line,
+    and every failed refit counted by reason (approach or form -> {reason: count})."""
 
     fits: dict[str, ApproachFit]
     skipped: dict[str, str]
     replicates: list[dict[str, ApproachFit]] = field(default_factory=list)
     seed: int = 0
+    laws: dict[str, LawResult] = field(default_factory=dict)
+    law_skipped: dict[str, str] = field(default_factory=dict)
+    chosen: str | None = None
+    chosen_reason: str = ""
+    noise: Noise = field(default_factory=lambda: Noise(None, "not measured", 0))
+    fpt: FlopsPerToken = field(default_factory=_assumed_line)
+    bootstrap_failures: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def samples(self, approach: str) -> list[ApproachFit]:
         return [replicate[approach] for replicate in self.replicates if approach in replicate]
 
+    def predict(self, params: ArrayLike, tokens: ArrayLike, unique_tokens: ArrayLike | None = None,
+                confidence: float = 0.9, form: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(L, lower, upper): the chosen form's (or `form`'s) loss and a prediction interval for a new
+        run's loss. Each bootstrap refit's L_b is multiplied by PREDICTION_NOISE_DRAWS draws of exp(eps),
+        eps ~ N(0, sigma^2) the run-to-run noise of ln L (a fixed-seed generator), and the interval is
+        the percentiles of L_b exp(eps): parameter and run-to-run uncertainty together. Without refits,
+        L exp(+-z sigma); without sigma (no seed repeats, see noise.how) the refits' percentiles alone;
+        with neither, NaN bounds."""
+        result = self._law_result(form)
+        unique = result.corpus_tokens if unique_tokens is None else unique_tokens
+        point = result.fit.loss(params, tokens, unique)
+        refits = np.array([refit.loss(params, tokens, unique) for refit in result.refits])
+        sigma, tail = self.noise.sigma, 50.0 * (1.0 - confidence)
+        if len(refits) >= MIN_BOOTSTRAP_FITS:
+            if sigma:
+                rng = np.random.default_rng(self.seed)
+                noise = np.exp(rng.normal(0.0, sigma, (len(refits), PREDICTION_NOISE_DRAWS, *point.shape)))
+                refits = (refits[:, None] * noise).reshape(-1, *point.shape)
+            low, high = np.percentile(refits, [tail, 100.0 - tail], axis=0)
+            return point, low, high
+        if sigma:
+            z = float(norm.ppf(1.0 - tail / 100.0))
+            return point, point * math.exp(-z * sigma), point * math.exp(z * sigma)
+        return point, np.full_like(point, math.nan), np.full_like(point, math.nan)
 
-def fit_approaches(data: FitData, approaches: tuple[str, ...] = APPROACHES) -> tuple[dict[str, ApproachFit],
-                                                                                     dict[str, str]]:
+    def _law_result(self, form: str | None) -> LawResult:
+        name = form or self.chosen
+        if name is None or name not in self.laws:
+            fitted = ", ".join(self.laws) or "none (" + "; ".join(self.law_skipped.values()) + ")"
+            raise ValueError(f"law form {name!r} was not fitted; fitted: {fitted}")
+        return self.laws[name]
+
+    def compute_optimal(self, flops: float) -> dict[str, dict]:
+        """{approach or form: {n_opt, d_opt, tokens_per_param, loss (Approach 3 and the forms), each with
+        _ci, its 95% bootstrap percentile interval or None}}, every allocation on the exact FLOPs line
+        fpt(N*) D* = C (see compute_optimal and LawResult.allocation). Forms add loss_interval, the
+        predict() interval at (N*, D*)."""
+        table: dict[str, dict] = {}
+        for approach, fit in self.fits.items():
+            table[approach] = _with_intervals(compute_optimal(fit, flops, self.fpt),
+                                              [compute_optimal(s, flops, self.fpt) for s in self.samples(approach)])
+        for form, result in self.laws.items():
+            rows = [_allocation_row(*result.allocation(flops, refit)) for refit in result.refits]
+            table[form] = _with_intervals(_allocation_row(*result.allocation(flops)), rows)
+            n_opt, d_opt = table[form]["n_opt"], table[form]["d_opt"]
+            table[form]["loss_interval"] = (None if not math.isfinite(n_opt) else
+                                            [float(v) for v in self.predict(n_opt, d_opt, form=form)[1:]])
+        return table
+
+
+def _allocation_row(n_opt: float, d_opt: float, loss: float) -> dict[str, float]:
+    return {"n_opt": n_opt, "d_opt": d_opt, "tokens_per_param": d_opt / n_opt if n_opt > 0 else math.nan,
+            "loss": loss}
+
+
+def _with_intervals(values: dict[str, float], samples: list[dict[str, float]]) -> dict:
+    table: dict = {}
+    for key, value in values.items():
+        table[key] = value
+        table[f"{key}_ci"] = percentile_interval([sample[key] for sample in samples])
+    return table
+
+
+def _attempt(run: Callable[[], ApproachFit]) -> ApproachFit | str:
+    """The fit, or the reason it failed: ValueError's message as it is (it names the minimum), any
+    other exception with its type (a refit must never kill the whole fit)."""
+    try:
+        return run()
+    except ValueError as reason:
+        return str(reason)
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        return f"{type(error).__name__}: {error}"
+
+
+def fit_approaches(data: FitData, approaches: tuple[str, ...] = APPROACHES,
+                   huber_delta: float = HUBER_DELTA) -> tuple[dict[str, ApproachFit], dict[str, str]]:
     """Every approach that can run on these runs, and why the others cannot."""
     runs = {
         "approach1": lambda: fit_envelope(data.envelope_curves()),
         "approach2": lambda: fit_isoflop(data.points),
         "approach3": lambda: fit_parametric([p.params for p in data.points], [p.tokens for p in data.points],
-                                            [p.loss for p in data.points]),
+                                            [p.loss for p in data.points], delta=huber_delta),
     }
     fits, skipped = {}, {}
     for name in approaches:
-        try:
-            fits[name] = runs[name]()
-        except ValueError as reason:
-            skipped[name] = str(reason)
+        outcome = _attempt(runs[name])
+        if isinstance(outcome, str):
+            skipped[name] = outcome
+        else:
+            fits[name] = outcome
     return fits, skipped
 
 
-def fit_scaling_laws(data: FitData, bootstrap: int = 100, seed: int = 0) -> ScalingFit:
-    """All three approaches on every run, then `bootstrap` refits on resampled runs (see
-    bootstrap_samples; Approach 3's refits as in refit_parametric). Raises ValueError naming every
-    approach's minimum when none can run."""
-    fits, skipped = fit_approaches(data)
-    if not fits:
-        raise ValueError(f"{len(data.points)} runs are too few for any fit: " + "; ".join(skipped.values()))
+def fit_scaling_laws(data: FitData, bootstrap: int = 100, seed: int = 0, objective: str = "huber",
+                     huber_delta: float | None = None, forms: tuple[str, ...] | None = None) -> ScalingFit:
+    """The three approaches and the law forms (`forms`, default all of LAW_FORMS) on every run, then
+    `bootstrap` refits of each on resampled runs (bootstrap_samples), the forms' rolling backtests and
+    the choice of form (backtest.choose_form). `objective` and `huber_delta` are the forms' (None:
+    "auto", see laws.huber_delta_auto); Approach 3 keeps the paper's Huber objective, with huber_delta
+    or else HUBER_DELTA. No failure of one approach, form or refit is fatal: it is recorded in skipped,
+    law_skipped or bootstrap_failures. ValueError only when nothing at all can be fitted."""
+    fits, skipped = fit_approaches(data, huber_delta=HUBER_DELTA if huber_delta is None else huber_delta)
     samples = bootstrap_samples(data.points, bootstrap, seed)
-    replicates = [fit_approaches(data.subset(chosen), ("approach1", "approach2"))[0] for chosen in samples]
-    if "approach3" in fits:
-        for replicate, refit in zip(replicates, refit_parametric(data, samples, fits["approach3"]), strict=True):
-            if refit is not None:
+    fpt = flops_per_token_model(data.points)
+    laws, law_skipped, failures = fit_laws(data.points, tuple(LAW_FORMS) if forms is None else forms, objective,
+                                           huber_delta, samples, fpt)
+    if not fits and not laws:
+        raise ValueError(f"{len(data.points)} runs are too few for any fit: "
+                         + "; ".join([*skipped.values(), *law_skipped.values()]))
+    replicates, approach_failures = _replicate_approaches(data, samples, fits, huber_delta)
+    chosen, reason = choose_form({form: r.backtest for form, r in laws.items()},
+                                 {form: r.fit for form, r in laws.items()}) if laws else (None, "no form was fitted")
+    return ScalingFit(fits, skipped, replicates, seed, laws, law_skipped, chosen, reason,
+                      run_to_run_noise(data.points), fpt, approach_failures | failures)
+
+
+def _replicate_approaches(data: FitData, samples: list[np.ndarray], fits: dict[str, ApproachFit],
+                          huber_delta: float | None) -> tuple[list[dict[str, ApproachFit]], dict[str, dict[str, int]]]:
+    """The approaches fitted on all runs, refitted on every resample (Approach 3 as in refit_parametric);
+    the failed refits counted by approach and reason."""
+    failures: dict[str, dict[str, int]] = {name: {} for name in fits}
+    replicates = []
+    for chosen in samples:
+        replicate, reasons = fit_approaches(data.subset(chosen), tuple(a for a in ("approach1", "approach2")
+                                                                       if a in fits))
+        for name, reason in reasons.items():
+            failures[name][reason] = failures[name].get(reason, 0) + 1
+        replicates.append(replicate)
+    if "approach3" in fits and samples:
+        delta = HUBER_DELTA if huber_delta is None else huber_delta
+        refits = _attempt(lambda: refit_parametric(data, samples, fits["approach3"], delta))
+        refits = [refits] * len(samples) if isinstance(refits, str) else refits
+        for replicate, refit in zip(replicates, refits, strict=True):
+            if isinstance(refit, str):
+                failures["approach3"][refit] = failures["approach3"].get(refit, 0) + 1
+            else:
                 replicate["approach3"] = refit
-    return ScalingFit(fits, skipped, replicates, seed)
+    return replicates, failures
 
 
 def bootstrap_samples(points: list[Point], count: int, seed: int) -> list[np.ndarray]:

@@ -8,11 +8,26 @@ from pathlib import Path
 
 PARAMS_COLUMNS = ("params", "non_embedding_params")
 DEFAULT_BOOTSTRAP = 100
+OBJECTIVES = ("huber", "least_squares")  # laws.OBJECTIVES, repeated so `--help` needs no scipy
+
+
+def huber_delta(text: str) -> float | None:
+    """--huber-delta: a positive number, or `auto` (None: laws.huber_delta_auto picks it from the noise)."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number (in ln L, e.g. 1e-3) nor auto")
+    return value
 
 
 def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
     """The `scaletrain fit` arguments; `fit_from_args` consumes them."""
-    parser.add_argument("source", type=Path, help="a sweep directory, or a CSV with columns params,tokens,loss")
+    parser.add_argument("source", type=Path, help="a sweep directory, or a CSV with columns params,tokens,loss "
+                        "(a sweep's results.csv too: its done rows, val_loss as the loss)")
     parser.add_argument("--target-flops", type=float, nargs="+", metavar="C",
                         help="budgets to predict the compute-optimal N, D for (default: 10x and 100x the largest run)")
     parser.add_argument("--bootstrap", type=int, default=DEFAULT_BOOTSTRAP,
@@ -22,3 +37,14 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default: SWEEP/fit, or CSV_STEM_fit beside the CSV)")
     parser.add_argument("--params-column", choices=PARAMS_COLUMNS, default="params",
                         help="N: all parameters (Chinchilla) or without embeddings (Kaplan et al. 2020)")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="huber",
+                        help="the laws' fitting objective on ln L (default huber: robust to a few outlying runs)")
+    parser.add_argument("--huber-delta", type=huber_delta, default=None, metavar="X|auto",
+                        help="the Huber delta in ln L (default auto: 1.345 x the run-to-run sigma, or the "
+                        "residual sd of a least-squares fit without seed repeats)")
+    parser.add_argument("--forms", nargs="+", metavar="NAME",
+                        help="the law forms to fit and backtest (default: all, e.g. chinchilla kaplan kaplan_e "
+                        "muennighoff)")
+    parser.add_argument("--check", type=Path, metavar="HELDOUT",
+                        help="runs NOT fitted (a CSV params,tokens,loss or a sweep directory): compare their losses "
+                        "with the chosen law's predictions; writes check.csv and check.png")

@@ -1,10 +1,13 @@
 """The fit's figures, after Hoffmann et al. 2022 figs. 2-4 (matplotlib, Agg): IsoFLOP profiles,
 optimal N and D against compute with bootstrap bands, loss against compute with the Approach 1
-frontier, and Approach 3's iso-loss contours with its efficient frontier."""
+frontier, and Approach 3's iso-loss contours with its efficient frontier; then the law forms'
+rolling backtests (backtest.png) and, with --check, the held-out runs against their predictions
+(check.png). A missing approach or form leaves its panel with the reason, never an error."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from scaletrain.scaling.backtest import Backtest  # noqa: E402
+from scaletrain.scaling.check import CheckedPoint, CheckResult  # noqa: E402
 from scaletrain.scaling.fit import (  # noqa: E402
     MIN_BOOTSTRAP_FITS,
     MIN_SIZES_PER_BUDGET,
@@ -24,19 +29,27 @@ from scaletrain.scaling.fit import (  # noqa: E402
     ScalingFit,
     group_by_budget,
 )
+from scaletrain.scaling.laws import FlopsPerToken  # noqa: E402
 
 APPROACH_STYLE = {"approach1": ("tab:blue", "Approach 1"), "approach2": ("tab:orange", "Approach 2"),
                   "approach3": ("tab:green", "Approach 3")}
-PLOT_FILES = ("isoflop.png", "optimal_allocation.png", "loss_vs_compute.png", "approach3_contours.png")
+PLOT_FILES = ("isoflop.png", "optimal_allocation.png", "loss_vs_compute.png", "approach3_contours.png",
+              "backtest.png")
+CHECK_PLOT = "check.png"
 DPI = 110
 
 
-def write_plots(result: ScalingFit, data: FitData, targets: list[float], out_dir: Path) -> list[Path]:
-    """Write the four PNGs (PLOT_FILES) into out_dir; returns their paths."""
-    drawings = (plot_isoflop, plot_optimal_allocation, plot_loss_vs_compute, plot_contours)
+def write_plots(result: ScalingFit, data: FitData, targets: list[float], out_dir: Path,
+                check: CheckResult | None = None) -> list[Path]:
+    """Write the PNGs (PLOT_FILES, and CHECK_PLOT with a held-out check) into out_dir; returns their paths."""
+    drawings = (plot_isoflop, plot_optimal_allocation, plot_loss_vs_compute, plot_contours, plot_backtest)
+    figures = [(name, lambda draw=draw: draw(result, data, targets)) for name, draw in zip(PLOT_FILES, drawings,
+                                                                                             strict=True)]
+    if check is not None:
+        figures.append((CHECK_PLOT, lambda: plot_check(check, result.chosen)))
     paths = []
-    for name, draw in zip(PLOT_FILES, drawings, strict=True):
-        figure = draw(result, data, targets)
+    for name, draw in figures:
+        figure = draw()
         try:
             figure.savefig(out_dir / name, dpi=DPI, bbox_inches="tight")
         finally:
@@ -69,7 +82,8 @@ def plot_isoflop(result: ScalingFit, data: FitData, targets: list[float]) -> plt
             _draw_parabola(axis, minimum, [p.params for p in points], color)
     if groups:
         figure.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axis, label="IsoFLOP budget C")
-    status = "parabolas in ln N, minima starred" if fit else f"Approach 2 skipped: {result.skipped['approach2'][:60]}"
+    status = ("parabolas in ln N, minima starred" if fit else
+              f"Approach 2 skipped: {result.skipped.get('approach2', 'not run')[:60]}")
     axis.set(xscale="log", xlabel="parameters N", ylabel="final loss", title=f"IsoFLOP profiles: {status}")
     if others or minima:
         axis.legend(fontsize=8, loc="upper right")
@@ -155,28 +169,29 @@ def plot_loss_vs_compute(result: ScalingFit, data: FitData, targets: list[float]
 
 
 def plot_contours(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
-    """Approach 3's iso-loss contours over (C, N) with D = C / 6N, and its efficient frontier N*(C)
-    (fig. 4 left)."""
+    """Approach 3's iso-loss contours over (C, N) with D = C / fpt(N), the sweep's own FLOPs line
+    (laws.FlopsPerToken; 6N for a CSV without FLOPs), and its efficient frontier N*(C) (fig. 4 left)."""
     figure, axis = plt.subplots(figsize=(7.5, 5))
     axis.scatter([p.flops for p in data.points], [p.params for p in data.points], c="black", s=10, label="runs",
                  zorder=3)
     fit = result.fits.get("approach3")
     if fit is None:
-        axis.set_title(f"Approach 3 skipped: {result.skipped['approach3'][:70]}", fontsize=9)
+        axis.set_title(f"Approach 3 skipped: {result.skipped.get('approach3', 'not run')[:70]}", fontsize=9)
     else:
-        _draw_contours(axis, fit, data, targets)
+        _draw_contours(axis, fit, data, targets, result.fpt)
     axis.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel="parameters N")
     axis.legend(fontsize=8, loc="upper left")
     return figure
 
 
-def _draw_contours(axis: plt.Axes, fit: ParametricFit, data: FitData, targets: list[float]) -> None:
+def _draw_contours(axis: plt.Axes, fit: ParametricFit, data: FitData, targets: list[float],
+                   fpt: FlopsPerToken) -> None:
     flops = np.geomspace(min(p.flops for p in data.points) / 10, max(targets) * 10, 200)
     n_opt = fit.allocation(flops)[0]
     sizes = [p.params for p in data.points] + [n for n in n_opt if np.isfinite(n)]
     params = np.geomspace(min(sizes) / 10, max(sizes) * 10, 200)
     c_mesh, n_mesh = np.meshgrid(flops, params)
-    loss = fit.loss(n_mesh, c_mesh / (6 * n_mesh))
+    loss = fit.loss(n_mesh, c_mesh / fpt(n_mesh))
     levels = np.geomspace(loss.min(), np.percentile(loss, 80), 15)
     contours = axis.contour(c_mesh, n_mesh, loss, levels=levels, cmap="viridis", linewidths=0.8)
     axis.clabel(contours, fontsize=6, fmt="%.2f")
@@ -184,5 +199,76 @@ def _draw_contours(axis: plt.Axes, fit: ParametricFit, data: FitData, targets: l
         axis.plot(flops, n_opt, color="tab:red", lw=2, label="efficient frontier N*(C)")
         axis.scatter(targets, fit.allocation(np.array(targets))[0], color="tab:red", marker="X", s=80,
                      edgecolor="black", zorder=4, label="targets")
-    axis.set_title(f"Approach 3: iso-loss contours; alpha {fit.alpha:.3f}, beta {fit.beta:.3f}, "
-                   f"N* ∝ C^{fit.a:.3f}", fontsize=9)
+    axis.set_title(f"Approach 3: iso-loss contours along D = C / fpt(N) ({fpt.source}); alpha {fit.alpha:.3f}, "
+                   f"beta {fit.beta:.3f}, N* ∝ C^{fit.a:.3f}", fontsize=9)
+
+
+def plot_backtest(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
+    """Per law form, every rolling-backtest prediction (fitted on the smaller budgets) against the
+    measured loss, coloured by the budget predicted; the y = x line is a perfect extrapolation."""
+    forms = list(result.laws) + [form for form in result.law_skipped if form not in result.laws]
+    figure, axes = plt.subplots(1, max(len(forms), 1), figsize=(4.6 * max(len(forms), 1), 4.4), squeeze=False)
+    if not forms:
+        axes[0][0].set(title="no law form was fitted", xlabel="measured loss", ylabel="predicted loss")
+    for axis, form in zip(axes[0], forms, strict=True):
+        law = result.laws.get(form)
+        if law is None:
+            axis.set_title(f"{form} skipped", fontsize=9)
+            axis.text(0.5, 0.5, textwrap.fill(result.law_skipped[form], 40), ha="center", va="center", fontsize=8,
+                      transform=axis.transAxes)
+        else:
+            _draw_backtest(axis, form, law.backtest, form == result.chosen)
+        axis.set(xlabel="measured loss", ylabel="predicted loss")
+    return figure
+
+
+def _draw_backtest(axis: plt.Axes, form: str, backtest: Backtest, chosen: bool) -> None:
+    scored = backtest.scored
+    for fold in scored:
+        color = plt.cm.viridis(scored.index(fold) / max(len(scored) - 1, 1) * 0.9)
+        axis.scatter(fold.measured, fold.predicted, color=color, s=22, zorder=3,
+                     label=f"C {fold.budget_flops:.2g} (from {fold.train_budgets} budgets)")
+    values = [v for fold in scored for v in (*fold.measured, *fold.predicted) if math.isfinite(v)]
+    if values:
+        low, high = min(values), max(values)
+        pad = 0.05 * (high - low or 1.0)
+        axis.plot([low - pad, high + pad], [low - pad, high + pad], "k--", lw=1, label="y = x")
+        axis.legend(fontsize=7, loc="lower right")
+    mark = " (chosen)" if chosen else ""
+    summary = (f"mean |error| {backtest.mean_abs_error_pct:.2f}%, rankings {backtest.rankings_correct}/"
+               f"{backtest.rankings}" if scored else "no budget could be backtested")
+    axis.set_title(f"{form}{mark}\n{summary}", fontsize=9, fontweight="bold" if chosen else "normal")
+
+
+def plot_check(check: CheckResult, form: str | None) -> plt.Figure:
+    """The held-out runs: predicted loss with its 90% prediction interval against the measured one
+    (left), and both against N per held-out budget (right)."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    budgets = group_by_budget([c.point for c in check.points])
+    for rank, group in enumerate(sorted(budgets, key=lambda g: check.points[g[0]].point.flops)):
+        color = plt.cm.viridis(rank / max(len(budgets) - 1, 1) * 0.9)
+        members = sorted((check.points[i] for i in group), key=lambda c: c.point.params)
+        flops = float(np.exp(np.mean(np.log([c.point.flops for c in members]))))
+        errors = _interval_bars(members)
+        left.errorbar([c.point.loss for c in members], [c.predicted for c in members], yerr=errors, fmt="o",
+                      color=color, capsize=3, label=f"C {flops:.2g}")
+        right.plot([c.point.params for c in members], [c.point.loss for c in members], "o-", color=color,
+                   label=f"measured, C {flops:.2g}")
+        right.errorbar([c.point.params for c in members], [c.predicted for c in members], yerr=errors, fmt="x--",
+                       color=color, capsize=3, label="predicted (90% interval)")
+    values = [v for c in check.points for v in (c.point.loss, c.predicted) if math.isfinite(v)]
+    left.plot([min(values), max(values)], [min(values), max(values)], "k--", lw=1, label="y = x")
+    inside, judged = check.coverage
+    left.set(xlabel="measured loss", ylabel="predicted loss", title=f"held-out runs ({form or 'chosen law'}): "
+             f"mean |error| {check.mean_abs_error_pct:.2f}%, {inside}/{judged} inside 90%")
+    right.set(xscale="log", xlabel="parameters N", ylabel="loss", title="held-out budgets: loss against N")
+    left.legend(fontsize=7, loc="upper left")
+    right.legend(fontsize=7, loc="upper right")
+    return figure
+
+
+def _interval_bars(members: list[CheckedPoint]) -> np.ndarray | None:
+    """matplotlib's yerr (distances below and above) of the intervals; None where any is missing."""
+    if any(c.inside is None for c in members):
+        return None
+    return np.array([[c.predicted - c.lower for c in members], [c.upper - c.predicted for c in members]])

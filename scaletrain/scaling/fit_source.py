@@ -1,15 +1,22 @@
 """`scaletrain fit SOURCE`: read runs from a sweep directory or a CSV, fit the three approaches of
-Hoffmann et al. 2022 (fit.py), write fit.json and the plots (fit_plots.py), and return the summary.
+Hoffmann et al. 2022 and the law forms (fit.py, laws.py, backtest.py), check held-out runs
+(check.py), write fit.json and the plots (fit_plots.py), and return the summary.
 
-SOURCE is a sweep directory (results.csv, of which the `done` rows count, with val_loss as the
-loss; and each run's runs/NAME/metrics.jsonl, whose training losses give Approach 1's curves), or
-a CSV with columns params,tokens,loss (optional flops, default 6 N D, and budget) so published
-data can be refitted. The output goes to a temporary directory beside --out, renamed onto it at the
-end: a bad input raises one ValueError and leaves nothing on disk.
+SOURCE is a sweep directory or a CSV of runs, read by fit_inputs.py (its docstring lists the
+columns) so published data can be refitted too. Runs whose data fingerprints
+differ are refused. The output goes to a temporary directory beside --out, renamed onto it at the
+end: a bad input raises one ValueError and leaves nothing on disk. A failure of one approach, law
+form or bootstrap refit is recorded, never raised; only a source that nothing can be fitted to is.
 
 fit.json (strict JSON; null for a number that is undefined, an interval with too few refits, or a
-skipped approach; every interval is [low, high], the 95% bootstrap percentile interval):
+skipped approach; every interval [low, high] is the 95% bootstrap percentile interval unless named
+otherwise):
     source, params_column, num_points, num_curves, bootstrap, seed, target_flops
+    objective ("huber" | "least_squares", the law forms'), huber_delta (the option: "auto" or a number)
+    fingerprints: the runs' data fingerprint, or "not recorded"
+    flops_per_token: {source ("measured" | "6N"), description}: the FLOPs line D = C / fpt(N) that
+                     every allocation lies on
+    noise: {sigma, how, groups}: run-to-run sd of ln L from seed repeats (null when not measured)
     approach1: {a, a_ci, b, b_ci, n_coefficient, d_coefficient, bootstrap_fits, smoothing,
                 frontier: [{flops, params, tokens, loss}]}
     approach2: {a, a_ci, b, b_ci, n_coefficient, d_coefficient, bootstrap_fits,
@@ -18,48 +25,68 @@ skipped approach; every interval is [low, high], the 95% bootstrap percentile in
                 excluded_budgets: [{flops, reason}]}
     approach3: {E, A, B, alpha, beta, a, b and each one's _ci, huber_delta, objective, starts,
                 bootstrap_starts, bootstrap_fits}
+    laws: {form: {formula, citation, constants: {name: value}, constants_ci: {name: [low, high]},
+                  objective, objective_value, huber_delta, huber_delta_how, bootstrap_fits: [{name: value}],
+                  bootstrap_failures: {reason: count},
+                  backtest: {mean_abs_error_pct, mean_signed_error_pct, rankings_correct, rankings,
+                             loo_abs_error_pct, folds: [{budget_flops, train_budgets, ranking_correct, failed,
+                             points: [{params, tokens, measured, predicted, error_pct}]}]}}}
+    law_skipped: {form: reason}
+    chosen: {form (null when no form was fitted), reason, huber_delta, huber_delta_how}
+    bootstrap_failures: {approach or form: {reason: count}} (refits that failed, by reason)
     predictions: [{flops, approach1|approach2|approach3: {n_opt, d_opt, tokens_per_param (approach3: and
-                   loss), each with _ci}}]
+                   loss), each with _ci}, laws: {form: {n_opt, d_opt, tokens_per_param, loss, each with _ci,
+                   loss_interval}}, chosen: {form, n_opt, d_opt, tokens_per_param, loss, loss_interval (90%
+                   prediction interval), loo_shift_pct} | null}]; every N*, D* on the FLOPs line
     skipped: {approach: reason}
     published: {name: {a, b}}, the exponents the summary compares with
+    check (with --check): check.check_document's {form, confidence, points: [{params, tokens, flops, budget,
+           loss, predicted, lower, upper, error, error_pct, inside}], mean_abs_error_pct, mean_signed_error_pct,
+           coverage: {inside, with_interval, runs}, rankings: [{flops, budget, measured, predicted, correct}]}
+           (or {skipped: reason} when no law form was fitted)
 N_opt ∝ C^a = n_coefficient C^a and D_opt ∝ C^b = d_coefficient C^b.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from scaletrain.scaling.check import CHECK_CONFIDENCE, CheckResult, check_csv, check_document, check_lines
+from scaletrain.scaling.check import check_predictions as check_held_out
 from scaletrain.scaling.fit import (
     APPROACHES,
     BOOTSTRAP_GRID_STARTS,
     HUBER_DELTA,
     MIN_BOOTSTRAP_FITS,
+    MIN_SIZES_PER_BUDGET,
     SMOOTHING_FRACTION,
-    Curve,
     EnvelopeFit,
     FitData,
     IsoFlopFit,
+    LawResult,
     ParametricFit,
-    Point,
     ScalingFit,
-    compute_optimal,
     fit_scaling_laws,
+    group_by_budget,
     percentile_interval,
-    smooth_training_curve,
 )
-from scaletrain.scaling.fit_arguments import DEFAULT_BOOTSTRAP, PARAMS_COLUMNS
+from scaletrain.scaling.fit_arguments import DEFAULT_BOOTSTRAP, OBJECTIVES, PARAMS_COLUMNS
+from scaletrain.scaling.fit_inputs import Runs, check_fingerprints, read_runs
 from scaletrain.scaling.fit_plots import write_plots
+from scaletrain.scaling.laws import LAW_FORMS
 
-SWEEP_COLUMNS = ("name", "status", "budget", "tokens", "flops", "flops_per_token", "val_loss")
 FIT_FILE = "fit.json"
+CHECK_FILE = "check.csv"
 # N_opt ∝ C^a, D_opt ∝ C^b: Hoffmann et al. 2022, Table 2; Kaplan et al. 2020, sec. 6.1 (N ∝ C^0.73).
 PUBLISHED = {
     "Chinchilla approach 1": {"a": 0.50, "b": 0.50}, "Chinchilla approach 2": {"a": 0.49, "b": 0.51},
@@ -67,33 +94,57 @@ PUBLISHED = {
 }
 APPROACH_TITLES = {"approach1": "1 envelope (sec. 3.1)", "approach2": "2 IsoFLOP (sec. 3.2)",
                    "approach3": "3 parametric (sec. 3.3)"}
+# Messages of numerical failures that say nothing to a user; fit.json and the summary give the
+# approach's own explanation instead where the data allow (see _explain_skip).
+RAW_NUMERIC_ERRORS = ("math domain error", "math range error", "OverflowError", "FloatingPointError",
+                      "LinAlgError", "ZeroDivisionError", "did not converge")
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """`scaletrain fit`'s options (fit_arguments.py); forms None: every law form; huber_delta None: auto."""
+
+    target_flops: list[float] | None = None
+    bootstrap: int = DEFAULT_BOOTSTRAP
+    params_column: str = "params"
+    seed: int = 0
+    objective: str = "huber"
+    huber_delta: float | None = None
+    forms: tuple[str, ...] | None = None
+    check: Path | None = field(default=None)
 
 
 def fit_from_args(args: argparse.Namespace) -> str:
-    report, _, _ = run_fit(args.source, args.out, args.target_flops, args.bootstrap, args.params_column, args.seed)
+    options = FitOptions(args.target_flops, args.bootstrap, args.params_column, args.seed, args.objective,
+                         args.huber_delta, tuple(dict.fromkeys(args.forms)) if args.forms else None, args.check)
+    report, _, _ = run_fit(args.source, args.out, options)
     return report
 
 
 def fit_sweep_directory(sweep_dir: Path, out_dir: Path, target_flops: list[float] | None, bootstrap: int,
                         params_column: str) -> tuple[str, dict[str, Any], list[Path]]:
     """The end of `scaletrain sweep run` (sweep/finalize.py): fit SWEEP into out_dir."""
-    return run_fit(sweep_dir, out_dir, target_flops, bootstrap, params_column)
+    return run_fit(sweep_dir, out_dir, FitOptions(target_flops, bootstrap, params_column))
 
 
-def run_fit(
-    source: Path, out_dir: Path | None = None, target_flops: list[float] | None = None,
-    bootstrap: int = DEFAULT_BOOTSTRAP, params_column: str = "params", seed: int = 0,
-) -> tuple[str, dict[str, Any], list[Path]]:
-    """Read, fit, write fit.json and the plots; returns (summary, fit.json's content, the plot paths)."""
+def run_fit(source: Path, out_dir: Path | None = None,
+            options: FitOptions = FitOptions()) -> tuple[str, dict[str, Any], list[Path]]:
+    """Read, fit, check, write fit.json, check.csv and the plots; returns (summary, fit.json's content,
+    the plot paths). Every input is read and checked before the fit, so a bad one costs nothing."""
     source = Path(source)
     out_dir = Path(out_dir) if out_dir is not None else default_out_dir(source)
-    _check_options(out_dir, target_flops, bootstrap, params_column)
-    data = read_source(source, params_column)
-    targets = sorted(target_flops or default_targets(data))
-    result = fit_scaling_laws(data, bootstrap, seed)
-    document = fit_document(result, data, targets, str(source), params_column, bootstrap)
-    plots = publish(out_dir, document, result, data, targets)
-    report = format_summary(document) + f"wrote {out_dir / FIT_FILE} and {len(plots)} plots\n"
+    _check_options(out_dir, options)
+    runs = read_runs(source, options.params_column)
+    held_out = _read_held_out(options.check, options.params_column, runs) if options.check else None
+    targets = sorted(options.target_flops or default_targets(runs.data))
+    result = fit_scaling_laws(runs.data, options.bootstrap, options.seed, options.objective, options.huber_delta,
+                              options.forms)
+    check = _check(result, held_out) if held_out is not None else None
+    document = fit_document(result, runs, targets, str(source), options, check)
+    checked = check if isinstance(check, CheckResult) else None
+    plots = publish(out_dir, document, result, runs.data, targets, checked)
+    written = f"{out_dir / FIT_FILE}" + (f", {out_dir / CHECK_FILE}" if checked else "")
+    report = format_summary(document, checked) + f"wrote {written} and {len(plots)} plots\n"
     return report, document, plots
 
 
@@ -106,14 +157,17 @@ def default_targets(data: FitData) -> list[float]:
     return [10 * largest, 100 * largest]
 
 
-def _check_options(out_dir: Path, target_flops: list[float] | None, bootstrap: int, params_column: str) -> None:
-    if bootstrap < 0:
-        raise ValueError(f"--bootstrap {bootstrap} must be >= 0 (0 skips the intervals)")
+def _check_options(out_dir: Path, options: FitOptions) -> None:
+    target_flops = options.target_flops
+    if options.bootstrap < 0:
+        raise ValueError(f"--bootstrap {options.bootstrap} must be >= 0 (0 skips the intervals)")
     if target_flops is not None and not all(math.isfinite(c) and c > 0 for c in target_flops):
         raise ValueError(f"--target-flops {' '.join(map(str, target_flops))}: every budget must be a positive "
                          "number of FLOPs, e.g. 1e23")
-    if params_column not in PARAMS_COLUMNS:
-        raise ValueError(f"--params-column {params_column!r} is unknown; use one of {', '.join(PARAMS_COLUMNS)}")
+    if options.params_column not in PARAMS_COLUMNS:
+        raise ValueError(f"--params-column {options.params_column!r} is unknown; use one of "
+                         f"{', '.join(PARAMS_COLUMNS)}")
+    _check_law_options(options)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file; pass a directory (it is replaced as a whole)")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / FIT_FILE).is_file():
@@ -121,118 +175,77 @@ def _check_options(out_dir: Path, target_flops: list[float] | None, bootstrap: i
                          "a whole; pass a new directory or an earlier fit's")
 
 
+def _check_law_options(options: FitOptions) -> None:
+    if options.objective not in OBJECTIVES:
+        raise ValueError(f"--objective {options.objective!r} is unknown; use one of {', '.join(OBJECTIVES)}")
+    if options.huber_delta is not None and not (math.isfinite(options.huber_delta) and options.huber_delta > 0):
+        raise ValueError(f"--huber-delta {options.huber_delta} must be a positive number (in ln L) or auto")
+    if options.huber_delta is not None and options.objective != "huber":
+        raise ValueError(f"--huber-delta {options.huber_delta:g} applies to --objective huber only; drop it, or "
+                         "use --objective huber")
+    unknown = [form for form in options.forms or () if form not in LAW_FORMS]
+    if unknown:
+        raise ValueError(f"--forms {' '.join(unknown)}: unknown law form(s); use some of {', '.join(LAW_FORMS)}")
+
+
 # ---------------------------------------------------------------------------------------------
-# Reading a source
+# The held-out check
 
 
-def read_source(source: Path, params_column: str = "params") -> FitData:
-    if source.is_dir():
-        return _read_sweep(source, params_column)
-    if not source.is_file():
-        raise ValueError(f"{source} does not exist; pass a sweep directory (with results.csv) or a CSV with "
-                         "columns params,tokens,loss")
-    return _read_csv(source, params_column)
-
-
-def _read_csv(path: Path, params_column: str) -> FitData:
-    rows = _csv_rows(path, (params_column, "tokens", "loss"), "a CSV of runs needs columns params,tokens,loss "
-                     "(optional flops, budget)")
-    points = []
-    for line, row in rows:
-        params, tokens, loss = (_positive(row, column, path, line) for column in (params_column, "tokens", "loss"))
-        flops = _positive(row, "flops", path, line) if row.get("flops") else 6.0 * params * tokens
-        budget = _positive(row, "budget", path, line) if row.get("budget") else None
-        points.append(Point(params, tokens, flops, loss, budget))
-    return FitData(points, [None] * len(points))
-
-
-def _read_sweep(sweep_dir: Path, params_column: str) -> FitData:
-    results = sweep_dir / "results.csv"
-    if not results.is_file():
-        raise ValueError(f"{sweep_dir} has no results.csv; pass a sweep directory (`scaletrain sweep status` "
-                         "writes results.csv) or a CSV with columns params,tokens,loss")
-    rows = _csv_rows(results, (*SWEEP_COLUMNS, params_column), "a sweep's results.csv is written by "
-                     "`scaletrain sweep status`")
-    done = [(line, row) for line, row in rows if row["status"] == "done"]
-    if not done:
-        states = sorted({row["status"] for _, row in rows})
-        raise ValueError(f"{results} has no finished run (status done; found {', '.join(states)}); "
-                         "finish runs with `scaletrain sweep run` first")
-    points, curves = [], []
-    for line, row in done:
-        params = _positive(row, params_column, results, line)
-        budget = _positive(row, "budget", results, line) if row["budget"] else None
-        points.append(Point(params, _positive(row, "tokens", results, line), _positive(row, "flops", results, line),
-                            _positive(row, "val_loss", results, line), budget))
-        curves.append(_training_curve(sweep_dir / "runs" / row["name"] / "metrics.jsonl", params,
-                                      _positive(row, "flops_per_token", results, line)))
-    return FitData(points, curves)
-
-
-def _training_curve(metrics: Path, params: float, flops_per_token: float) -> Curve | None:
-    """The run's training records (those with loss and tokens; a step logged again after a resume
-    replaces the first), smoothed (fit.smooth_training_curve); None without any."""
-    records: dict[int, tuple[float, float]] = {}
-    if metrics.is_file():
-        for text in metrics.read_text().splitlines():
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-            if isinstance(record, dict) and "loss" in record and "tokens" in record and "step" in record:
-                records[record["step"]] = (float(record["tokens"]), float(record["loss"]))
-    kept = [(tokens, loss) for _, (tokens, loss) in sorted(records.items())
-            if tokens > 0 and math.isfinite(tokens) and math.isfinite(loss)]
-    if not kept:
-        return None
-    tokens, losses = smooth_training_curve(*zip(*kept, strict=True))
-    return Curve(params, tokens * flops_per_token, tokens, losses)
-
-
-def _csv_rows(path: Path, required: tuple[str, ...], hint: str) -> list[tuple[int, dict[str, str]]]:
-    """(line number as an editor shows it, row) for every row; the header must hold `required`."""
-    with path.open(newline="") as file:
-        reader = csv.DictReader(file)
-        header = reader.fieldnames or []
-        missing = [column for column in required if column not in header]
-        if missing:
-            raise ValueError(f"{path} lacks column(s) {', '.join(missing)} (found: {', '.join(header) or 'none'}); "
-                             f"{hint}")
-        rows = [(reader.line_num, row) for row in reader]
-    if not rows:
-        raise ValueError(f"{path} has a header but no rows; add one row per run")
-    return rows
-
-
-def _positive(row: dict[str, str], column: str, path: Path, line: int) -> float:
-    text = row.get(column)
+def _read_held_out(path: Path, params_column: str, runs: Runs) -> Runs:
+    """--check's runs, read as a source is; refused when trained on other data than the fitted runs."""
     try:
-        value = float(text)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{path}, row at line {line}: {column}={text!r} is not a positive number; "
-                         "fix or remove the row")
-    return value
+        held_out = read_runs(path, params_column)
+    except ValueError as error:
+        raise ValueError(f"--check: {error}") from None
+    if held_out.fingerprint and runs.fingerprint and held_out.fingerprint != runs.fingerprint:
+        check_fingerprints([*runs.labels, *(f"held-out {label}" for label in held_out.labels)],
+                           [*runs.fingerprints, *held_out.fingerprints], f"--check {path}")
+    return held_out
+
+
+def _check(result: ScalingFit, held_out: Runs) -> CheckResult | str:
+    """The chosen form's predictions for the held-out runs (check.check_predictions), or why there are
+    none. A held-out run's own unique_tokens is used where every run records one, else the corpus's."""
+    if result.chosen is None:
+        return f"no law form was fitted ({'; '.join(result.law_skipped.values())}), so nothing predicts the runs"
+    points = held_out.data.points
+    unique = None
+    if all(point.unique_tokens is not None for point in points):
+        unique = np.array([point.unique_tokens for point in points], dtype=float)
+    return check_held_out(points, lambda params, tokens: result.predict(params, tokens, unique, CHECK_CONFIDENCE))
 
 
 # ---------------------------------------------------------------------------------------------
 # fit.json
 
 
-def fit_document(result: ScalingFit, data: FitData, targets: list[float], source: str, params_column: str,
-                 bootstrap: int) -> dict[str, Any]:
+def fit_document(result: ScalingFit, runs: Runs, targets: list[float], source: str, options: FitOptions,
+                 check: CheckResult | str | None = None) -> dict[str, Any]:
     """fit.json's content (the structure is in the module docstring)."""
+    data = runs.data
     document: dict[str, Any] = {
-        "source": source, "params_column": params_column, "num_points": len(data.points),
-        "num_curves": sum(curve is not None for curve in data.curves), "bootstrap": bootstrap,
-        "seed": result.seed, "target_flops": list(targets),
+        "source": source, "params_column": options.params_column, "num_points": len(data.points),
+        "num_curves": sum(curve is not None for curve in data.curves), "bootstrap": options.bootstrap,
+        "seed": result.seed, "target_flops": list(targets), "objective": options.objective,
+        "huber_delta": "auto" if options.huber_delta is None else options.huber_delta,
+        "fingerprints": runs.fingerprint or "not recorded",
+        "flops_per_token": {"source": result.fpt.source, "description": result.fpt.description},
+        "noise": {"sigma": result.noise.sigma, "how": result.noise.how, "groups": result.noise.groups},
     }
     for approach in APPROACHES:
-        document[approach] = _approach_document(result, approach) if approach in result.fits else None
+        document[approach] = _approach_document(result, approach, options) if approach in result.fits else None
+    document["laws"] = {form: _law_document(law, result) for form, law in result.laws.items()}
+    document["law_skipped"] = dict(result.law_skipped)
+    document["chosen"] = _chosen_document(result)
+    document["bootstrap_failures"] = {name: reasons for name, reasons in result.bootstrap_failures.items() if reasons}
     document["predictions"] = [_prediction_document(result, flops) for flops in targets]
-    document["skipped"] = dict(result.skipped)
+    document["skipped"] = {approach: _explain_skip(approach, reason, data)
+                           for approach, reason in result.skipped.items()}
     document["published"] = PUBLISHED
+    if check is not None:
+        document["check"] = check_document(check, result.chosen) if isinstance(check, CheckResult) else {
+            "skipped": check}
     return _strict(document)
 
 
@@ -244,7 +257,7 @@ def _with_intervals(values: dict[str, float], samples: list[dict[str, float]]) -
     return document
 
 
-def _approach_document(result: ScalingFit, approach: str) -> dict[str, Any]:
+def _approach_document(result: ScalingFit, approach: str, options: FitOptions) -> dict[str, Any]:
     fit, samples = result.fits[approach], result.samples(approach)
     document = _with_intervals(fit.constants(), [sample.constants() for sample in samples])
     document["bootstrap_fits"] = len(samples)
@@ -257,30 +270,97 @@ def _approach_document(result: ScalingFit, approach: str) -> dict[str, Any]:
                         budgets=[vars(minimum) for minimum in fit.minima],
                         excluded_budgets=[{"flops": flops, "reason": reason} for flops, reason in fit.excluded])
     elif isinstance(fit, ParametricFit):
-        document.update(huber_delta=HUBER_DELTA, objective=fit.objective, starts=fit.starts,
+        delta = HUBER_DELTA if options.huber_delta is None else options.huber_delta
+        document.update(huber_delta=delta, objective=fit.objective, starts=fit.starts,
                         bootstrap_starts=1 + BOOTSTRAP_GRID_STARTS)
     return document
 
 
+def _law_document(law: LawResult, result: ScalingFit) -> dict[str, Any]:
+    """One form: constants with 95% intervals, every bootstrap refit, its failures and its backtest."""
+    fit, form = law.fit, law.fit.form
+    backtest = law.backtest
+    return {
+        "formula": fit.law.formula, "citation": fit.law.citation, "constants": dict(fit.constants),
+        "constants_ci": {name: percentile_interval([refit.constants[name] for refit in law.refits])
+                         for name in fit.constants},
+        "objective": "huber" if fit.huber_delta is not None else "least_squares", "objective_value": fit.objective,
+        "huber_delta": fit.huber_delta, "huber_delta_how": fit.delta_how,
+        "bootstrap_fits": [dict(refit.constants) for refit in law.refits],
+        "bootstrap_failures": dict(result.bootstrap_failures.get(form, {})),
+        "backtest": {
+            "mean_abs_error_pct": backtest.mean_abs_error_pct, "mean_signed_error_pct": backtest.mean_signed_error_pct,
+            "rankings_correct": backtest.rankings_correct, "rankings": backtest.rankings,
+            "loo_abs_error_pct": backtest.loo_abs_error_pct,
+            "folds": [{"budget_flops": fold.budget_flops, "train_budgets": fold.train_budgets,
+                       "ranking_correct": fold.ranking_correct, "failed": fold.failed,
+                       "points": [{"params": n, "tokens": d, "measured": measured, "predicted": predicted,
+                                   "error_pct": error}
+                                  for n, d, measured, predicted, error in zip(
+                                      fold.params, fold.tokens, fold.measured, fold.predicted, fold.errors_pct,
+                                      strict=True)]}
+                      for fold in backtest.folds],
+        },
+    }
+
+
+def _chosen_document(result: ScalingFit) -> dict[str, Any]:
+    fit = result.laws[result.chosen].fit if result.chosen in result.laws else None
+    return {"form": result.chosen, "reason": result.chosen_reason,
+            "huber_delta": None if fit is None else fit.huber_delta, "huber_delta_how": None if fit is None else
+            fit.delta_how}
+
+
 def _prediction_document(result: ScalingFit, flops: float) -> dict[str, Any]:
+    """Every approach's and form's allocation at C (ScalingFit.compute_optimal), and the chosen form's
+    loss with its 90% prediction interval and how far leaving one run out moves it."""
+    table = result.compute_optimal(flops)
     document: dict[str, Any] = {"flops": flops}
     for approach in APPROACHES:
-        fit = result.fits.get(approach)
-        document[approach] = None if fit is None else _with_intervals(
-            compute_optimal(fit, flops), [compute_optimal(sample, flops) for sample in result.samples(approach)])
+        document[approach] = table.get(approach)
+    document["laws"] = {form: table[form] for form in result.laws}
+    document["chosen"] = None
+    if result.chosen is not None:
+        values = table[result.chosen]
+        document["chosen"] = {"form": result.chosen, **{key: values[key] for key in (
+            "n_opt", "d_opt", "tokens_per_param", "loss", "loss_interval")},
+            "loo_shift_pct": result.laws[result.chosen].loo_shift_pct(flops)}
     return document
+
+
+def _explain_skip(approach: str, reason: str, data: FitData) -> str:
+    """The reason an approach could not run, in terms of the runs where the data tell: Approach 2 whose
+    profiles all have their best run at the smallest (largest) size has no minimum to find."""
+    if approach == "approach2":
+        ends = set()
+        for group in group_by_budget(data.points):
+            points = [data.points[i] for i in group]
+            if len({p.params for p in points}) >= MIN_SIZES_PER_BUDGET:
+                best = min(points, key=lambda p: p.loss).params
+                ends.add("smallest" if best == min(p.params for p in points) else
+                         "largest" if best == max(p.params for p in points) else "inside")
+        if len(ends) == 1 and ends != {"inside"}:
+            (end,) = ends
+            fix = "add smaller sizes" if end == "smallest" else "add larger sizes"
+            return f"no IsoFLOP profile is bracketed: the {end} size is best at every budget; {fix} ({reason})"
+    if any(raw in reason for raw in RAW_NUMERIC_ERRORS):
+        return (f"{APPROACH_TITLES[approach]} failed numerically on these runs ({reason}); check for runs with "
+                "equal (N, D) or losses that do not fall with N and D")
+    return reason
 
 
 def _strict(tree: Any) -> Any:
     """Plain JSON types; non-finite numbers become null (fit.json is strict JSON)."""
     if isinstance(tree, dict):
         return {str(key): _strict(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
+    if isinstance(tree, (list, tuple, np.ndarray)):
         return [_strict(value) for value in tree]
-    if isinstance(tree, bool) or tree is None or isinstance(tree, str):
+    if isinstance(tree, (bool, np.bool_)):
+        return bool(tree)
+    if tree is None or isinstance(tree, str):
         return tree
-    if isinstance(tree, int):
-        return tree
+    if isinstance(tree, (int, np.integer)):
+        return int(tree)
     value = float(tree)
     return value if math.isfinite(value) else None
 
@@ -290,14 +370,16 @@ def _strict(tree: Any) -> Any:
 
 
 def publish(out_dir: Path, document: dict[str, Any], result: ScalingFit, data: FitData,
-            targets: list[float]) -> list[Path]:
-    """fit.json and the plots into a temporary directory beside out_dir, then renamed onto it (an
-    existing out_dir is replaced). Returns the plots' final paths."""
+            targets: list[float], check: CheckResult | None = None) -> list[Path]:
+    """fit.json, check.csv (with a check) and the plots into a temporary directory beside out_dir, then
+    renamed onto it (an existing out_dir is replaced). Returns the plots' final paths."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
     try:
         (staging / FIT_FILE).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-        names = [path.name for path in write_plots(result, data, targets, staging)]
+        if check is not None:
+            (staging / CHECK_FILE).write_text(check_csv(check))
+        names = [path.name for path in write_plots(result, data, targets, staging, check=check)]
         staging.chmod(0o755)
         if out_dir.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
@@ -315,11 +397,12 @@ def publish(out_dir: Path, document: dict[str, Any], result: ScalingFit, data: F
 # The printed summary
 
 
-def format_summary(document: dict[str, Any]) -> str:
-    """The constants with their intervals against the published ones, then the predictions."""
+def format_summary(document: dict[str, Any], check: CheckResult | None = None) -> str:
+    """The approaches' exponents against the published ones, the law forms and their backtests, every
+    failure, then the predictions and the held-out check (its lines: check.check_lines)."""
     lines = [f"scaling-law fit of {document['num_points']} runs from {document['source']} "
              f"(N = {document['params_column']}; {document['bootstrap']} bootstrap resamples, seed "
-             f"{document['seed']}; [95% percentile intervals])",
+             f"{document['seed']}; [95% percentile intervals]; data fingerprint: {document['fingerprints']})",
              f"{'approach':<26}{'a: N_opt ∝ C^a':<30}{'b: D_opt ∝ C^b':<30}bootstrap refits that succeeded"]
     for approach in APPROACHES:
         values = document[approach]
@@ -334,15 +417,12 @@ def format_summary(document: dict[str, Any]) -> str:
     lines.append("published: " + "; ".join(f"{name} a={v['a']:.2f} b={v['b']:.2f}" for name, v in PUBLISHED.items()))
     if document["approach3"] is not None:
         lines += _parametric_lines(document["approach3"])
-    lines.append("compute-optimal allocation at the target budgets (C = 6ND):")
-    lines.append(f"  {'C':<10}{'approach':<10}{'N*':<31}{'D*':<31}{'D*/N*':<24}loss")
-    for prediction in document["predictions"]:
-        for approach in APPROACHES:
-            values = prediction[approach]
-            if values is not None:
-                loss = _number(values, "loss") if "loss" in values else ""
-                lines.append(f"  {prediction['flops']:<10.3g}{approach[-1]:<10}{_number(values, 'n_opt'):<31}"
-                             f"{_number(values, 'd_opt'):<31}{_number(values, 'tokens_per_param'):<24}{loss}")
+    lines += _law_lines(document) + _failure_lines(document)
+    lines += _prediction_lines(document)
+    if check is not None:
+        lines += check_lines(check, document["chosen"]["form"])
+    elif "check" in document:
+        lines.append(f"held-out check skipped: {document['check']['skipped']}")
     return "\n".join(lines) + "\n"
 
 
@@ -357,7 +437,70 @@ def _parametric_lines(values: dict[str, Any]) -> list[str]:
     ]
 
 
+def _law_lines(document: dict[str, Any]) -> list[str]:
+    """Each law form's constants and rolling backtest (fit on smaller budgets, predict the next)."""
+    lines = [f"law forms ({document['objective']} on ln L; rolling backtest: fit on the smaller budgets, "
+             "predict the next; error = predicted - measured):"]
+    for form, law in document["laws"].items():
+        constants = "  ".join(f"{name} {_constant(value, law['constants_ci'].get(name))}"
+                              for name, value in law["constants"].items())
+        backtest = law["backtest"]
+        tested = (f"backtest mean |error| {_percent(backtest['mean_abs_error_pct'])}, mean signed error "
+                  f"{_percent(backtest['mean_signed_error_pct'], signed=True)}, rankings {backtest['rankings_correct']}"
+                  f"/{backtest['rankings']}" if backtest["rankings"] else
+                  f"no backtest fold (leave-one-out |error| {_percent(backtest['loo_abs_error_pct'])})")
+        delta = f"; delta {law['huber_delta']:.3g} ({law['huber_delta_how']})" if law["huber_delta"] else ""
+        lines += [f"  {form}: {law['formula']}  ({law['citation']}){delta}", f"    {constants}", f"    {tested}"]
+    chosen = document["chosen"]
+    lines.append(f"chosen form: {chosen['form'] or 'none'}: {chosen['reason']}")
+    noise = document["noise"]
+    sigma = f"sigma {noise['sigma']:.3g} in ln L, " if noise["sigma"] is not None else ""
+    lines.append(f"run-to-run noise: {sigma}{noise['how']}")
+    return lines
+
+
+def _failure_lines(document: dict[str, Any]) -> list[str]:
+    """One line per law form that could not be fitted and per approach or form whose refits failed."""
+    lines = [f"law form {form} skipped: {reason}" for form, reason in document["law_skipped"].items()]
+    for name, reasons in document["bootstrap_failures"].items():
+        count = sum(reasons.values())
+        causes = "; ".join(f"{number} x {reason}" for reason, number in sorted(reasons.items(), key=lambda r: -r[1]))
+        lines.append(f"bootstrap: {count} of {document['bootstrap']} refits of {name} failed ({causes})")
+    return lines
+
+
+def _prediction_lines(document: dict[str, Any]) -> list[str]:
+    lines = [f"compute-optimal allocation at the target budgets, on the FLOPs line "
+             f"{document['flops_per_token']['description']}:",
+             f"  {'C':<10}{'fit':<13}{'N*':<31}{'D*':<31}{'D*/N*':<24}loss"]
+    for prediction in document["predictions"]:
+        rows = [(approach[-1], prediction[approach]) for approach in APPROACHES if prediction[approach] is not None]
+        rows += list(prediction["laws"].items())
+        for name, values in rows:
+            loss = _number(values, "loss") if "loss" in values else ""
+            lines.append(f"  {prediction['flops']:<10.3g}{name:<13}{_number(values, 'n_opt'):<31}"
+                         f"{_number(values, 'd_opt'):<31}{_number(values, 'tokens_per_param'):<24}{loss}")
+        chosen = prediction["chosen"]
+        if chosen is not None:
+            interval = chosen["loss_interval"]
+            band = f" [{interval[0]:.4g}, {interval[1]:.4g}] (90% prediction interval)" if interval and None not in \
+                interval else " (no prediction interval: too few refits and no seed repeats)"
+            lines.append(f"  at C {prediction['flops']:.3g} the chosen {chosen['form']} predicts loss "
+                         f"{_constant(chosen['loss'])}{band}; leaving one run out moves it by up to "
+                         f"{_percent(chosen['loo_shift_pct'])}")
+    return lines
+
+
 def _number(values: dict[str, Any], key: str) -> str:
     value, interval = values.get(key), values.get(f"{key}_ci")
     text = "n/a" if value is None else f"{value:.3g}"
     return f"{text} [{interval[0]:.3g}, {interval[1]:.3g}]" if interval else text
+
+
+def _constant(value: float | None, interval: list[float] | None = None) -> str:
+    text = "n/a" if value is None else f"{value:.4g}"
+    return f"{text} [{interval[0]:.3g}, {interval[1]:.3g}]" if interval else text
+
+
+def _percent(value: float | None, signed: bool = False) -> str:
+    return "n/a" if value is None else f"{value:+.2f}%" if signed else f"{value:.2f}%"

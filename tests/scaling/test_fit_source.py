@@ -14,7 +14,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from scaletrain.scaling import fit_source
+from scaletrain.scaling import fit_inputs, fit_source
 from scaletrain.scaling.fit import ParametricFit, fit_isoflop
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.fit_plots import PLOT_FILES
@@ -24,7 +24,11 @@ from scaletrain.scaling.sweep.results import RESULT_COLUMNS
 CHINCHILLA = ParametricFit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 TRUE_A = CHINCHILLA.beta / (CHINCHILLA.alpha + CHINCHILLA.beta)
 TOP_KEYS = {"source", "params_column", "num_points", "num_curves", "bootstrap", "seed", "target_flops", "approach1",
-            "approach2", "approach3", "predictions", "skipped", "published"}
+            "approach2", "approach3", "predictions", "skipped", "published", "objective", "huber_delta", "fingerprints",
+            "flops_per_token", "noise", "laws", "law_skipped", "chosen", "bootstrap_failures"}
+LAW_KEYS = {"formula", "citation", "constants", "constants_ci", "objective", "objective_value", "huber_delta",
+            "huber_delta_how", "bootstrap_fits", "bootstrap_failures", "backtest"}
+FORMS = {"chinchilla", "kaplan", "kaplan_e", "muennighoff"}
 APPROACH_KEYS = {
     "approach1": {"a", "a_ci", "b", "b_ci", "n_coefficient", "d_coefficient", "bootstrap_fits", "smoothing",
                   "frontier"},
@@ -103,8 +107,23 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     assert len(fit["approach2"]["budgets"]) == 4 and fit["approach3"]["starts"] == 4500
     for approach in ("approach2", "approach3"):
         assert fit[approach]["a"] == pytest.approx(TRUE_A, abs=0.03)
+    assert set(fit["laws"]) | set(fit["law_skipped"]) == FORMS and "muennighoff" in fit["law_skipped"]
+    assert fit["fingerprints"] == "not recorded" and fit["flops_per_token"]["source"] == "6N"
+    assert "C = 6ND" in fit["flops_per_token"]["description"] and fit["chosen"]["form"] in fit["laws"]
+    for law in fit["laws"].values():
+        assert set(law) == LAW_KEYS and len(law["bootstrap_fits"]) + sum(law["bootstrap_failures"].values()) == 20
+        folds = law["backtest"]["folds"]
+        assert [fold["budget_flops"] for fold in folds] == pytest.approx([1e20, 1e21, 1e22])
+        assert all(len(fold["points"]) == 5 and set(fold["points"][0]) == {
+            "params", "tokens", "measured", "predicted", "error_pct"} for fold in folds)
+    chinchilla = fit["laws"]["chinchilla"]
+    assert chinchilla["constants"]["alpha"] == pytest.approx(CHINCHILLA.alpha, abs=0.05)
+    assert 0 < chinchilla["backtest"]["mean_abs_error_pct"] < 10 and chinchilla["huber_delta"] > 0
     for prediction in fit["predictions"]:
-        assert set(prediction) == {"flops", *APPROACH_KEYS}
+        assert set(prediction) == {"flops", *APPROACH_KEYS, "laws", "chosen"}
+        chosen = prediction["chosen"]
+        assert chosen["loss_interval"][0] < chosen["loss"] < chosen["loss_interval"][1]
+        assert chosen["loo_shift_pct"] >= 0 and chosen["form"] == fit["chosen"]["form"]
         for approach in APPROACH_KEYS:
             expected = PREDICTION_KEYS | ({"loss", "loss_ci"} if approach == "approach3" else set())
             assert set(prediction[approach]) == expected
@@ -117,7 +136,10 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     for name in PLOT_FILES:
         assert_valid_png(out / name)
     assert "Chinchilla approach 3 a=0.46 b=0.54" in report and "Kaplan et al. 2020 a=0.73" in report
-    assert "3 parametric (sec. 3.3)" in report and f"wrote {out / 'fit.json'} and 4 plots" in report
+    assert "3 parametric (sec. 3.3)" in report and f"wrote {out / 'fit.json'} and 5 plots" in report
+    assert "on the FLOPs line C = 6ND" in report and f"chosen form: {fit['chosen']['form']}" in report
+    assert "law form muennighoff skipped: muennighoff: no run records unique_tokens" in report
+    assert "(90% prediction interval); leaving one run out moves it by up to" in report
 
 
 def test_same_seed_same_fit_and_out_replaced(tmp_path: Path) -> None:
@@ -160,12 +182,12 @@ def test_csv_budgets_from_the_budget_column_or_from_equal_flops(tmp_path: Path) 
     with_budget = [[n, d, loss, 6 * n * d * jitter[i % 5], 1e19 if i < 5 else 1e20]
                    for i, (n, d, loss) in enumerate(rows)]
     path = write_csv(tmp_path / "budget.csv", ["params", "tokens", "loss", "flops", "budget"], with_budget)
-    data = fit_source.read_source(path)
+    data = fit_inputs.read_source(path)
     assert [p.budget for p in data.points] == [1e19] * 5 + [1e20] * 5
     assert [p.flops for p in data.points] == pytest.approx([row[3] for row in with_budget])
     assert [m.sizes for m in fit_isoflop(data.points).minima] == [5, 5]
     path = write_csv(tmp_path / "flops.csv", ["params", "tokens", "loss", "flops"], [r[:4] for r in with_budget])
-    minima = fit_isoflop(fit_source.read_source(path).points).minima
+    minima = fit_isoflop(fit_inputs.read_source(path).points).minima
     assert [m.sizes for m in minima] == [4, 4]  # the 20%-off runs form profiles of one run each, left out
 
 
@@ -175,7 +197,7 @@ def test_failure_while_writing_leaves_the_previous_output(tmp_path: Path, monkey
     out.mkdir()
     (out / "fit.json").write_text("{}\n")
 
-    def fail_midway(result, data, targets, directory: Path) -> list[Path]:
+    def fail_midway(result, data, targets, directory: Path, check=None) -> list[Path]:
         (directory / "isoflop.png").write_bytes(b"\x89PNG half")
         raise OSError("disk full")
 
@@ -186,12 +208,16 @@ def test_failure_while_writing_leaves_the_previous_output(tmp_path: Path, monkey
     assert [p.name for p in out.iterdir()] == ["fit.json"] and (out / "fit.json").read_text() == "{}\n"
 
 
-def write_sweep(sweep: Path, rows: list[dict], curves: dict[str, list[dict]]) -> Path:
+def write_sweep(sweep: Path, rows: list[dict], curves: dict[str, list[dict]], fingerprints: bool = False) -> Path:
+    """A sweep directory as `sweep run` leaves it; fingerprints: with the data_fingerprint column."""
     sweep.mkdir(parents=True, exist_ok=True)
+    columns = [*RESULT_COLUMNS] + (["data_fingerprint"] if fingerprints and "data_fingerprint" not in RESULT_COLUMNS
+                                   else [])
     with (sweep / "results.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=RESULT_COLUMNS)
+        writer = csv.DictWriter(file, fieldnames=columns)
         writer.writeheader()
-        writer.writerows({column: row.get(column, "") for column in RESULT_COLUMNS} for row in rows)
+        writer.writerows({column: row.get(column, "") for column in columns} for row in rows)
+    (sweep / "plan.json").write_text(json.dumps({"tokens_per_step": 256, "train_tokens": 2_000_000, "runs": []}))
     for name, records in curves.items():
         (sweep / "runs" / name).mkdir(parents=True)
         lines = [json.dumps(record) for record in records]
@@ -218,17 +244,61 @@ def fake_run(name: str, non_embedding: float, budget: float, rng: np.random.Gene
     return row, records
 
 
-def tiny_sweep(sweep: Path) -> Path:
+def tiny_sweep(sweep: Path, fingerprints: dict[str, str] | None = None) -> Path:
+    """Six finished runs (two budgets x three sizes, seed 7), a failed and a pending one; fingerprints:
+    the data_fingerprint of each run (by name; the others get "f00d")."""
     rng = np.random.default_rng(0)
     rows, curves = [], {}
     for budget in (1e13, 4e13):
         for size in (1.5e5, 5e5, 1.5e6):
             row, records = fake_run(f"c{budget:.0e}-n{size:.0e}", size, budget, rng)
+            row["seed"] = 7
+            if fingerprints is not None:
+                row["data_fingerprint"] = fingerprints.get(row["name"], "f00d")
             rows.append(row)
             curves[row["name"]] = records
     rows += [{"name": "broken", "status": "failed", "budget": 1e13},
              {"name": "later", "status": "pending", "budget": 4e13, "params": 1e6}]
-    return write_sweep(sweep, rows, curves)
+    return write_sweep(sweep, rows, curves, fingerprints is not None)
+
+
+def test_sweep_results_csv_read_directly(tmp_path: Path) -> None:
+    """`scaletrain fit SWEEP/results.csv`: the done rows, val_loss as the loss, budget, FLOPs and seed from the
+    row, and the sweep's train_tokens (plan.json beside it) as each run's unique tokens."""
+    sweep = tiny_sweep(tmp_path / "sweep")
+    runs = fit_inputs.read_runs(sweep / "results.csv")
+    from_directory = fit_inputs.read_runs(sweep)
+    assert runs.data.points == from_directory.data.points and len(runs.data.points) == 6
+    assert runs.labels == [f"c{budget:.0e}-n{size:.0e}" for budget in (1e13, 4e13) for size in (1.5e5, 5e5, 1.5e6)]
+    first = runs.data.points[0]
+    assert (first.budget, first.flops, first.seed, first.unique_tokens) == (1e13, 1e13, 7, 2_000_000)
+    assert first.loss == pytest.approx(float(CHINCHILLA.loss(1.5e5, 1e13 / (6 * 1.5e5))))  # the val_loss
+    assert runs.fingerprint is None and all(curve is None for curve in runs.data.curves)
+    report = fit_from_args(parse(str(sweep / "results.csv"), "--bootstrap", "0"))
+    fit = strict_json(sweep / "results_fit" / "fit.json")
+    assert fit["num_points"] == 6 and "fit of 6 runs" in report
+
+
+def test_csv_seed_unique_tokens_and_fingerprint_columns(tmp_path: Path) -> None:
+    rows = [[n, d, loss, 3, 5e9, "abc123"] for n, d, loss in isoflop_rows(budgets=(1e19,))]
+    path = write_csv(tmp_path / "runs.csv", ["params", "tokens", "loss", "seed", "unique_tokens", "data_fingerprint"],
+                     rows)
+    runs = fit_inputs.read_runs(path)
+    assert {(p.seed, p.unique_tokens) for p in runs.data.points} == {(3, 5e9)}
+    assert runs.fingerprint == "abc123" and runs.labels[0] == "line 2"
+
+
+def test_mixed_fingerprints_are_refused_naming_the_rows(tmp_path: Path) -> None:
+    sweep = tiny_sweep(tmp_path / "sweep", {"c1e+13-n2e+05": "0ld5", "c4e+13-n2e+05": "0ld5"})
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError) as error:
+        fit_from_args(parse(str(sweep), "--bootstrap", "0"))
+    message = str(error.value)
+    assert message == (
+        f"{sweep / 'results.csv'}: these runs were trained on different data (tokenizer/manifest/validation set): "
+        "rows c1e+13-n2e+05, c4e+13-n2e+05 have 0ld5, rows c1e+13-n5e+05, c1e+13-n2e+06, c4e+13-n5e+05, "
+        "c4e+13-n2e+06 have f00d; refit each group separately or re-run the stale runs")
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
 def test_sweep_directory(tmp_path: Path) -> None:
@@ -236,12 +306,10 @@ def test_sweep_directory(tmp_path: Path) -> None:
     report = fit_from_args(parse(str(sweep), "--bootstrap", "10", "--params-column", "non_embedding_params"))
     fit = strict_json(sweep / "fit" / "fit.json")
     assert (fit["num_points"], fit["num_curves"], fit["params_column"]) == (6, 6, "non_embedding_params")
-    assert fit["target_flops"] == pytest.approx([4e14, 4e15]) and fit["skipped"] == {}
-    frontier = fit["approach1"]["frontier"]
-    assert len(frontier) > 6  # the training curves' points, not only the 6 final ones
-    for point in frontier:
-        assert point["params"] in (1.5e5, 5e5, 1.5e6)
-        assert point["flops"] == pytest.approx(point["tokens"] * 6 * point["params"])
+    assert fit["target_flops"] == pytest.approx([4e14, 4e15])
+    # Approach 1 reads final points only (fit.FitData.envelope_curves): two budgets give too few bins
+    assert set(fit["skipped"]) == {"approach1"} and "got 2 bins" in fit["skipped"]["approach1"]
+    assert fit["flops_per_token"]["source"] == "6N" and fit["fingerprints"] == "not recorded"  # C = 6ND here
     budgets = fit["approach2"]["budgets"]
     assert [b["budget"] for b in budgets] == [1e13, 4e13] and all(b["sizes"] == 3 for b in budgets)
     for budget in budgets:
@@ -260,6 +328,66 @@ def test_sweep_directory_for_the_sweep_runner(tmp_path: Path) -> None:
     assert document["target_flops"] == [1e15] and document["params_column"] == "params"
     assert json.loads((tmp_path / "elsewhere" / "fit.json").read_text()) == document
     assert "at the target budgets" in report
+
+
+def test_held_out_check_writes_check_csv_and_the_numbers(tmp_path: Path) -> None:
+    """--check: the chosen law's prediction for every held-out run, in check.csv, fit.json and the summary."""
+    rows = isoflop_rows(budgets=(1e19, 1e20, 1e21, 1e22))
+    source = write_csv(tmp_path / "runs.csv", ["params", "tokens", "loss"], rows[:15])
+    held_out = write_csv(tmp_path / "held_out.csv", ["params", "tokens", "loss"], rows[15:])
+    report = fit_from_args(parse(str(source), "--bootstrap", "12", "--forms", "chinchilla", "--check", str(held_out)))
+    out = tmp_path / "runs_fit"
+    with (out / "check.csv").open() as file:
+        table = list(csv.DictReader(file))
+    assert tuple(table[0]) == ("params", "tokens", "loss", "predicted", "lower", "upper") and len(table) == 5
+    assert [float(row["loss"]) for row in table] == pytest.approx([row[2] for row in rows[15:]])
+    fit = strict_json(out / "fit.json")
+    check = fit["check"]
+    assert check["form"] == "chinchilla" == fit["chosen"]["form"] and set(fit["laws"]) == {"chinchilla"}
+    for row, point in zip(table, check["points"], strict=True):
+        assert float(row["predicted"]) == pytest.approx(point["predicted"])
+        assert float(row["lower"]) <= float(row["predicted"]) <= float(row["upper"])
+        assert point["error_pct"] == pytest.approx(100 * (point["predicted"] - point["loss"]) / point["loss"])
+    inside = sum(float(r["lower"]) <= float(r["loss"]) <= float(r["upper"]) for r in table)
+    assert check["coverage"] == {"inside": inside, "with_interval": 5, "runs": 5}
+    assert check["mean_abs_error_pct"] == pytest.approx(np.mean([abs(p["error_pct"]) for p in check["points"]]))
+    assert check["mean_abs_error_pct"] < 5  # 0.5% noise on the true law, one budget beyond the fitted ones
+    assert len(check["rankings"]) == 1 and check["rankings"][0]["budget"] is None
+    assert f"{inside} of 5 inside their interval" in report and "sizes at C 1e+22, best first" in report
+    assert f"{out / 'check.csv'}" in report
+    for name in (*PLOT_FILES, "check.png"):
+        assert_valid_png(out / name)
+
+
+def test_held_out_runs_on_other_data_are_refused(tmp_path: Path) -> None:
+    sweep = tiny_sweep(tmp_path / "sweep", {})
+    held_out = write_csv(tmp_path / "held_out.csv", ["params", "tokens", "loss", "data_fingerprint"],
+                         [[1e6, 1e8, 3.0, "beef"]])
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError) as error:
+        fit_from_args(parse(str(sweep), "--bootstrap", "0", "--check", str(held_out)))
+    assert str(error.value).startswith(f"--check {held_out}: these runs were trained on different data")
+    assert "have f00d, rows held-out line 2 have beef; refit each group separately" in str(error.value)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_unbracketed_profiles_skip_approach_2_with_the_reason(tmp_path: Path) -> None:
+    """The smallest size best at every budget, losses concave in ln N: no profile has a minimum. Approach 2
+    is skipped with a reason that says what to train; the rest, fit.json and every plot are written."""
+    rows = []
+    for flops in (1e19, 1e20, 1e21):
+        for n in np.geomspace(1e8, 1.6e9, 5):
+            x = math.log(n / 1e8)
+            rows.append([n, flops / (6 * n), 3.2 - 0.15 * math.log10(flops / 1e19) + 0.08 * x - 0.01 * x * x])
+    source = write_csv(tmp_path / "runs.csv", ["params", "tokens", "loss"], rows)
+    report = fit_from_args(parse(str(source), "--bootstrap", "0", "--forms", "chinchilla"))
+    fit = strict_json(tmp_path / "runs_fit" / "fit.json")
+    reason = fit["skipped"]["approach2"]
+    assert reason.startswith("no IsoFLOP profile is bracketed: the smallest size is best at every budget; add "
+                             "smaller sizes (Approach 2 needs >= 3 model sizes")
+    assert fit["approach2"] is None and f"skipped: {reason}" in report and "math domain" not in report
+    for name in PLOT_FILES:
+        assert_valid_png(tmp_path / "runs_fit" / name)
 
 
 def sweep_without_done(tmp_path: Path) -> list[str]:
@@ -304,6 +432,14 @@ BAD_INPUTS = {
                       ["--out", "runs.csv is a file; pass a directory"]),
     "out is not a fit": (lambda tmp_path: [*GOOD(tmp_path), "--out", str(tmp_path)],
                          ["holds files but no fit.json", "pass a new directory"]),
+    "unknown form": (lambda tmp_path: [*GOOD(tmp_path), "--forms", "chinchilla", "hoffmann"],
+                     ["--forms hoffmann: unknown law form(s); use some of chinchilla, kaplan"]),
+    "delta without huber": (lambda tmp_path: [*GOOD(tmp_path), "--objective", "least_squares", "--huber-delta",
+                                              "0.01"], ["--huber-delta 0.01 applies to --objective huber only"]),
+    "missing held-out": (lambda tmp_path: [*GOOD(tmp_path), "--check", str(tmp_path / "nope.csv")],
+                         ["--check: ", "nope.csv does not exist"]),
+    "held-out without loss": (lambda tmp_path: [*GOOD(tmp_path), "--check", str(write_csv(
+        tmp_path / "held.csv", ["params", "tokens"], [[1e8, 1e9]]))], ["--check: ", "held.csv lacks column(s) loss"]),
 }
 
 

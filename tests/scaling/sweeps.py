@@ -31,6 +31,7 @@ def tiny_spec(data_dir: Path, sweep_dir: Path, wandb: str = "disabled", **change
         "learning_rate": {"lr": 3e-3, "reference_hidden": 64, "width_exponent": 0.5, "min_lr_ratio": 0.1},
         "warmup": {"steps": 2, "fraction": 0.05},
         "seeds": [7],
+        "guards": {"min_steps": 1},  # tiny runs of 25-90 steps; a real sweep keeps the default 1,000
         "overrides": [*overrides, f"tracking.wandb={wandb}", "train.eval_samples=32", "tracking.project=tests"],
         "fit": {"bootstrap": 10},
     }

@@ -145,3 +145,19 @@ def test_shipped_sweep_specs_plan(name: str) -> None:
     plan = plan_sweep(load_sweep_spec(REPO / "configs" / "sweeps" / f"{name}.yaml"))
     budgets = {run.budget for run in plan.runs}
     assert len(budgets) >= 2 and all(len([r for r in plan.runs if r.budget == b]) >= 3 for b in budgets)
+
+
+def test_runs_under_min_steps_are_refused_with_the_fixes(small_dataset: Path, tmp_path: Path) -> None:
+    spec = tiny_spec(small_dataset, tmp_path / "sweep", guards={"min_steps": 50})
+    with pytest.raises(ConfigError) as error:
+        plan_of(tmp_path, spec)
+    message = str(error.value)
+    short = [run for run in plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep")).runs if run.steps < 50]
+    assert short and all(f"{run.name} ({run.steps} steps)" in message for run in short)
+    for fix in ("raise the budget", "lower the batch", "drop the largest sizes", "lower guards.min_steps"):
+        assert fix in message.lower()
+
+
+def test_max_epochs_sets_the_repeated_data_warning(small_dataset: Path, tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep", guards={"min_steps": 1, "max_epochs": 0.01}))
+    assert any("guards.max_epochs=0.01" in warning for warning in plan.warnings)

@@ -15,10 +15,14 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from scaletrain.scaling.fit_plots import PLOT_FILES
+from scaletrain.scaling.sweep.executors import materialize
+from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.results import RESULT_COLUMNS
+from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
-from tests.train.runs import REPO, run_scaletrain
+from tests.train.runs import REPO, launcher, run_scaletrain, scaletrain_environment
 
 NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
 COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
@@ -59,10 +63,11 @@ def test_every_run_finishes_with_its_planned_budget(finished_sweep: tuple[Path, 
 def test_fit_writes_every_key_and_valid_plots(finished_sweep: tuple[Path, Path, str]) -> None:
     _, sweep_dir, _ = finished_sweep
     fit = json.loads((sweep_dir / "fit" / "fit.json").read_text())
-    for key in ("approach1", "approach2", "approach3", "predictions", "bootstrap"):
+    for key in ("approach1", "approach2", "approach3", "predictions", "bootstrap", "laws", "chosen", "noise"):
         assert key in fit, key
+    assert fit["fingerprints"] != "" and fit["flops_per_token"]["source"] == "measured"  # exact FLOPs, not 6ND
     plots = sorted((sweep_dir / "fit").glob("*.png"))
-    assert len(plots) == 4
+    assert sorted(path.name for path in plots) == sorted(PLOT_FILES)
     for path in plots:
         height, width, _ = matplotlib.image.imread(path).shape
         assert height > 200 and width > 200
@@ -149,3 +154,24 @@ def test_torchrun_executor_trains_the_same_runs_on_two_ranks(
         assert row["steps"] == reference[row["name"]]["steps"]
         # data-parallel reductions sum in another order: equal to float32 round-off, grown over the run
         assert float(row["val_loss"]) == pytest.approx(float(reference[row["name"]]["val_loss"]), rel=2e-3)
+
+
+def test_finalize_exits_non_zero_when_the_fit_fails_entirely(tmp_path: Path) -> None:
+    """Two finished runs of six are too few for any fit: results.csv is written, the reason is one line
+    on stderr, and the exit code is 1, so a script or SLURM dependency sees the sweep did not succeed."""
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(tmp_path / "unprepared", tmp_path / "sweep"))
+    plan = plan_sweep(load_sweep_spec(spec_path))
+    materialize(plan)
+    for run, loss in zip(plan.runs[:2], (4.1, 4.0), strict=True):
+        (plan.run_dir(run) / "summary.json").write_text(json.dumps(
+            {"step": run.steps, "tokens": run.tokens, "flops": run.flops, "val_loss": loss}))
+    result = subprocess.run([*launcher(1), "sweep", "finalize", str(plan.directory)], cwd=REPO, capture_output=True,
+                            text=True, env=scaletrain_environment(), timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain sweep: error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert "the fit failed (2 of 6 runs done): 2 runs are too few for any fit" in errors[0]
+    assert f"the training results stay in {plan.directory / 'results.csv'}" in errors[0]
+    assert f"wrote {plan.directory / 'results.csv'}" in result.stdout
+    assert [row["status"] for row in read_results(plan.directory)] == ["done"] * 2 + ["pending"] * 4
+    assert not (plan.directory / "fit").exists()

@@ -1,4 +1,4 @@
-"""`scaletrain sweep plan|run|status|finalize|run-one`: the command line of scaling-law sweeps."""
+"""`scaletrain sweep plan|run|tune|status|finalize|run-one`: the command line of scaling-law sweeps."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletrain.config import ConfigError
+from scaletrain.scaling.sweep.ladder import ladder_flops, ladder_lines
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RESULTS_FILE, RUNS_DIR, SWEEP_FILE
 from scaletrain.scaling.sweep.spec import SweepSpec, load_sweep_spec, spec_from_dict
 
@@ -32,6 +33,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun and slurm)")
     run.set_defaults(sweep_handler=_run)
 
+    tune = commands.add_parser("tune", help="train the spec's `tune:` LR grid (idempotent) and fit the optimal "
+                               "LR's power law in N into SWEEP/tune/tuned.json")
+    tune.add_argument("spec", type=Path, help="a sweep spec with a `tune:` section")
+    tune.set_defaults(sweep_handler=_tune)
+
     status = commands.add_parser("status", help="pending/queued/running/done/failed per run, with final val_loss")
     status.add_argument("source", type=Path, help="the sweep spec or its directory")
     status.set_defaults(sweep_handler=_status)
@@ -53,7 +59,7 @@ def sweep_from_args(args: argparse.Namespace) -> str | None:
 def _plan(args: argparse.Namespace) -> str:
     from scaletrain.scaling.sweep.plan import plan_sweep
 
-    return format_plan(plan_sweep(load_sweep_spec(args.spec)))
+    return format_plan(plan_sweep(load_sweep_spec(args.spec), spec_path=str(args.spec)))
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -71,8 +77,13 @@ def _run(args: argparse.Namespace) -> str:
     lines = [f"sweep {plan.spec.name}: trained {len(outcome.trained)} runs, skipped {len(outcome.skipped)} "
              f"already done, {len(outcome.failed)} failed" + (f" ({', '.join(outcome.failed)})" if outcome.failed
                                                              else "")]
-    lines.append(finalize_sweep(plan.directory))
-    return "\n".join(lines)
+    return finalize_sweep(plan.directory, preamble="\n".join(lines) + "\n")
+
+
+def _tune(args: argparse.Namespace) -> str:
+    from scaletrain.scaling.sweep.tune import tune_sweep
+
+    return tune_sweep(args.spec)
 
 
 def _status(args: argparse.Namespace) -> str:
@@ -96,14 +107,16 @@ def _run_one(args: argparse.Namespace) -> None:
         raise SystemExit(code)
 
 
-def finalize_sweep(sweep_dir: Path) -> str:
-    """results.csv, then the fit (where there are enough finished runs) and the W&B summary run."""
-    from scaletrain.scaling.sweep.finalize import fit_and_log
+def finalize_sweep(sweep_dir: Path, preamble: str = "") -> str:
+    """results.csv, then the fit and the W&B summary run; returns preamble + what was done. A fit that
+    failed entirely exits with code 1 after printing that (finalize.fail_on_fit): training results stay."""
+    from scaletrain.scaling.sweep.finalize import fail_on_fit, fit_and_log
     from scaletrain.scaling.sweep.results import write_results_csv
 
     rows = _result_rows(sweep_dir)
     path = write_results_csv(sweep_dir, rows)
-    return f"wrote {path}\n" + fit_and_log(sweep_dir, stored_spec(sweep_dir), rows)
+    finalized = fit_and_log(sweep_dir, stored_spec(sweep_dir), rows)
+    return fail_on_fit(f"{preamble}wrote {path}\n{finalized.report}", finalized)
 
 
 def stored_spec(sweep_dir: Path) -> SweepSpec:
@@ -133,23 +146,27 @@ def _result_rows(sweep_dir: Path) -> list[dict]:
 
 def format_plan(plan: SweepPlan) -> str:
     header = (f"{'run':<34} {'params':>10} {'non-emb':>10} {'tokens':>11} {'FLOPs':>9} {'steps':>7} "
-              f"{'epochs':>6} {'lr':>8} {'warmup':>6} {'time':>8}")
+              f"{'epochs':>6} {'lr':>8} {'batch':>6} {'beta2':>6} {'warmup':>6} {'wd':>8} {'time':>8}")
     lines = [f"sweep {plan.spec.name} ({plan.spec.mode}), {len(plan.runs)} runs in {plan.directory}; "
-             f"{plan.tokens_per_step:,} tokens per step", header, "-" * len(header)]
+             f"{plan.tokens_per_step:,} tokens per step at the base's batch (batch: sequences per step)",
+             header, "-" * len(header)]
     for run in plan.runs:
         epochs = f"{run.epochs:.2f}" if run.epochs is not None else "?"
         lines.append(
             f"{run.name:<34} {run.counts.total_params:>10,} {run.counts.non_embedding_params:>10,} "
-            f"{run.tokens:>11,} {run.flops:>9.3g} {run.steps:>7,} {epochs:>6} {run.lr:>8.2e} "
-            f"{run.warmup_steps:>6} {_duration(run.predicted_s):>8}"
+            f"{run.tokens:>11,} {run.flops:>9.3g} {run.steps:>7,} {epochs:>6} {run.lr:>8.2e} {run.batch_size:>6} "
+            f"{run.beta2:>6.3g} {run.warmup_steps:>6} {run.weight_decay:>8.3g} {_duration(run.predicted_s):>8}"
         )
-    total_flops = sum(run.flops for run in plan.runs)
+    # a ladder trains its stable runs plus the branches' cooldowns, not every branch's full length
+    total_flops = ladder_flops(plan.runs)[0] if plan.spec.mode == "ladder" else sum(run.flops for run in plan.runs)
     total_s = sum(run.predicted_s for run in plan.runs)
     lines.append("-" * len(header))
     lines.append(f"total: {len(plan.runs)} runs, {sum(r.tokens for r in plan.runs):,} tokens, {total_flops:.3g} FLOPs, "
                  f"predicted {_duration(total_s)} on this machine (throughput model: "
                  f"{plan.spec.throughput.flops_per_s:.3g} FLOP/s, {plan.spec.throughput.step_overhead_s} s/step "
                  f"overhead, {plan.spec.throughput.startup_s:.0f} s startup)")
+    if plan.spec.mode == "ladder":
+        lines.extend(ladder_lines(plan.spec, plan.runs))
     if plan.train_tokens:
         lines.append(f"corpus: {plan.train_tokens:,} training tokens")
     lines.extend(f"warning: {warning}" for warning in plan.warnings)

@@ -19,9 +19,9 @@ from pathlib import Path
 import yaml
 
 from scaletrain.config import ConfigError, load_config, save_config
-from scaletrain.scaling.sweep.layout import PLAN_FILE, RUN_CONFIG_FILE, SWEEP_FILE, TRAIN_LOG
+from scaletrain.scaling.sweep.layout import PLAN_FILE, RUN_CONFIG_FILE, RUNS_DIR, SWEEP_FILE, TRAIN_LOG
 from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan
-from scaletrain.scaling.sweep.results import read_status_file, run_status, write_status_file
+from scaletrain.scaling.sweep.results import read_status_file, run_data_fingerprint, run_status, write_status_file
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,11 @@ def run_one(run_dir: Path, nproc: int = 1) -> int:
     returncode = _train_process(run_dir, nproc)
     wall_s += time.monotonic() - started
     done = returncode == 0 and run_status(run_dir).state == "done"
+    # the data as the run ends: a corpus re-prepared later must not relabel this run's loss
+    fingerprint = run_data_fingerprint(run_dir) if done else None
     write_status_file(run_dir, {"state": "done" if done else "failed", "returncode": returncode,
-                                "attempts": attempts, "wall_s": round(wall_s, 3), "slurm_job": slurm_job})
+                                "attempts": attempts, "wall_s": round(wall_s, 3), "slurm_job": slurm_job,
+                                "data_fingerprint": fingerprint})
     return 0 if done else (returncode or 1)
 
 
@@ -97,7 +100,8 @@ def _train_process(run_dir: Path, nproc: int) -> int:
 
 
 def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOutcome:
-    """Train every unfinished run, one after another; a failed run is recorded and the others go on."""
+    """Train every unfinished run, one after another; a failed run is recorded and the others go on.
+    A ladder's stable runs come first in the plan; a branch whose stable run did not finish fails."""
     materialize(plan)
     trained, skipped, failed = [], [], []
     for index, run in enumerate(plan.runs, start=1):
@@ -109,6 +113,12 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOu
         if state in ("running", "queued"):
             raise ConfigError(f"run {run.name} is {state} elsewhere ({run_status(run_dir).detail}); "
                               "wait for it or stop it before running the sweep here")
+        reason = _unfinished_stable_run(plan, run)
+        if reason:
+            write_status_file(run_dir, {**read_status_file(run_dir), "state": "failed", "reason": reason})
+            failed.append(run.name)
+            log(f"[{index}/{len(plan.runs)}] {run.name} failed: {reason}")
+            continue
         log(f"[{index}/{len(plan.runs)}] {run.name}: {run.steps} steps, {run.tokens:,} tokens, "
             f"{run.flops:.3g} FLOPs" + (" (resuming)" if (run_dir / "checkpoints").is_dir() else ""))
         if run_one(run_dir, nproc) == 0:
@@ -117,6 +127,18 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOu
             failed.append(run.name)
             log(f"    {run.name} failed: see {run_dir / TRAIN_LOG}")
     return LocalOutcome(trained, skipped, failed)
+
+
+def _unfinished_stable_run(plan: SweepPlan, run: PlannedRun) -> str | None:
+    """Why a ladder branch cannot start: its stable run is not done (None: it is, or this is no branch)."""
+    if run.role != "branch":
+        return None
+    stable_dir = plan.directory / RUNS_DIR / run.stable_run
+    status = run_status(stable_dir)
+    if status.state == "done":
+        return None
+    return (f"its stable run {run.stable_run} is {status.state} ({status.detail or 'no summary.json'}); fix and "
+            "re-run the sweep: the stable run resumes, then its branches start")
 
 
 def submit_slurm(plan: SweepPlan, nproc: int, spec_path: Path) -> str:
@@ -133,21 +155,40 @@ def submit_slurm(plan: SweepPlan, nproc: int, spec_path: Path) -> str:
         return f"all {len(plan.runs)} runs of {plan.spec.name} are done; nothing to submit"
     slurm_dir = (plan.directory / "slurm").resolve()
     slurm_dir.mkdir(parents=True, exist_ok=True)
-    script = slurm_dir / f"array-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-    script.write_text(array_script(plan, todo, nproc, slurm_dir))
-    job = _sbatch(["--parsable", str(script)])
-    for index, run in enumerate(todo):
-        status = read_status_file(plan.run_dir(run))
-        write_status_file(plan.run_dir(run), {**status, "state": "queued", "slurm_job": f"{job}_{index}"})
+    arrays = _submit_arrays(plan, todo, nproc, slurm_dir)
+    jobs = [job for job, _ in arrays]
     finalize = _sbatch([
-        "--parsable", f"--dependency=afterany:{job}", f"--job-name=sweep-{plan.spec.name}-finalize",
+        "--parsable", f"--dependency=afterany:{':'.join(jobs)}", f"--job-name=sweep-{plan.spec.name}-finalize",
         f"--output={slurm_dir}/%x-%j.out", "--ntasks=1", "--cpus-per-task=1",
         *([f"--partition={plan.spec.slurm.partition}"] if plan.spec.slurm.partition else []),
         f"--wrap=cd {shlex.quote(os.getcwd())} && {shlex.quote(sys.executable)} -m scaletrain sweep finalize "
         f"{shlex.quote(str(spec_path.resolve()))}",
     ])
-    return (f"submitted job array {job} ({len(todo)} runs, at most {plan.spec.slurm.max_concurrent} at once; "
-            f"{script}) and finalize job {finalize}; follow it with `scaletrain sweep status {spec_path}`")
+    submitted = "; ".join(f"job array {job} ({len(runs)} runs)" for job, runs in arrays)
+    return (f"submitted {submitted}, at most {plan.spec.slurm.max_concurrent} at once (scripts in {slurm_dir}), "
+            f"and finalize job {finalize}; follow it with `scaletrain sweep status {spec_path}`")
+
+
+def _submit_arrays(
+    plan: SweepPlan, todo: list[PlannedRun], nproc: int, slurm_dir: Path
+) -> list[tuple[str, list[PlannedRun]]]:
+    """One job array of the runs; in a ladder, one of the stable runs and one of the branches that starts
+    once every stable run succeeded (afterok; --kill-on-invalid-dep drops it if one failed, instead of
+    leaving it pending forever). Each run's status.json records its array task."""
+    stables = [run for run in todo if run.role == "stable"]
+    waves = [(stables, "stable"), ([run for run in todo if run.role != "stable"], "branches")] if stables else [
+        (todo, "")]
+    stamp, arrays = time.strftime("%Y%m%d-%H%M%S"), []
+    for runs, part in (wave for wave in waves if wave[0]):
+        script = slurm_dir / f"array-{stamp}{'-' + part if part else ''}.sbatch"
+        script.write_text(array_script(plan, runs, nproc, slurm_dir))
+        after = [f"--dependency=afterok:{arrays[-1][0]}", "--kill-on-invalid-dep=yes"] if arrays else []
+        job = _sbatch(["--parsable", *after, str(script)])
+        for index, run in enumerate(runs):
+            status = read_status_file(plan.run_dir(run))
+            write_status_file(plan.run_dir(run), {**status, "state": "queued", "slurm_job": f"{job}_{index}"})
+        arrays.append((job, runs))
+    return arrays
 
 
 def array_script(plan: SweepPlan, runs: list[PlannedRun], nproc: int, slurm_dir: Path) -> str:

@@ -6,27 +6,59 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from scaletrain.config import load_config
-from scaletrain.scaling.sweep.layout import FIT_DIR
+from scaletrain.scaling.sweep.ladder_plot import write_ladder_plot
+from scaletrain.scaling.sweep.layout import FIT_DIR, RESULTS_FILE
 from scaletrain.scaling.sweep.spec import SweepSpec
 
 
-def fit_and_log(sweep_dir: Path, spec: SweepSpec, rows: list[dict[str, Any]]) -> str:
-    """Fit into SWEEP/fit/ where the finished runs allow it, then log the summary run; returns the report."""
+@dataclass(frozen=True)
+class Finalized:
+    """What the end of a sweep did (report), and why its fit failed entirely (None: it did not)."""
+
+    report: str
+    fit_failure: str | None = None
+
+
+def fit_and_log(sweep_dir: Path, spec: SweepSpec, rows: list[dict[str, Any]]) -> Finalized:
+    """Fit into SWEEP/fit/ where the finished runs allow it, then log the summary run. A fit that fails
+    entirely (no approach or form could run, bad rows) is reported, not raised: the summary run is
+    still logged, and the caller exits non-zero (fail_on_fit)."""
     from scaletrain.scaling.fit_source import fit_sweep_directory
 
     done = sum(row["status"] == "done" for row in rows)
+    failure = None
     try:
         report, fit_json, plots = fit_sweep_directory(
             sweep_dir, out_dir=sweep_dir / FIT_DIR, target_flops=spec.fit.target_flops or None,
             bootstrap=spec.fit.bootstrap, params_column=spec.fit.params_column,
         )
     except ValueError as error:
-        report, fit_json, plots = f"fit skipped ({done} of {len(rows)} runs done): {error}\n", None, []
-    return report + log_summary_run(sweep_dir, spec, rows, fit_json, plots)
+        failure = (f"the fit failed ({done} of {len(rows)} runs done): {error}; the training results stay in "
+                   f"{sweep_dir / RESULTS_FILE}")
+        report, fit_json, plots = f"fit failed: {error}\n", None, []
+    if spec.mode == "ladder":
+        ladder_plot = write_ladder_plot(sweep_dir)
+        if ladder_plot is not None:
+            report += f"wrote {ladder_plot}\n"
+            plots = [*plots, ladder_plot]
+    return Finalized(report + log_summary_run(sweep_dir, spec, rows, fit_json, plots), failure)
+
+
+def fail_on_fit(output: str, finalized: Finalized) -> str:
+    """The command's output, or, when the fit failed entirely, that output printed, the reason as one
+    line on stderr (as cli.py prints user errors) and exit code 1: a sweep whose fit failed must not
+    look successful to a script or a SLURM dependency."""
+    if finalized.fit_failure is None:
+        return output
+    print(output, end="" if output.endswith("\n") else "\n", flush=True)
+    print(f"scaletrain sweep: error: {' '.join(finalized.fit_failure.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def log_summary_run(

@@ -1,4 +1,4 @@
-"""Expand a sweep spec into its runs: shapes, token counts, steps, LR and warmup, FLOPs, predicted time.
+"""Expand a sweep spec into its runs: shapes, token counts, steps, hyperparameters, FLOPs, predicted time.
 
 IsoFLOP mode (Hoffmann et al. 2022, sec. 3.2): for each budget C and each model size, a run
 trains D = C / (FLOPs per token) tokens, rounded to whole optimizer steps, so the run's actual
@@ -17,8 +17,18 @@ from pathlib import Path
 from scaletrain.config import Config, ConfigError, load_config
 from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.counts import ModelCounts, model_counts
+from scaletrain.scaling.sweep.hyperparams import (
+    HyperparameterRules,
+    LearningRateSetting,
+    RunHyperparameters,
+    RunScale,
+    batch_sequences,
+    resolve_after_batch,
+    with_tuned,
+)
+from scaletrain.scaling.sweep.ladder import ladder_runs
 from scaletrain.scaling.sweep.layout import RUNS_DIR
-from scaletrain.scaling.sweep.spec import ModelShape, ShapeRule, SweepSpec
+from scaletrain.scaling.sweep.spec import BUDGET_MODES, ModelShape, ShapeRule, SweepSpec
 
 MAX_RULE_LAYERS = 128
 
@@ -35,17 +45,25 @@ class PlannedRun:
     flops: float
     lr: float
     warmup_steps: int
+    batch_size: int  # global batch in sequences
+    beta2: float
+    weight_decay: float
     epochs: float | None  # passes over the training split; None where data.dir is not prepared yet
     predicted_s: float
     overrides: tuple[str, ...]  # dotted overrides on top of the base config and the spec's overrides
+    role: str = "run"  # run (isoflop, grid) | stable, branch (ladder: scaling/sweep/ladder.py)
+    stable_run: str | None = None  # a branch's stable run, whose checkpoint at branch_step it starts from
+    branch_step: int | None = None
 
     def to_row(self) -> dict[str, object]:
         return {
             "name": self.name, "budget": self.budget, "seed": self.seed, **dataclasses.asdict(self.shape),
             "params": self.counts.total_params, "non_embedding_params": self.counts.non_embedding_params,
             "flops_per_token": self.counts.flops_per_token, "tokens": self.tokens, "flops": self.flops,
-            "steps": self.steps, "lr": self.lr, "warmup_steps": self.warmup_steps, "epochs": self.epochs,
-            "predicted_s": self.predicted_s,
+            "steps": self.steps, "lr": self.lr, "batch_size": self.batch_size, "beta2": self.beta2,
+            "warmup_steps": self.warmup_steps, "weight_decay": self.weight_decay, "epochs": self.epochs,
+            "predicted_s": self.predicted_s, "role": self.role, "stable_run": self.stable_run,
+            "branch_step": self.branch_step,
         }
 
 
@@ -65,9 +83,14 @@ class SweepPlan:
         return self.directory / RUNS_DIR / run.name
 
 
-def plan_sweep(spec: SweepSpec) -> SweepPlan:
-    """Every run of the sweep, validated as a full run config; raises ConfigError naming the culprit."""
+def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC") -> SweepPlan:
+    """Every run of the sweep, validated as a full run config; raises ConfigError naming the culprit.
+
+    `label` ends every run name (`sweep tune` names its grid points so); `spec_path` names the spec in
+    the message that asks for `sweep tune` when a `tuned` rule has no tuned.json yet.
+    """
     base = load_config(spec.base, spec.overrides)
+    rules = with_tuned(spec.hyperparameters, spec.dir, spec_path)
     tokens_per_step = _global_batch_size(base) * base.model.seq_length
     shapes = spec.models.shapes or [_shape_for(base, spec.models.rule, target) for target in spec.models.rule.params]
     train_tokens = _train_tokens(base)
@@ -75,24 +98,34 @@ def plan_sweep(spec: SweepSpec) -> SweepPlan:
     if train_tokens is None:
         unprepared = " / ".join(source.dir for source in base.data.sources())
         warnings.append(f"{unprepared} is not prepared, so epochs are unknown: run `scaletrain prepare {spec.base}`")
-    amounts = spec.budgets if spec.mode == "isoflop" else spec.tokens
+    amounts = spec.budgets if spec.mode in BUDGET_MODES else spec.tokens
     for amount in sorted(amounts):
         for shape in _shapes_for_amount(spec, base, shapes, amount):
             for seed in spec.seeds:
-                runs.append(_plan_run(spec, base, shape, amount, seed, tokens_per_step, train_tokens))
+                runs.append(_plan_run(spec, rules, base, shape, amount, seed, train_tokens, label))
     _check_unique_names(runs, spec)
+    _check_min_steps(runs, spec)
+    if spec.mode == "ladder":
+        runs = ladder_runs(spec, runs)
     for run in runs:
-        if run.epochs is not None and run.epochs > 1:
-            warnings.append(f"{run.name} trains {run.epochs:.2f} epochs: it repeats data, which a scaling-law "
-                            "fit assumes it does not; lower the budget/tokens or use a larger corpus")
+        if run.epochs is not None and run.epochs > spec.guards.max_epochs:
+            warnings.append(f"{run.name} trains {run.epochs:.2f} epochs (more than guards.max_epochs="
+                            f"{spec.guards.max_epochs:g}): it repeats data, which a scaling-law fit assumes it "
+                            "does not; lower the budget/tokens or use a larger corpus")
     return SweepPlan(spec, runs, tokens_per_step, train_tokens, warnings)
+
+
+def ladder_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:
+    """Every rung of the spec's ladder, smallest (total parameters) first."""
+    shapes = spec.models.shapes or [_shape_for(base, spec.models.rule, target) for target in spec.models.rule.params]
+    return sorted(shapes, key=lambda shape: _counts(base, shape).total_params)
 
 
 def _shapes_for_amount(spec: SweepSpec, base: Config, shapes: list[ModelShape], amount: float) -> list[ModelShape]:
     """The ladder, smallest first; in isoflop mode with sizes_per_budget, the rungs nearest the center ratio."""
     by_size = sorted(shapes, key=lambda shape: _counts(base, shape).total_params)
     keep = spec.models.sizes_per_budget
-    if spec.mode != "isoflop" or keep is None or keep >= len(by_size):
+    if spec.mode not in BUDGET_MODES or keep is None or keep >= len(by_size):
         return by_size
 
     def distance_from_center(shape: ModelShape) -> float:
@@ -105,14 +138,18 @@ def _shapes_for_amount(spec: SweepSpec, base: Config, shapes: list[ModelShape], 
 
 
 def _plan_run(
-    spec: SweepSpec, base: Config, shape: ModelShape, amount: float, seed: int, tokens_per_step: int,
-    train_tokens: int | None,
+    spec: SweepSpec, rules: HyperparameterRules, base: Config, shape: ModelShape, amount: float, seed: int,
+    train_tokens: int | None, name_label: str = "",
 ) -> PlannedRun:
     counts = _counts(base, shape)
-    target_tokens = amount / counts.flops_per_token if spec.mode == "isoflop" else amount
-    steps = round(target_tokens / tokens_per_step)
+    target_tokens = amount / counts.flops_per_token if spec.mode in BUDGET_MODES else amount
     label = f"{_shape_label(shape)} ({counts.total_params:,} parameters)"
-    budget = amount if spec.mode == "isoflop" else None
+    scale = RunScale(counts.total_params, counts.non_embedding_params, shape.hidden_size,
+                     flops=target_tokens * counts.flops_per_token)
+    batch_size = _batch_size(spec, rules, base, scale, label)
+    tokens_per_step = batch_size * base.model.seq_length
+    steps = round(target_tokens / tokens_per_step)
+    budget = amount if spec.mode in BUDGET_MODES else None
     if steps < 1:
         what = f"budget {amount:.3g} FLOPs" if budget else f"{amount:.3g} tokens"
         raise ConfigError(
@@ -120,17 +157,19 @@ def _plan_run(
             f"{tokens_per_step * counts.flops_per_token:.3g} FLOPs ({tokens_per_step} tokens); raise it or "
             "drop that model from the ladder"
         )
-    lr = spec.learning_rate.lr * (spec.learning_rate.reference_hidden / shape.hidden_size) ** (
-        spec.learning_rate.width_exponent)
-    warmup_steps = max(spec.warmup.steps, round(spec.warmup.fraction * steps))
-    name = _run_name(budget, amount, shape, seed)
+    hyper = resolve_after_batch(
+        rules, _lr_setting(spec, rules), scale, batch_size, base.model.seq_length, steps,
+        defaults=(base.train.beta2, base.train.weight_decay),
+        legacy_warmup_steps=max(spec.warmup.steps, round(spec.warmup.fraction * steps)))
+    warmup_steps = hyper.warmup_steps
+    name = _run_name(budget, amount, shape, seed) + (f"-{name_label}" if name_label else "")
     if warmup_steps >= steps:
         raise ConfigError(
             f"sweep {spec.name}: run {name} ({label}) trains {steps} steps, no more than its warmup of "
             f"{warmup_steps} steps; raise its budget/tokens, lower warmup.steps, or use warmup.fraction"
         )
     tokens = steps * tokens_per_step
-    overrides = _run_overrides(spec, shape, steps, lr, warmup_steps, seed, name, budget, base)
+    overrides = _run_overrides(spec, rules, shape, steps, hyper, seed, name, budget, base)
     try:
         load_config(spec.base, [*spec.overrides, *overrides])
     except ConfigError as error:
@@ -139,30 +178,64 @@ def _plan_run(
     step_s = throughput.step_overhead_s + tokens_per_step * counts.flops_per_token / throughput.flops_per_s
     return PlannedRun(
         name=name, budget=budget, seed=seed, shape=shape, counts=counts, steps=steps, tokens=tokens,
-        flops=tokens * counts.flops_per_token, lr=lr, warmup_steps=warmup_steps,
+        flops=tokens * counts.flops_per_token, lr=hyper.lr, warmup_steps=warmup_steps,
+        batch_size=batch_size, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
         epochs=tokens / train_tokens if train_tokens else None,
         predicted_s=throughput.startup_s + steps * step_s, overrides=tuple(overrides),
     )
 
 
 def _run_overrides(
-    spec: SweepSpec, shape: ModelShape, steps: int, lr: float, warmup_steps: int, seed: int, name: str,
-    budget: float | None, base: Config,
+    spec: SweepSpec, rules: HyperparameterRules, shape: ModelShape, steps: int, hyper: RunHyperparameters,
+    seed: int, name: str, budget: float | None, base: Config,
 ) -> list[str]:
     ffn = "" if shape.ffn_hidden_size is None else shape.ffn_hidden_size
     tags = [spec.name, spec.mode] + ([f"budget={budget:.3g}"] if budget else [])
     return [
         f"model.num_layers={shape.num_layers}", f"model.hidden_size={shape.hidden_size}",
         f"model.num_heads={shape.num_heads}", f"model.ffn_hidden_size={ffn}",
-        f"train.steps={steps}", f"train.lr={lr!r}", f"train.min_lr={lr * spec.learning_rate.min_lr_ratio!r}",
-        f"train.warmup_steps={warmup_steps}", f"train.seed={seed}",
-        f"train.global_batch_size={_global_batch_size(base)}", "train.grad_accum=1",
+        f"train.steps={steps}", f"train.lr={hyper.lr!r}", f"train.min_lr={hyper.min_lr!r}",
+        f"train.warmup_steps={hyper.warmup_steps}", f"train.seed={seed}",
+        f"train.global_batch_size={hyper.batch_size}", "train.grad_accum=1",
+        *([f"train.beta2={hyper.beta2!r}"] if rules.beta2 is not None else []),
+        *([f"train.weight_decay={hyper.weight_decay!r}"] if rules.weight_decay is not None else []),
         "train.resume=auto", "train.exit_after=", f"train.eval_every={_eval_every(base, steps)}",
         f"checkpoint.every={math.ceil(steps / spec.checkpoints_per_run)}",
         f"run.dir={Path(spec.dir) / RUNS_DIR / name}",
         f"tracking.group={spec.name}", "tracking.job_type=sweep-run", f"tracking.name={name}",
         f"tracking.tags=[{', '.join(tags)}]",
     ]
+
+
+def _lr_setting(spec: SweepSpec, rules: HyperparameterRules) -> LearningRateSetting:
+    """hyperparameters.lr, or the older `learning_rate:` section, which is the `width` rule."""
+    if rules.lr is not None:
+        return rules.lr
+    old = spec.learning_rate
+    return LearningRateSetting(rule="width", value=old.lr, reference_hidden=old.reference_hidden,
+                               width_exponent=old.width_exponent, min_lr_ratio=old.min_lr_ratio)
+
+
+def _batch_size(spec: SweepSpec, rules: HyperparameterRules, base: Config, scale: RunScale, label: str) -> int:
+    """The base config's global batch, or hyperparameters.batch_size's at this size, in whole micro-batches."""
+    if rules.batch_size is None:
+        return _global_batch_size(base)
+    granule = base.train.micro_batch_size * (base.parallel.data or 1)
+    return batch_sequences(rules.batch_size, scale, base.model.seq_length, granule, f"sweep {spec.name}: {label}")
+
+
+def _check_min_steps(runs: list[PlannedRun], spec: SweepSpec) -> None:
+    """guards.min_steps: a short run's loss is still in the warmup-dominated transient and pulls the fit."""
+    short = [run for run in runs if run.steps < spec.guards.min_steps]
+    if not short:
+        return
+    listed = ", ".join(f"{run.name} ({run.steps} steps)" for run in short)
+    raise ConfigError(
+        f"sweep {spec.name}: {len(short)} runs train fewer than guards.min_steps={spec.guards.min_steps} optimizer "
+        f"steps: {listed}. Such runs fit badly (residuals ~4x those of runs of >= 1,000 steps). Raise the "
+        "budget/tokens, lower the batch (train.global_batch_size or hyperparameters.batch_size), drop the largest "
+        "sizes at the smallest budget (models.sizes_per_budget or the ladder), or lower guards.min_steps knowingly"
+    )
 
 
 def _eval_every(base: Config, steps: int) -> int:

@@ -12,6 +12,7 @@ task, `sweep status` on a login node) reads the same answer:
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import math
@@ -22,12 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.scaling.sweep.layout import RESULTS_FILE, STATUS_FILE, TRAIN_LOG
+from scaletrain.config import Config, load_config
+from scaletrain.data.errors import DataError
+from scaletrain.data.manifest import MANIFEST_NAME, SplitInfo, parse_manifest
+from scaletrain.data.storage import dataset_location
+from scaletrain.scaling.sweep.layout import RESULTS_FILE, RUN_CONFIG_FILE, STATUS_FILE, TRAIN_LOG
 from scaletrain.train.loop import RUN_SUMMARY_FILE
 
 RESULT_COLUMNS = (
     "name", "status", "budget", "seed", "num_layers", "hidden_size", "num_heads", "params", "non_embedding_params",
     "tokens", "flops", "flops_per_token", "lr", "val_loss", "train_loss", "steps", "wall_s",
+    "data_fingerprint", "role",
 )
 # The final training loss is the mean over the last 5% of steps (at least one): the cosine
 # schedule has nearly flattened the curve there, and it averages out batch-to-batch noise.
@@ -58,7 +64,8 @@ def run_status(run_dir: Path) -> RunStatus:
     status = read_status_file(run_dir)
     state = status.get("state")
     if state == "failed":
-        return RunStatus("failed", f"exit code {status.get('returncode')}; log: {run_dir / TRAIN_LOG}")
+        return RunStatus("failed", status.get("reason") or
+                         f"exit code {status.get('returncode')}; log: {run_dir / TRAIN_LOG}")
     if state == "running" and _process_alive(status):
         return RunStatus("running", f"pid {status['pid']} on {status['host']}")
     if state in ("queued", "running") and status.get("slurm_job") and _slurm_task_active(status["slurm_job"]):
@@ -71,13 +78,46 @@ def result_row(planned: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     status = run_status(run_dir)
     row = {column: planned.get(column) for column in RESULT_COLUMNS}
     row["status"] = status.state
+    # run (isoflop, grid), or in a ladder branch (a point of the fit) or stable (no budget: not a point)
+    row["role"] = planned.get("role") or "run"
     row["wall_s"] = read_status_file(run_dir).get("wall_s")
     row["val_loss"] = row["train_loss"] = None
+    row["data_fingerprint"] = read_status_file(run_dir).get("data_fingerprint") if status.state == "done" else None
     if status.state == "done":
         summary = json.loads((run_dir / RUN_SUMMARY_FILE).read_text())
         row.update(val_loss=summary.get("val_loss"), steps=summary["step"], tokens=summary["tokens"],
                    flops=summary["flops"], train_loss=smoothed_train_loss(run_dir / "metrics.jsonl"))
     return row
+
+
+def data_fingerprint(config: Config) -> str:
+    """16 hex digits of what makes two runs' losses comparable: per dataset of the blend (with its weight)
+    the tokenizer's sha256 and the identity of its train and val splits as the manifest records them (the
+    index's and every shard's sha256), and the validation set's size (train.eval_samples sequences of
+    model.seq_length tokens). A corpus re-prepared in any way changes it."""
+    datasets = []
+    for source in config.data.sources():
+        location = dataset_location(config.data, source.dir)
+        manifest = parse_manifest(location.read_manifest_text(), location.describe(MANIFEST_NAME), location.describe())
+        datasets.append({"weight": source.weight, "tokenizer_sha256": manifest.tokenizer_sha256,
+                         **{name: _split_identity(split) for name, split in sorted(manifest.splits.items())}})
+    identity = {"datasets": datasets, "eval_samples": config.train.eval_samples,
+                "seq_length": config.model.seq_length}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_data_fingerprint(run_dir: Path) -> str | None:
+    """The fingerprint of the data a run's own config (RUN/run.yaml) names, as it is now: the executor
+    records it when the run finishes; None where that data can no longer be read."""
+    try:
+        return data_fingerprint(load_config(run_dir / RUN_CONFIG_FILE))
+    except (DataError, OSError):
+        return None
+
+
+def _split_identity(split: SplitInfo) -> dict[str, Any]:
+    return {"index_sha256": split.index_sha256, "num_tokens": split.num_tokens,
+            "shards": [shard.sha256 for shard in split.shards]}
 
 
 def smoothed_train_loss(metrics_path: Path) -> float | None:

@@ -1,0 +1,147 @@
+"""Ladder sweeps: the plan's stable runs and branch points, its refusals, and a tiny ladder through the
+CLI whose branches equal fresh WSD runs exactly, also after the sweep was killed mid-way."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import ConfigError
+from scaletrain.scaling.sweep.commands import format_plan
+from scaletrain.scaling.sweep.ladder import ladder_flops
+from scaletrain.scaling.sweep.plan import plan_sweep
+from scaletrain.scaling.sweep.spec import load_sweep_spec
+from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
+from tests.train.runs import REPO, read_metrics, run_scaletrain, scaletrain_environment
+
+LADDER = {"mode": "ladder", "name": "tiny-ladder", "warmup": {"steps": 2, "fraction": 0.0}, "guards": {"min_steps": 1}}
+
+
+def ladder_spec(data_dir: Path, sweep_dir: Path, **changes: object) -> dict:
+    return tiny_spec(data_dir, sweep_dir, **{**LADDER, **changes})
+
+
+def plan_of(tmp_path: Path, spec: dict):
+    return plan_sweep(load_sweep_spec(write_spec(tmp_path / "spec.yaml", spec)))
+
+
+def overrides_of(run) -> dict[str, str]:
+    return dict(override.split("=", 1) for override in run.overrides)
+
+
+def test_ladder_plan_branches_off_one_stable_run_per_size(small_dataset: Path, tmp_path: Path) -> None:
+    spec = ladder_spec(small_dataset, tmp_path / "sweep", models={"shapes": TINY_SHAPES[1:]})
+    plan = plan_of(tmp_path, spec)
+    isoflop = {run.name: run for run in plan_of(tmp_path, {**spec, "mode": "isoflop"}).runs}
+    stables = [run for run in plan.runs if run.role == "stable"]
+    branches = [run for run in plan.runs if run.role == "branch"]
+    assert plan.runs == stables + branches and len(stables) == 2 and len(branches) == 4
+    for branch in branches:
+        assert branch.steps == isoflop[branch.name].steps and branch.budget == isoflop[branch.name].budget
+        assert branch.branch_step == branch.steps - round(0.2 * branch.steps)
+        settings = overrides_of(branch)
+        assert settings["train.lr_schedule"] == "wsd" and settings["train.cooldown_fraction"] == "0.2"
+        assert settings["train.branch_from"].endswith(f"runs/{branch.stable_run}/checkpoints/"
+                                                      f"step_{branch.branch_step:08d}")
+    for stable in stables:
+        points = sorted(run.branch_step for run in branches if run.stable_run == stable.name)
+        settings = overrides_of(stable)
+        assert stable.budget is None and stable.steps == points[-1]
+        assert settings["checkpoint.keep_steps"] == f"[{', '.join(map(str, points))}]"
+        assert settings["train.cooldown_fraction"] == "0" and settings["train.steps"] == str(points[-1])
+    trained, independent = ladder_flops(plan.runs)
+    assert independent == pytest.approx(sum(run.flops for run in branches))
+    cooldowns = sum(run.flops * (run.steps - run.branch_step) / run.steps for run in branches)
+    assert trained == pytest.approx(sum(run.flops for run in stables) + cooldowns) and trained < 0.8 * independent
+    printed = format_plan(plan)
+    assert f"saves {independent - trained:.3g}" in printed and "stable-l2-h64-a4-s7: 73 steps" in printed
+
+
+def test_ladder_refuses_length_dependent_warmup_and_rules(small_dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"warmup.fraction=0.05 .* use warmup.steps \(fraction 0\) in mode=ladder"):
+        plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", warmup={"steps": 2, "fraction": 0.05}))
+    timescale = {"weight_decay": {"rule": "timescale", "timescale_fraction": 0.2}}
+    with pytest.raises(ConfigError, match=r"train.weight_decay differs .*hyperparameters.weight_decay depends on the "
+                                          r"run's length"):
+        plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", hyperparameters=timescale))
+    with pytest.raises(ConfigError, match=r"ladder.cooldown_fraction=0.0 must be in \(0, 1\)"):
+        plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", ladder={"cooldown_fraction": 0}))
+
+
+ONE_SIZE = {"models": {"shapes": [TINY_SHAPES[2]]}}  # stable 73 steps; branches of 45 and 91 steps
+
+
+def run_sweep(spec_path: Path) -> str:
+    """`sweep run`; a fit of two points may fail (exit 1) after every run trained: training is what counts."""
+    result = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO,
+                            env=scaletrain_environment(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 or "fit failed" in result.stdout, result.stderr[-3000:]
+    return result.stdout
+
+
+def read_results(sweep_dir: Path) -> dict[str, dict[str, str]]:
+    with (sweep_dir / "results.csv").open() as file:
+        return {row["name"]: row for row in csv.DictReader(file)}
+
+
+@pytest.fixture(scope="module")
+def ladder_sweep(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("ladder")
+    spec_path = write_spec(root / "spec.yaml", ladder_spec(small_dataset, root / "sweep", **ONE_SIZE))
+    return root / "sweep", run_sweep(spec_path)
+
+
+def test_ladder_branches_equal_fresh_wsd_runs(ladder_sweep: tuple[Path, str], tmp_path: Path) -> None:
+    sweep_dir, output = ladder_sweep
+    assert "trained 3 runs, skipped 0 already done, 0 failed" in output
+    results = read_results(sweep_dir)
+    assert {name: row["role"] for name, row in results.items()} == {
+        "stable-l2-h64-a4-s7": "stable", "c1.2e10-l2-h64-a4-s7": "branch", "c2.4e10-l2-h64-a4-s7": "branch"}
+    assert results["stable-l2-h64-a4-s7"]["budget"] == "" and results["stable-l2-h64-a4-s7"]["status"] == "done"
+    branch = "c1.2e10-l2-h64-a4-s7"
+    assert results[branch]["status"] == "done" and int(results[branch]["steps"]) == 45
+    fresh = tmp_path / "fresh"
+    run_scaletrain("train", [str(sweep_dir / "runs" / branch / "run.yaml"), "train.branch_from=", f"run.dir={fresh}"])
+    fresh_train, fresh_val = read_metrics(fresh)
+    branch_train, branch_val = read_metrics(sweep_dir / "runs" / branch)
+    assert sorted(branch_train) == list(range(37, 46))  # the cooldown, after the stable run's step 36
+    assert all(branch_train[step]["loss"] == fresh_train[step]["loss"] for step in branch_train)
+    assert float(results[branch]["val_loss"]) == fresh_val[45] == branch_val[45]
+    # the ladder's figure: the stable run's curve and its branches, a real PNG
+    assert f"wrote {sweep_dir / 'ladder.png'}" in output
+    assert (sweep_dir / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_interrupted_ladder_resumes(
+    ladder_sweep: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    reference_dir, _ = ladder_sweep
+    sweep_dir = tmp_path / "sweep"
+    spec_path = write_spec(tmp_path / "spec.yaml", ladder_spec(small_dataset, sweep_dir, **ONE_SIZE))
+    stable_dir = sweep_dir / "runs" / "stable-l2-h64-a4-s7"
+    sweep = subprocess.Popen([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO,
+                             env=scaletrain_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (stable_dir / "checkpoints" / "latest").exists() and sweep.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and the stable run's trainer, as a preemption would
+    sweep.wait()
+    assert not (stable_dir / "summary.json").exists(), "the kill should land in the stable run"
+
+    output = run_sweep(spec_path)
+    assert "trained 3 runs, skipped 0 already done, 0 failed" in output
+    assert "resuming at step" in (stable_dir / "train.log").read_text()
+    assert json.loads((stable_dir / "status.json").read_text())["attempts"] == 2
+    reference, results = read_results(reference_dir), read_results(sweep_dir)
+    for name, row in results.items():
+        assert (row["status"], row["val_loss"], row["steps"]) == (
+            "done", reference[name]["val_loss"], reference[name]["steps"]), name

@@ -12,6 +12,7 @@ from scaletrain.config import ConfigError, load_config
 from scaletrain.scaling.counts import model_counts
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec
+from scaletrain.scaling.sweep.tune import tune_plan
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
 from tests.train.runs import REPO
 
@@ -161,3 +162,29 @@ def test_runs_under_min_steps_are_refused_with_the_fixes(small_dataset: Path, tm
 def test_max_epochs_sets_the_repeated_data_warning(small_dataset: Path, tmp_path: Path) -> None:
     plan = plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep", guards={"min_steps": 1, "max_epochs": 0.01}))
     assert any("guards.max_epochs=0.01" in warning for warning in plan.warnings)
+
+
+def test_repeat_seeds_train_one_size_again_at_every_budget(small_dataset: Path, tmp_path: Path) -> None:
+    plan = plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep", repeat_seeds={"sizes": [1], "seeds": [8]}))
+    repeated = [run for run in plan.runs if run.seed == 8]
+    assert len(plan.runs) == len(TINY_BUDGETS) * (len(TINY_SHAPES) + 1)
+    assert sorted(run.budget for run in repeated) == sorted(TINY_BUDGETS)
+    assert {run.shape.hidden_size for run in repeated} == {TINY_SHAPES[1]["hidden_size"]}  # the middle rung
+    for run in repeated:  # the same (N, D) as the first seed's run: a seed repeat the fit measures noise from
+        twin = next(r for r in plan.runs if r.seed == 7 and r.shape == run.shape and r.budget == run.budget)
+        assert (run.tokens, run.counts.total_params) == (twin.tokens, twin.counts.total_params)
+    for changes, fragment in (({"sizes": [3], "seeds": [8]}, "not indices of the ladder of 3 sizes"),
+                              ({"sizes": [1], "seeds": [7]}, "repeat_seeds needs both"),
+                              ({"sizes": [1]}, "repeat_seeds needs both")):
+        with pytest.raises(ConfigError, match=fragment):
+            plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep", repeat_seeds=changes))
+
+
+def test_shipped_ladder_spec_asks_for_tuning_and_its_grid_plans() -> None:
+    spec_path = REPO / "configs" / "sweeps" / "ladder_english.yaml"
+    spec = load_sweep_spec(spec_path)
+    with pytest.raises(ConfigError, match="sweep tune"):  # lr: {rule: tuned} before `sweep tune` ran
+        plan_sweep(spec, spec_path=str(spec_path))
+    grid, multipliers = tune_plan(spec, str(spec_path))
+    assert len(grid.runs) == 3 * 5 and sorted(set(multipliers.values())) == [(m, 1.0) for m in (0.25, 0.5, 1, 2, 4)]
+    assert all(run.steps >= spec.guards.min_steps for run in grid.runs)

@@ -99,9 +99,10 @@ def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC") -> Swe
         unprepared = " / ".join(source.dir for source in base.data.sources())
         warnings.append(f"{unprepared} is not prepared, so epochs are unknown: run `scaletrain prepare {spec.base}`")
     amounts = spec.budgets if spec.mode in BUDGET_MODES else spec.tokens
+    repeated = _repeated_shapes(spec, base, shapes)
     for amount in sorted(amounts):
         for shape in _shapes_for_amount(spec, base, shapes, amount):
-            for seed in spec.seeds:
+            for seed in spec.seeds + (spec.repeat_seeds.seeds if shape in repeated else []):
                 runs.append(_plan_run(spec, rules, base, shape, amount, seed, train_tokens, label))
     _check_unique_names(runs, spec)
     _check_min_steps(runs, spec)
@@ -113,6 +114,16 @@ def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC") -> Swe
                             f"{spec.guards.max_epochs:g}): it repeats data, which a scaling-law fit assumes it "
                             "does not; lower the budget/tokens or use a larger corpus")
     return SweepPlan(spec, runs, tokens_per_step, train_tokens, warnings)
+
+
+def _repeated_shapes(spec: SweepSpec, base: Config, shapes: list[ModelShape]) -> list[ModelShape]:
+    """The rungs that repeat_seeds names (indices into the ladder, smallest first)."""
+    ladder = sorted(shapes, key=lambda shape: _counts(base, shape).total_params)
+    outside = [index for index in spec.repeat_seeds.sizes if index >= len(ladder)]
+    if outside:
+        raise ConfigError(f"sweep {spec.name}: repeat_seeds.sizes {outside} are not indices of the ladder of "
+                          f"{len(ladder)} sizes; use 0 to {len(ladder) - 1} (smallest first)")
+    return [ladder[index] for index in spec.repeat_seeds.sizes]
 
 
 def ladder_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:

@@ -109,6 +109,16 @@ class TuneOptions:
 
 
 @dataclass
+class SeedRepeats:
+    """Sizes trained again with more seeds, at every budget (or token count) where they are trained, so
+    the fit measures the run-to-run noise that its prediction intervals include (fit.py: seed repeats
+    of one (N, D) give sigma of ln L). `sizes` index the ladder, smallest (total parameters) first."""
+
+    sizes: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+
+
+@dataclass
 class LadderOptions:
     """mode: ladder (OLMo-core's model ladder, WSD-S): per size one constant-LR run, cooled down at each
     budget over the last `cooldown_fraction` of that budget's steps (scaling/sweep/ladder.py)."""
@@ -167,6 +177,7 @@ class SweepSpec:
     tune: TuneOptions | None = None
     ladder: LadderOptions = field(default_factory=LadderOptions)
     seeds: list[int] = field(default_factory=lambda: [1234])
+    repeat_seeds: SeedRepeats = field(default_factory=SeedRepeats)
     overrides: list[str] = field(default_factory=list)  # dotted run-config overrides for every run
     checkpoints_per_run: int = 4  # so an interrupted run resumes with at most 1/4 of it to redo
     fit: FitOptions = field(default_factory=FitOptions)
@@ -238,6 +249,11 @@ def validate_spec(spec: SweepSpec, source: str) -> None:
         raise ConfigError(f"{source}: warmup needs steps >= 0 and 0 <= fraction < 1 (got {spec.warmup})")
     if not spec.seeds or len(set(spec.seeds)) != len(spec.seeds):
         raise ConfigError(f"{source}: seeds={spec.seeds} must list at least one seed, without repeats")
+    repeats = spec.repeat_seeds
+    if bool(repeats.sizes) != bool(repeats.seeds) or set(repeats.seeds) & set(spec.seeds) or \
+            len(set(repeats.seeds)) != len(repeats.seeds) or any(index < 0 for index in repeats.sizes):
+        raise ConfigError(f"{source}: repeat_seeds needs both `sizes` (ladder indices >= 0, smallest first) and "
+                          f"`seeds` (new seeds, none of seeds={spec.seeds}, without repeats); got {repeats}")
     if spec.checkpoints_per_run < 1:
         raise ConfigError(f"{source}: checkpoints_per_run={spec.checkpoints_per_run} must be >= 1")
     _validate_slurm_and_throughput(spec, source)

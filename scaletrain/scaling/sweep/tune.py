@@ -31,7 +31,7 @@ from scaletrain.scaling.sweep.hyperparams import (
     tuned_path,
 )
 from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan, ladder_shapes, plan_sweep
-from scaletrain.scaling.sweep.spec import ModelLadder, ModelShape, SweepSpec, load_sweep_spec
+from scaletrain.scaling.sweep.spec import ModelLadder, ModelShape, SeedRepeats, SweepSpec, load_sweep_spec
 
 TUNING_PLOT = "lr_tuning.png"
 
@@ -169,8 +169,8 @@ def _tune_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:
 def _point_spec(spec: SweepSpec, shape: ModelShape, tokens: float, rules: HyperparameterRules) -> SweepSpec:
     """One grid point as a grid-mode sweep of one run in SWEEP/tune."""
     return dataclasses.replace(spec, mode="grid", budgets=[], tokens=[tokens], dir=str(Path(spec.dir) / TUNE_DIR),
-                               models=ModelLadder(shapes=[shape]), seeds=spec.seeds[:1], hyperparameters=rules,
-                               tune=None)
+                               models=ModelLadder(shapes=[shape]), seeds=spec.seeds[:1], repeat_seeds=SeedRepeats(),
+                               hyperparameters=rules, tune=None)
 
 
 def _scaled_rules(spec: SweepSpec, centre: PlannedRun, lr_multiplier: float,

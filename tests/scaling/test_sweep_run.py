@@ -146,8 +146,12 @@ def test_torchrun_executor_trains_the_same_runs_on_two_ranks(
     _, reference_dir, _ = finished_sweep
     sweep_dir = tmp_path / "sweep"
     spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir, budgets=[TINY_BUDGETS[0]]))
-    output = run_scaletrain("sweep", ["run", str(spec_path), "--executor", "torchrun", "--nproc", "2"], timeout=1500)
-    assert f"trained {len(TINY_SHAPES)} runs" in output
+    result = subprocess.run([*launcher(1), "sweep", "run", str(spec_path), "--executor", "torchrun", "--nproc", "2"],
+                            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=1500)
+    # three runs at one budget are too few for any fit: every run trains, then `sweep run` exits 1 saying so
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"the fit failed ({len(TINY_SHAPES)} of {len(TINY_SHAPES)} runs done)" in result.stderr
+    assert f"trained {len(TINY_SHAPES)} runs" in result.stdout
     reference = {row["name"]: row for row in read_results(reference_dir)}
     for row in read_results(sweep_dir):
         assert "--nproc_per_node=2" in (sweep_dir / "runs" / row["name"] / "train.log").read_text()

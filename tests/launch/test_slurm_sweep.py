@@ -1,9 +1,11 @@
 """`scaletrain sweep run --executor slurm` on a real one-node SLURM: a throttled job array with one task
-per run, a failed run recorded while the others finish, and a dependent job that writes the results."""
+per run, a failed run recorded while the others finish, and a dependent job that writes the results;
+a ladder as two arrays, the branches after the stable runs."""
 
 from __future__ import annotations
 
 import csv
+import json
 import re
 import subprocess
 import sys
@@ -11,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.scaling.sweeps import tiny_spec, write_spec
+from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 (registers the fixture)
-from tests.train.runs import REPO
+from tests.train.runs import REPO, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +44,11 @@ def test_slurm_executor_trains_the_sweep_as_a_job_array(
     assert "#SBATCH --array=0-2%1" in script.read_text() and "srun" in script.read_text()
 
     assert slurm_cluster.wait(array_job, timeout=900) == {0: "COMPLETED", 1: "FAILED", 2: "COMPLETED"}
-    assert slurm_cluster.wait(finalize_job, timeout=300) == {0: "COMPLETED"}
+    # two finished runs are too few for any fit: the finalize job writes results.csv, says why the fit
+    # failed and exits 1, so SLURM (and anything depending on the job) sees that the sweep did not succeed
+    assert slurm_cluster.wait(finalize_job, timeout=300) == {0: "FAILED"}
+    (finalize_log,) = (sweep_dir / "slurm").glob(f"*-finalize-{finalize_job}.out")
+    assert "the fit failed (2 of 3 runs done)" in finalize_log.read_text()
     with (sweep_dir / "results.csv").open() as file:
         rows = {row["name"]: row for row in csv.DictReader(file)}
     assert [rows[name]["status"] for name in names] == ["done", "failed", "done"]
@@ -52,3 +58,31 @@ def test_slurm_executor_trains_the_sweep_as_a_job_array(
     status = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "status", str(sweep_dir)], cwd=REPO,
                             env=slurm_cluster.env, capture_output=True, text=True, check=True).stdout
     assert "2 done, 1 failed" in status
+
+
+def test_slurm_executor_trains_a_ladder_as_two_dependent_arrays(
+    slurm_cluster: SlurmCluster, small_dataset: Path, tmp_path: Path
+) -> None:
+    """A ladder on SLURM: the stable run's array, then the branches' array once it succeeded (afterok),
+    each branch starting from the stable run's checkpoint at its branch point."""
+    sweep_dir = tmp_path / "sweep"
+    spec = tiny_spec(small_dataset, sweep_dir, mode="ladder", name="tiny-ladder", fit={"bootstrap": 0},
+                     warmup={"steps": 2, "fraction": 0.0}, models={"shapes": [TINY_SHAPES[2]]},
+                     slurm={"max_concurrent": 2, "cpus_per_task": 1, "time": "00:20:00"})
+    spec_path = write_spec(tmp_path / "spec.yaml", spec)
+    submitted = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path), "--executor", "slurm"],
+        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=True).stdout
+    stable_job, branch_job, finalize_job = (int(job) for job in re.search(
+        r"job array (\d+) \(1 runs\); job array (\d+) \(2 runs\).* finalize job (\d+)", submitted).groups())
+    assert slurm_cluster.wait(stable_job, timeout=600) == {0: "COMPLETED"}
+    assert slurm_cluster.wait(branch_job, timeout=600) == {0: "COMPLETED", 1: "COMPLETED"}
+    slurm_cluster.wait(finalize_job, timeout=300)  # two points cannot be fitted: it fails, after results.csv
+    with (sweep_dir / "results.csv").open() as file:
+        rows = {row["name"]: row for row in csv.DictReader(file)}
+    assert sorted((row["role"], row["status"]) for row in rows.values()) == [
+        ("branch", "done"), ("branch", "done"), ("stable", "done")]
+    plan = json.loads((sweep_dir / "plan.json").read_text())["runs"]
+    for branch in (run for run in plan if run["role"] == "branch"):
+        train, _ = read_metrics(sweep_dir / "runs" / branch["name"])
+        assert min(train) == branch["branch_step"] + 1 and max(train) == branch["steps"]  # only its cooldown

@@ -472,14 +472,14 @@ def _failure_lines(document: dict[str, Any]) -> list[str]:
 def _prediction_lines(document: dict[str, Any]) -> list[str]:
     lines = [f"compute-optimal allocation at the target budgets, on the FLOPs line "
              f"{document['flops_per_token']['description']}:",
-             f"  {'C':<10}{'fit':<13}{'N*':<31}{'D*':<31}{'D*/N*':<24}loss"]
+             f"  {'C':<10}{'fit':<13}{'N*':<31}{'D*':<31}{'D*/N*':<31}loss"]
     for prediction in document["predictions"]:
         rows = [(approach[-1], prediction[approach]) for approach in APPROACHES if prediction[approach] is not None]
         rows += list(prediction["laws"].items())
         for name, values in rows:
             loss = _number(values, "loss") if "loss" in values else ""
             lines.append(f"  {prediction['flops']:<10.3g}{name:<13}{_number(values, 'n_opt'):<31}"
-                         f"{_number(values, 'd_opt'):<31}{_number(values, 'tokens_per_param'):<24}{loss}")
+                         f"{_number(values, 'd_opt'):<31}{_number(values, 'tokens_per_param'):<31}{loss}")
         chosen = prediction["chosen"]
         if chosen is not None:
             interval = chosen["loss_interval"]

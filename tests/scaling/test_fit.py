@@ -16,7 +16,6 @@ from scaletrain.scaling.fit import (
     FitData,
     ParametricFit,
     Point,
-    batched_lbfgs,
     bootstrap_samples,
     fit_envelope,
     fit_isoflop,
@@ -27,6 +26,7 @@ from scaletrain.scaling.fit import (
     percentile_interval,
     smooth_training_curve,
 )
+from scaletrain.scaling.lbfgs import batched_lbfgs
 
 CHINCHILLA = ParametricFit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 TRUE_A = CHINCHILLA.beta / (CHINCHILLA.alpha + CHINCHILLA.beta)  # N_opt ∝ C^a, 0.4516

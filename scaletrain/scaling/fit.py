@@ -646,11 +646,11 @@ class ScalingFit:
         predict() interval at (N*, D*)."""
         table: dict[str, dict] = {}
         for approach, fit in self.fits.items():
-            table[approach] = _with_intervals(compute_optimal(fit, flops, self.fpt),
+            table[approach] = with_intervals(compute_optimal(fit, flops, self.fpt),
                                               [compute_optimal(s, flops, self.fpt) for s in self.samples(approach)])
         for form, result in self.laws.items():
             rows = [_allocation_row(*result.allocation(flops, refit)) for refit in result.refits]
-            table[form] = _with_intervals(_allocation_row(*result.allocation(flops)), rows)
+            table[form] = with_intervals(_allocation_row(*result.allocation(flops)), rows)
             n_opt, d_opt = table[form]["n_opt"], table[form]["d_opt"]
             table[form]["loss_interval"] = (None if not math.isfinite(n_opt) else
                                             [float(v) for v in self.predict(n_opt, d_opt, form=form)[1:]])
@@ -662,7 +662,8 @@ def _allocation_row(n_opt: float, d_opt: float, loss: float) -> dict[str, float]
             "loss": loss}
 
 
-def _with_intervals(values: dict[str, float], samples: list[dict[str, float]]) -> dict:
+def with_intervals(values: dict[str, float], samples: list[dict[str, float]]) -> dict:
+    """Each value, and beside it as KEY_ci its 95% bootstrap percentile interval over the samples."""
     table: dict = {}
     for key, value in values.items():
         table[key] = value

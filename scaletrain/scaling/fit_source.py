@@ -79,6 +79,7 @@ from scaletrain.scaling.fit import (
     fit_scaling_laws,
     group_by_budget,
     percentile_interval,
+    with_intervals,
 )
 from scaletrain.scaling.fit_arguments import DEFAULT_BOOTSTRAP, OBJECTIVES, PARAMS_COLUMNS
 from scaletrain.scaling.fit_inputs import Runs, check_fingerprints, read_runs
@@ -249,17 +250,9 @@ def fit_document(result: ScalingFit, runs: Runs, targets: list[float], source: s
     return _strict(document)
 
 
-def _with_intervals(values: dict[str, float], samples: list[dict[str, float]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
-    for key, value in values.items():
-        document[key] = value
-        document[f"{key}_ci"] = percentile_interval([sample[key] for sample in samples])
-    return document
-
-
 def _approach_document(result: ScalingFit, approach: str, options: FitOptions) -> dict[str, Any]:
     fit, samples = result.fits[approach], result.samples(approach)
-    document = _with_intervals(fit.constants(), [sample.constants() for sample in samples])
+    document = with_intervals(fit.constants(), [sample.constants() for sample in samples])
     document["bootstrap_fits"] = len(samples)
     if isinstance(fit, EnvelopeFit):
         document.update(n_coefficient=fit.n_law.coefficient, d_coefficient=fit.d_law.coefficient,

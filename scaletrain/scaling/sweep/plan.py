@@ -99,7 +99,7 @@ def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC") -> Swe
         unprepared = " / ".join(source.dir for source in base.data.sources())
         warnings.append(f"{unprepared} is not prepared, so epochs are unknown: run `scaletrain prepare {spec.base}`")
     amounts = spec.budgets if spec.mode in BUDGET_MODES else spec.tokens
-    repeated = _repeated_shapes(spec, base, shapes)
+    repeated = _repeated_shapes(spec, base)
     for amount in sorted(amounts):
         for shape in _shapes_for_amount(spec, base, shapes, amount):
             for seed in spec.seeds + (spec.repeat_seeds.seeds if shape in repeated else []):
@@ -116,14 +116,19 @@ def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC") -> Swe
     return SweepPlan(spec, runs, tokens_per_step, train_tokens, warnings)
 
 
-def _repeated_shapes(spec: SweepSpec, base: Config, shapes: list[ModelShape]) -> list[ModelShape]:
-    """The rungs that repeat_seeds names (indices into the ladder, smallest first)."""
-    ladder = sorted(shapes, key=lambda shape: _counts(base, shape).total_params)
-    outside = [index for index in spec.repeat_seeds.sizes if index >= len(ladder)]
+def _repeated_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:
+    """The rungs that repeat_seeds names."""
+    return ladder_rungs(spec, base, spec.repeat_seeds.sizes, "repeat_seeds.sizes")
+
+
+def ladder_rungs(spec: SweepSpec, base: Config, indices: list[int], key: str) -> list[ModelShape]:
+    """The rungs of the ladder at `indices` (smallest first), refused naming the spec's `key` when one is outside."""
+    ladder = ladder_shapes(spec, base)
+    outside = [index for index in indices if not 0 <= index < len(ladder)]
     if outside:
-        raise ConfigError(f"sweep {spec.name}: repeat_seeds.sizes {outside} are not indices of the ladder of "
-                          f"{len(ladder)} sizes; use 0 to {len(ladder) - 1} (smallest first)")
-    return [ladder[index] for index in spec.repeat_seeds.sizes]
+        raise ConfigError(f"sweep {spec.name}: {key} {outside} are not indices of the ladder of {len(ladder)} "
+                          f"sizes; use 0 to {len(ladder) - 1} (smallest first)")
+    return [ladder[index] for index in indices]
 
 
 def ladder_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:

@@ -30,7 +30,7 @@ from scaletrain.scaling.sweep.hyperparams import (
     as_prior,
     tuned_path,
 )
-from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan, ladder_shapes, plan_sweep
+from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan, ladder_rungs, plan_sweep
 from scaletrain.scaling.sweep.spec import ModelLadder, ModelShape, SeedRepeats, SweepSpec, load_sweep_spec
 
 TUNING_PLOT = "lr_tuning.png"
@@ -158,12 +158,7 @@ def tune_plan(spec: SweepSpec, spec_path: str = "SPEC") -> tuple[SweepPlan, dict
 def _tune_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:
     if spec.tune.shapes:
         return spec.tune.shapes
-    ladder = ladder_shapes(spec, base)
-    bad = [index for index in spec.tune.sizes if not 0 <= index < len(ladder)]
-    if bad:
-        raise ConfigError(f"sweep {spec.name}: tune.sizes {bad} are not indices of the ladder of {len(ladder)} "
-                          f"sizes; use 0 to {len(ladder) - 1} (smallest first)")
-    return [ladder[index] for index in spec.tune.sizes]
+    return ladder_rungs(spec, base, spec.tune.sizes, "tune.sizes")
 
 
 def _point_spec(spec: SweepSpec, shape: ModelShape, tokens: float, rules: HyperparameterRules) -> SweepSpec:

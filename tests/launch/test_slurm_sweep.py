@@ -77,7 +77,8 @@ def test_slurm_executor_trains_a_ladder_as_two_dependent_arrays(
         r"job array (\d+) \(1 runs\); job array (\d+) \(2 runs\).* finalize job (\d+)", submitted).groups())
     assert slurm_cluster.wait(stable_job, timeout=600) == {0: "COMPLETED"}
     assert slurm_cluster.wait(branch_job, timeout=600) == {0: "COMPLETED", 1: "COMPLETED"}
-    slurm_cluster.wait(finalize_job, timeout=300)  # two points cannot be fitted: it fails, after results.csv
+    # two points cannot be fitted: the finalize job writes results.csv, then exits 1
+    assert slurm_cluster.wait(finalize_job, timeout=300) == {0: "FAILED"}
     with (sweep_dir / "results.csv").open() as file:
         rows = {row["name"]: row for row in csv.DictReader(file)}
     assert sorted((row["role"], row["status"]) for row in rows.values()) == [

@@ -264,6 +264,19 @@ def isoflop_minimum(group: list[Point]) -> IsoFlopMinimum:
                           tuple(float(c) for c in in_d), bool(log_n.min() <= x_n <= log_n.max()))
 
 
+def unbracketed_end(points: list[Point], tolerance: float = BUDGET_TOLERANCE) -> str | None:
+    """"smallest" ("largest") when every profile of >= MIN_SIZES_PER_BUDGET sizes has its best run at its
+    smallest (largest) size: no profile has a minimum to find, and the fix is to extend the sizes."""
+    ends = set()
+    for group in group_by_budget(points, tolerance):
+        profile = [points[i] for i in group]
+        if len({p.params for p in profile}) >= MIN_SIZES_PER_BUDGET:
+            best = min(profile, key=lambda p: p.loss).params
+            ends.add("smallest" if best == min(p.params for p in profile) else
+                     "largest" if best == max(p.params for p in profile) else "inside")
+    return next(iter(ends)) if len(ends) == 1 and ends != {"inside"} else None
+
+
 def fit_isoflop(points: list[Point], tolerance: float = BUDGET_TOLERANCE) -> IsoFlopFit:
     """Approach 2: each budget's N_opt and D_opt, then power laws across budgets (sec. 3.2)."""
     minima, excluded = [], []
@@ -275,10 +288,14 @@ def fit_isoflop(points: list[Point], tolerance: float = BUDGET_TOLERANCE) -> Iso
             if len(group) > 1:
                 excluded.append((float(np.exp(np.mean(np.log([p.flops for p in group])))), str(reason)))
     if len(minima) < MIN_BUDGETS:
-        raise ValueError(
-            f"Approach 2 needs >= {MIN_SIZES_PER_BUDGET} model sizes in each of >= {MIN_BUDGETS} FLOP budgets "
-            f"(runs share a budget through the budget column, or FLOPs within {tolerance:.0%}); "
-            f"{len(minima)} usable budget(s) found" + (f", {len(excluded)} excluded" if excluded else ""))
+        reason = (f"Approach 2 needs >= {MIN_SIZES_PER_BUDGET} model sizes in each of >= {MIN_BUDGETS} FLOP budgets "
+                  f"(runs share a budget through the budget column, or FLOPs within {tolerance:.0%}); "
+                  f"{len(minima)} usable budget(s) found" + (f", {len(excluded)} excluded" if excluded else ""))
+        end = unbracketed_end(points, tolerance)
+        if end is not None:
+            fix = "add smaller sizes" if end == "smallest" else "add larger sizes"
+            reason = f"no IsoFLOP profile is bracketed: the {end} size is best at every budget; {fix} ({reason})"
+        raise ValueError(reason)
     flops = [m.flops for m in minima]
     return IsoFlopFit(fit_power_law(flops, [m.n_opt for m in minima]),
                       fit_power_law(flops, [m.d_opt for m in minima]), minima, excluded)

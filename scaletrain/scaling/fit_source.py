@@ -68,7 +68,6 @@ from scaletrain.scaling.fit import (
     BOOTSTRAP_GRID_STARTS,
     HUBER_DELTA,
     MIN_BOOTSTRAP_FITS,
-    MIN_SIZES_PER_BUDGET,
     SMOOTHING_FRACTION,
     EnvelopeFit,
     FitData,
@@ -77,7 +76,6 @@ from scaletrain.scaling.fit import (
     ParametricFit,
     ScalingFit,
     fit_scaling_laws,
-    group_by_budget,
     percentile_interval,
     with_intervals,
 )
@@ -241,7 +239,7 @@ def fit_document(result: ScalingFit, runs: Runs, targets: list[float], source: s
     document["chosen"] = _chosen_document(result)
     document["bootstrap_failures"] = {name: reasons for name, reasons in result.bootstrap_failures.items() if reasons}
     document["predictions"] = [_prediction_document(result, flops) for flops in targets]
-    document["skipped"] = {approach: _explain_skip(approach, reason, data)
+    document["skipped"] = {approach: _explain_skip(approach, reason)
                            for approach, reason in result.skipped.items()}
     document["published"] = PUBLISHED
     if check is not None:
@@ -321,21 +319,9 @@ def _prediction_document(result: ScalingFit, flops: float) -> dict[str, Any]:
     return document
 
 
-def _explain_skip(approach: str, reason: str, data: FitData) -> str:
-    """The reason an approach could not run, in terms of the runs where the data tell: Approach 2 whose
-    profiles all have their best run at the smallest (largest) size has no minimum to find."""
-    if approach == "approach2":
-        ends = set()
-        for group in group_by_budget(data.points):
-            points = [data.points[i] for i in group]
-            if len({p.params for p in points}) >= MIN_SIZES_PER_BUDGET:
-                best = min(points, key=lambda p: p.loss).params
-                ends.add("smallest" if best == min(p.params for p in points) else
-                         "largest" if best == max(p.params for p in points) else "inside")
-        if len(ends) == 1 and ends != {"inside"}:
-            (end,) = ends
-            fix = "add smaller sizes" if end == "smallest" else "add larger sizes"
-            return f"no IsoFLOP profile is bracketed: the {end} size is best at every budget; {fix} ({reason})"
+def _explain_skip(approach: str, reason: str) -> str:
+    """The reason an approach could not run; a raw numerical error (which says nothing to a user) is
+    wrapped in what to check. fit.fit_isoflop itself says when no profile is bracketed."""
     if any(raw in reason for raw in RAW_NUMERIC_ERRORS):
         return (f"{APPROACH_TITLES[approach]} failed numerically on these runs ({reason}); check for runs with "
                 "equal (N, D) or losses that do not fall with N and D")

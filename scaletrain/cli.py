@@ -99,8 +99,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_fit_arguments(fit)
     fit.set_defaults(handler=_fit)
 
-    export = commands.add_parser("export", help="write a run's latest checkpoint as a Hugging Face model")
-    export.add_argument("run_dir", type=Path, help="the run directory (run.dir); its latest checkpoint is exported")
+    export = commands.add_parser("export", help="write a run's newest checkpoint that loads as a Hugging Face model")
+    export.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
     export.add_argument("out_dir", type=Path, help="where to write the Hugging Face model (config + weights)")
     export.add_argument("--format", choices=["hf"], default="hf", help="output format: Hugging Face transformers")
     export.set_defaults(handler=_export)
@@ -112,8 +112,8 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="the model family to import into")
     import_.set_defaults(handler=_import)
 
-    generate = commands.add_parser("generate", help="sample text from a run's latest checkpoint")
-    generate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its latest checkpoint samples")
+    generate = commands.add_parser("generate", help="sample text from a run's newest checkpoint that loads")
+    generate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
     generate.add_argument("--prompt", default="", help="text to continue (default: empty)")
     generate.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: 100)")
     generate.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default: 0.8)")
@@ -169,21 +169,26 @@ def _prepare_into(config: Config, data_dir: Path, overwrite: bool) -> Manifest:
 def _train(args: argparse.Namespace) -> int:
     """Exit 0 when the run trained all its steps, EXIT_STOPPED_EARLY (75) when a signal,
     train.exit_after or train.exit_after_minutes stopped it at a checkpoint: resume by running again;
-    EXIT_DIVERGED (3) when it stopped on non-finite losses or weights: change the config first."""
+    EXIT_DIVERGED (3) when it stopped on non-finite losses or weights: change the config first.
+
+    The stop handlers go in as soon as the config names them and are never taken out; once the
+    exit code is known the stop signals are ignored (train/stopping.py StopSignals says why)."""
     from scaletrain.parallel.groups import destroy_distributed
     from scaletrain.train.loop import train
     from scaletrain.train.nonfinite import EXIT_DIVERGED, TrainingDiverged
-    from scaletrain.train.stopping import EXIT_STOPPED_EARLY
+    from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopSignals
 
     config = load_config(args.config, args.overrides)
+    stop_signals = StopSignals(config.train.stop_signals)
     try:
-        state = train(config)
+        state = train(config, stop_signals)
     except TrainingDiverged as error:
         if _is_reporting_rank():
             print(f"scaletrain train: error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
     finally:
         destroy_distributed()
+        stop_signals.ignore_while_exiting()
     return EXIT_STOPPED_EARLY if state.stopped_by else 0
 
 

@@ -142,8 +142,9 @@ class TrainConfig:
     exit_after: int | None = None  # stop after this many steps in this invocation (checkpointing first)
     # stop once this invocation has run this long (Megatron's --exit-duration-in-mins), checkpointing first
     exit_after_minutes: float | None = None
-    # signals that stop the run at the next step boundary with a checkpoint (SLURM preemption and time limits)
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # signals that stop the run at the next step boundary with a checkpoint (SLURM preemption and time
+    # limits, torchrun's SIGTERM, Ctrl-C)
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     seed: int = 1234
     lr: float = 6e-4
     min_lr: float = 6e-5

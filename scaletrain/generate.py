@@ -1,4 +1,4 @@
-"""`scaletrain generate`: sample from a run's latest checkpoint, whatever layout trained it."""
+"""`scaletrain generate`: sample from a run's newest checkpoint that loads, whatever layout trained it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, latest_checkpoint
+from scaletrain.checkpoint.manager import CheckpointError, first_loadable, latest_checkpoint
 from scaletrain.config import Config, ParallelConfig, load_config, resolve_for_world
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
@@ -26,17 +26,14 @@ def generate_text(
     run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
 ) -> str:
     """`prompt` and its continuation, sampled the way the run's family generates (`ModelFamily.generation`)."""
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
-    config = single_process_config(load_config(checkpoint / "config.yaml"))
+    config = run_config(run_dir)
     family = get_family(config.model.family)
     if family.generation is None:
         raise NotGeneratingError(f"{run_dir} trained a {family.name} model, which cannot generate: "
                                  f"{family.not_generating_reason}")
     init_distributed(config)
     try:
-        model = load_model(config, checkpoint)
+        _, model = first_loadable(run_dir, lambda checkpoint: load_model(config, checkpoint))
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
         sample = SAMPLERS[family.generation]
         new_ids = sample(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
@@ -67,6 +64,15 @@ def _continue_seq2seq(
 
 
 SAMPLERS = {"causal": _continue_causal, "seq2seq": _continue_seq2seq}  # by ModelFamily.generation
+
+
+def run_config(run_dir: Path) -> Config:
+    """The run's model in one process, from its newest complete checkpoint's config (a run's
+    checkpoints share one model; which of them loads is first_loadable's choice)."""
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
+    return single_process_config(load_config(newest / "config.yaml"))
 
 
 def single_process_config(config: Config) -> Config:

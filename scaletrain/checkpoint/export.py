@@ -10,28 +10,25 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, latest_checkpoint
-from scaletrain.config import load_config
+from scaletrain.checkpoint.manager import CheckpointError, first_loadable
 from scaletrain.data.storage import dataset_location
-from scaletrain.generate import single_process_config
+from scaletrain.generate import run_config
 from scaletrain.model import build_model
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
 
 
 def export_run(run_dir: Path, out_dir: Path) -> Path:
-    """The latest checkpoint of `run_dir`, whatever its layout, as a transformers model directory
-    (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM, T5ForConditionalGeneration,
-    LlamaForCausalLM) plus our tokenizer files."""
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise CheckpointError(f"{run_dir} has no complete checkpoint to export; train first")
+    """The newest checkpoint of `run_dir` that loads (manager.first_loadable), whatever its layout, as
+    a transformers model directory (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM,
+    T5ForConditionalGeneration, LlamaForCausalLM) plus our tokenizer files."""
+    config = run_config(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
-    config = single_process_config(load_config(checkpoint / "config.yaml"))
     init_distributed(config)
     try:
-        state = consolidated_state_dict(checkpoint, reference=build_model(config))
+        reference = build_model(config)
+        _, state = first_loadable(run_dir, lambda checkpoint: consolidated_state_dict(checkpoint, reference))
     finally:
         destroy_distributed()
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")

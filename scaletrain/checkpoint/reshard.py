@@ -36,20 +36,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.checkpoint.integrity import ADAM_MOMENTS as MOMENTS
+from scaletrain.checkpoint.integrity import check_finite, loaded_state
 from scaletrain.checkpoint.manager import (
     DEEPSPEED_TAG,
     CheckpointError,
     CheckpointMeta,
     LayoutMismatchError,
     layout_of,
+    read_meta,
     translate_load_errors,
 )
-from scaletrain.checkpoint.safe_load import load_tensors
+from scaletrain.checkpoint.safe_load import CheckedFiles
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
 from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 RESHARDABLE_ZERO_STAGES = (0, 1, 2)
 
 
@@ -90,7 +92,9 @@ def check_reshardable(path: Path, source: dict[str, int], target: dict[str, int]
 
 
 def load_resharded(engine: Any, path: Path, meta: CheckpointMeta, config: Config, topology: Topology) -> None:
-    """Load a checkpoint of another layout into `engine`: weights, Adam moments and step count."""
+    """Load a checkpoint of another layout into `engine`: weights, Adam moments and step count. Each
+    file is checked against its CRC-32 as it is read, and what this rank loaded is checked finite
+    (locally: the caller agrees on a failure over all ranks)."""
     target = layout_of(config, topology)
     check_reshardable(path, meta.layout, target)
     if topology.is_logging_rank:
@@ -102,6 +106,7 @@ def load_resharded(engine: Any, path: Path, meta: CheckpointMeta, config: Config
         path, f"{DEEPSPEED_TAG}/ (for resharding)", lambda: read_layout_free_state(path, meta.layout, local)
     )
     _write_into_engine(engine, state, local, topology)
+    check_finite(path, loaded_state(engine))
     engine.global_steps = meta.step
     engine.global_samples = meta.consumed_samples
 
@@ -110,14 +115,15 @@ def read_layout_free_state(
     path: Path, source: dict[str, int], wanted: dict[str, nn.Parameter]
 ) -> LayoutFreeState:
     """The full state of the `wanted` parameters (model names -> a parameter of any TP size that
-    carries the partition attributes) from checkpoint `path` saved in layout `source`."""
-    state_dir = path / DEEPSPEED_TAG
+    carries the partition attributes) from checkpoint `path` saved in layout `source`, each file
+    checked against the CRC-32 that meta.json recorded for it."""
+    checked = CheckedFiles(path, read_meta(path).files)
     per_rank, steps = [], set()
     for tensor_rank in range(source["tensor"]):
         shards: dict[str, dict[str, torch.Tensor]] = {}
         for stage in range(source["pipeline"]):
             mp_rank = stage * source["tensor"] + tensor_rank
-            for name, parameter_state, step in _read_model_parallel_rank(state_dir, source, mp_rank):
+            for name, parameter_state, step in _read_model_parallel_rank(checked, source, mp_rank):
                 if name in wanted:
                     shards.setdefault(name, parameter_state)  # a tied weight: the first stage's copy
                     steps.add(step)
@@ -141,29 +147,30 @@ def _merge_tensor_ranks(shards: list[dict[str, torch.Tensor]], parameter: nn.Par
 
 
 def _read_model_parallel_rank(
-    state_dir: Path, source: dict[str, int], mp_rank: int
+    checked: CheckedFiles, source: dict[str, int], mp_rank: int
 ) -> Iterator[tuple[str, dict[str, torch.Tensor], int]]:
     """(model name, its shard's weight and moments, Adam step) for one model-parallel rank's files."""
-    model_states = load_tensors(state_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")
+    model_states = checked.load(checked.checkpoint / DEEPSPEED_TAG / f"mp_rank_{mp_rank:02d}_model_states.pt")
     if source["zero_stage"] == 0:
         entries = _zero0_entries(model_states)
     else:
-        entries = _partitioned_entries(state_dir, model_states["param_shapes"], mp_rank, source["data"])
+        entries = _partitioned_entries(checked, model_states["param_shapes"], mp_rank, source["data"])
     for name, parameter_state, step in entries:
         yield name if source["pipeline"] == 1 else pipeline_to_model_name(name), parameter_state, step
 
 
 def _partitioned_entries(
-    state_dir: Path, param_shapes: list[dict[str, Any]], mp_rank: int, data_size: int
+    checked: CheckedFiles, param_shapes: list[dict[str, Any]], mp_rank: int, data_size: int
 ) -> Iterator[tuple[str, dict[str, torch.Tensor], int]]:
     """ZeRO-1/2: concatenate the DP partitions of each group, then cut parameters off in order."""
+    state_dir = checked.checkpoint / DEEPSPEED_TAG
     files = [state_dir / f"zero_pp_rank_{dp}_mp_rank_{mp_rank:02d}_optim_states.pt" for dp in range(data_size)]
     missing = [file.name for file in files if not file.is_file()]
     if missing:
         bf16 = any(state_dir.glob("bf16_zero_pp_rank_*"))
         raise CheckpointError(f"{state_dir} lacks {missing[0]}" + (
             "; it is a bf16 checkpoint, which resumes only in its own layout" if bf16 else ""))
-    partitions = [load_tensors(file)["optimizer_state_dict"] for file in files]
+    partitions = [checked.load(file)["optimizer_state_dict"] for file in files]
     step = int(partitions[0]["base_optimizer_state"]["state"][0]["step"])
     for group, shapes in enumerate(param_shapes):
         flat = {"weight": torch.cat([part["single_partition_of_fp32_groups"][group] for part in partitions])}

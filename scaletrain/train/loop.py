@@ -12,20 +12,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import yaml
 from tqdm import tqdm
 
 from scaletrain.checkpoint.consolidate import load_full_state_dict
 from scaletrain.checkpoint.manager import (
+    DIVERGED_DIR,
     CheckpointError,
     CheckpointMeta,
     LayoutMismatchError,
     check_files,
+    checkpoint_root,
+    clean_leftovers,
+    complete_checkpoints,
+    flatten_config,
     latest_checkpoint,
     layout_of,
     load_checkpoint,
+    prune_checkpoints,
     read_meta,
     resume_candidates,
     save_checkpoint,
+    set_aside_from,
 )
 from scaletrain.checkpoint.reshard import load_resharded
 from scaletrain.checkpoint.safe_load import load_tensors
@@ -43,7 +52,7 @@ from scaletrain.train.preflight import check_data_matches
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
 from scaletrain.train.schedule import learning_rate
 from scaletrain.train.step import evaluation_metrics, train_step
-from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopConditions, stop_with_launcher
+from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopConditions, StopSignals, stop_with_launcher
 
 RUN_SUMMARY_FILE = "summary.json"
 
@@ -60,19 +69,30 @@ class TrainState:
     consecutive_skipped_steps: int = 0
 
 
-def train(config: Config) -> TrainState:
-    stop_with_launcher()
-    config = resolve_for_world(config, world_size_from_environment())
-    topology = init_distributed(config)
-    check_data_matches(config)
-    lock = _lock_run_directory(Path(config.run.dir), topology)
+def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState:
+    """Train in this process, one rank of the world that torchrun or srun started (or the only one).
+
+    stop_signals: stop handlers the caller installed and keeps (`scaletrain train` does, for the
+    whole life of its process: see StopSignals); without them, train installs its own for
+    train.stop_signals and restores the previous handlers when it returns.
+    """
+    signals = StopSignals(config.train.stop_signals) if stop_signals is None else stop_signals
     try:
-        return _train_locked(config, topology)
+        stop_with_launcher()  # after the handlers: it may send this process SIGTERM
+        config = resolve_for_world(config, world_size_from_environment())
+        topology = init_distributed(config)
+        check_data_matches(config)
+        lock = _lock_run_directory(Path(config.run.dir), topology)
+        try:
+            return _train_locked(config, topology, signals)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        if stop_signals is None:
+            signals.restore()
 
 
-def _train_locked(config: Config, topology: Topology) -> TrainState:
+def _train_locked(config: Config, topology: Topology, stop_signals: StopSignals) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks. Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.data_parallel_rank)
@@ -91,7 +111,7 @@ def _train_locked(config: Config, topology: Topology) -> TrainState:
         print(_start_line(config, topology, facts, state), file=sys.stderr, flush=True)
     logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, facts, resumed_step=state.step)
     try:
-        _run(engine, guard, config, topology, state, logger)
+        _run(engine, guard, config, topology, state, logger, stop_signals)
     finally:
         logger.close()
     return state
@@ -112,7 +132,8 @@ def _lock_run_directory(run_dir: Path, topology: Topology) -> RunDirectoryLock:
 
 
 def _run(
-    engine: Any, guard: NonFiniteGuard, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger
+    engine: Any, guard: NonFiniteGuard, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger,
+    stop_signals: StopSignals,
 ) -> None:
     global_batch = config.global_batch_size(topology.data_parallel_size)
     tokens_per_step = global_batch * config.model.seq_length
@@ -130,10 +151,11 @@ def _run(
         total=config.train.steps, initial=state.step, disable=not (topology.is_logging_rank and interactive),
         desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
     )
-    stop = StopConditions(config.train)
+    stop = StopConditions(config.train, stop_signals)
     started = time.perf_counter()
     steps_this_run = 0
     final_metrics: dict[str, float] = {}
+    prune_due = True  # older checkpoints are pruned after a finite step (a resumed run's first one)
     try:
         while state.step < config.train.steps:
             step_started = time.perf_counter()
@@ -160,7 +182,10 @@ def _run(
                 if topology.is_logging_rank and not interactive:
                     # SLURM and CI logs: one plain line per log_every steps, no carriage returns
                     print(_log_line(record, config.train.steps), file=sys.stderr, flush=True)
-            _stop_if_diverged(config, state)
+            _stop_if_diverged(config, topology, state)
+            if prune_due and not guard.skipped:
+                _prune(config, topology)  # the step after the newest checkpoint trained finitely
+                prune_due = False
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             finished = state.step == config.train.steps
@@ -176,19 +201,20 @@ def _run(
             state.stopped_by = None if finished else stop.poll(steps_this_run, topology.device)
             if (state.step % config.checkpoint.every == 0 or state.step in config.checkpoint.keep_steps
                     or state.stopped_by or finished):
-                _save_finite_checkpoint(engine, config, topology, state)
+                prune_due = _save_finite_checkpoint(engine, config, topology, state) or prune_due
+            if finished and prune_due:
+                _prune(config, topology)
             if finished and topology.is_logging_rank:
                 write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
             if state.stopped_by:
                 break
     finally:
-        stop.close()
         progress.close()
     if topology.is_logging_rank:
         _report_end(config, state, tokens_per_step, time.perf_counter() - started, final_metrics)
 
 
-def _stop_if_diverged(config: Config, state: TrainState) -> None:
+def _stop_if_diverged(config: Config, topology: Topology, state: TrainState) -> None:
     """Every rank counts the same skips, so every rank stops at the same step."""
     limit = config.train.max_skipped_steps
     if state.consecutive_skipped_steps < limit:
@@ -197,28 +223,43 @@ def _stop_if_diverged(config: Config, state: TrainState) -> None:
     raise TrainingDiverged(
         f"training diverged: the loss or gradient norm was non-finite at {limit} steps in a row (steps "
         f"{first}-{state.step}, train.max_skipped_steps={limit}); their updates were skipped and the run "
-        f"stopped at step {state.step}. {_last_good_checkpoint(config)}"
+        f"stopped at step {state.step}. {_set_aside_blown_up(config, topology, blown_up_at=first - 1)}"
     )
 
 
-def _save_finite_checkpoint(engine: Any, config: Config, topology: Topology, state: TrainState) -> None:
-    """A checkpoint, unless any rank's weights are non-finite: then none, as it would replace (and
-    prune) the good ones."""
+def _save_finite_checkpoint(engine: Any, config: Config, topology: Topology, state: TrainState) -> bool:
+    """A checkpoint, unless any rank's weights are non-finite: then the run stops. One written during
+    a streak of skipped steps holds the weights from before the streak (skips change nothing); if the
+    streak ends the run, it is set aside with them (_set_aside_blown_up). Returns whether one was written."""
     if not weights_are_finite(engine.module, topology.device):
         raise TrainingDiverged(
             f"training diverged: the weights are non-finite after step {state.step}; no checkpoint was "
-            f"saved. {_last_good_checkpoint(config)}"
+            f"saved. {_set_aside_blown_up(config, topology, blown_up_at=state.step)}"
         )
     save_checkpoint(engine, config, topology, state.step, state.consumed_samples, state.skipped_steps,
                     state.consecutive_skipped_steps)
+    return True
 
 
-def _last_good_checkpoint(config: Config) -> str:
-    latest = latest_checkpoint(Path(config.run.dir))
-    if latest is None:
-        return "No checkpoint was saved before; lower train.lr (or raise train.warmup_steps) and start again."
-    return (f"The last good checkpoint is {latest}; lower train.lr (or raise train.warmup_steps) and run again "
-            f"to resume from it (train.resume=auto), or pass train.resume=<an earlier checkpoint>.")
+def _prune(config: Config, topology: Topology) -> None:
+    if topology.rank == 0:
+        prune_checkpoints(Path(config.run.dir), config.checkpoint.keep_last, config.checkpoint.keep_steps)
+
+
+def _set_aside_blown_up(config: Config, topology: Topology, blown_up_at: int) -> str:
+    """After a divergence whose bad update was step `blown_up_at`: the checkpoints from that step on
+    hold blown-up weights, so rank 0 moves them to checkpoints/diverged/, and resuming (train.resume=
+    auto) starts from the newest one before it. The sentence that tells the user so."""
+    run_dir = Path(config.run.dir)
+    moved = set_aside_from(run_dir, blown_up_at) if topology.rank == 0 else []
+    aside = (f"The update of step {blown_up_at} blew up the weights; checkpoints from it on were moved to "
+             f"{checkpoint_root(run_dir) / DIVERGED_DIR} ({', '.join(p.name for p in moved)}). " if moved else "")
+    good = [path for path in complete_checkpoints(run_dir) if int(path.name.removeprefix("step_")) < blown_up_at]
+    if not good:
+        return (f"{aside}No checkpoint was saved before step {blown_up_at}: lower train.lr (or raise "
+                "train.warmup_steps) and run the same command again; it starts over.")
+    return (f"{aside}The last good checkpoint is {good[-1]}: lower train.lr (or raise train.warmup_steps) and "
+            f"run the same command again to resume from it (train.resume=auto).")
 
 
 def _log_line(record: dict[str, float], total_steps: int) -> str:
@@ -293,7 +334,11 @@ def _restore_or_start(
 ) -> TrainState:
     """Resume from the first of `candidates` (manager.resume_candidates) that loads, naming any that
     did not, or start at step 0. Every rank takes the same checkpoint: a failure on any rank skips
-    it on all. A refused reshard stops the run instead of quietly falling back to an older checkpoint."""
+    it on all. A refused reshard stops the run instead of quietly falling back to an older checkpoint,
+    and so does a checkpoint of another model shape: the config changed, not the checkpoint."""
+    if topology.rank == 0:
+        for leftover in clean_leftovers(run_dir):
+            print(f"removed {leftover}: left by a save or prune that was killed", file=sys.stderr)
     for index, path in enumerate(candidates):
         error = None
         try:
@@ -302,13 +347,14 @@ def _restore_or_start(
             raise
         except CheckpointError as failure:
             error = failure
-        if not any_rank(error is not None, topology.device):
+        reason = _first_failure(error, topology)
+        if reason is None:
             if path == _branch_point(config) and topology.is_logging_rank:
                 _write_run_config(config, run_dir)  # a branch starts its run directory here
             return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
                               skipped_steps=meta.skipped_steps,
                               consecutive_skipped_steps=meta.consecutive_skipped_steps)
-        reason = str(error) if error else "it failed to load on another rank"
+        _refuse_another_shape(path, config)
         if index + 1 == len(candidates):
             raise CheckpointError(
                 f"no checkpoint of {run_dir} could be loaded; the last tried: {reason}. Delete the broken "
@@ -319,6 +365,40 @@ def _restore_or_start(
     if topology.is_logging_rank:
         _write_run_config(config, run_dir)
     return TrainState()
+
+
+def _first_failure(error: CheckpointError | None, topology: Topology) -> str | None:
+    """The lowest failing rank's reason on every rank (None when every rank loaded), so the warning
+    says why even when only a rank that does not log failed (a file only it reads)."""
+    reasons: list[str | None] = [None] * topology.world_size
+    dist.all_gather_object(reasons, str(error) if error else None)
+    return next((f"{reason} (rank {rank})" if topology.world_size > 1 else reason
+                 for rank, reason in enumerate(reasons) if reason), None)
+
+
+# Keys that fix the shapes of the weights and optimizer state: a checkpoint loads only into the same.
+SHAPE_KEYS = ("model.", "data.vocab_size", "data.num_sentinels")
+
+
+def _refuse_another_shape(path: Path, config: Config) -> None:
+    """A checkpoint that failed to load and was trained with other shape keys than this config's:
+    one error listing them and both ways on (every rank reads the same files, so all raise it)."""
+    stored_config = path / "config.yaml"
+    if not stored_config.is_file():
+        return
+    try:
+        stored = flatten_config(yaml.safe_load(stored_config.read_text()))
+    except (OSError, yaml.YAMLError):
+        return
+    ours = flatten_config(config.to_dict())
+    differing = [f"{key}: {stored.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(ours) | set(stored))
+                 if key.startswith(SHAPE_KEYS) and key in stored and stored.get(key) != ours.get(key)]
+    if differing:
+        raise ConfigError(
+            f"checkpoint {path} holds another model than this config builds ({'; '.join(differing)}). Set these "
+            f"back as the run had them ({stored_config}) to resume it, or train this config from scratch with "
+            f"train.resume=never or a new run.dir"
+        )
 
 
 def _branch_point(config: Config) -> Path | None:

@@ -29,30 +29,57 @@ EXIT_STOPPED_EARLY = 75
 REASONS = ("signal", "exit_after", "exit_after_minutes")
 
 
-class StopConditions:
-    """Watches the early-stop reasons of one invocation; `poll` is a collective on the world group.
+class StopSignals:
+    """Flag-only handlers for train.stop_signals: a stop signal never kills a rank mid-step (or
+    mid-checkpoint); StopConditions reads `received` at the next step boundary.
 
-    Signal handlers only set a flag, so a signal that arrives mid-step (or mid-checkpoint) takes
-    effect at the next step boundary, after a complete optimizer step.
+    `scaletrain train` installs them as soon as it has read its config and never restores the
+    previous handlers: a signal that comes during start-up is kept (the run stops after its first
+    step), and one that comes while a rank is already exiting does not turn its exit 75 into a death
+    by signal (torchrun sends SIGTERM to the ranks still running as soon as one has exited); once it
+    has its exit code it ignores them (`ignore_while_exiting`). `train()` called as a library
+    installs its own and `restore`s the previous handlers on return. Must be created in the main
+    thread (Python runs signal handlers there only).
     """
 
-    def __init__(self, train: TrainConfig) -> None:
-        self._train = train
-        self._started = time.monotonic()
+    def __init__(self, names: list[str]) -> None:
         self.received: str | None = None
         self._previous_handlers = {}
-        for name in train.stop_signals:
+        for name in names:
             number = signal.Signals[name]
             self._previous_handlers[number] = signal.signal(number, self._on_signal)
 
     def _on_signal(self, number: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(number).name
+        if self.received is None:  # the first one says why the run stops
+            self.received = signal.Signals(number).name
+
+    def restore(self) -> None:
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
+        self._previous_handlers = {}
+
+    def ignore_while_exiting(self) -> None:
+        """For a process that has its exit code: a stop signal has nothing left to stop, and Python's
+        finalization puts back the default action (death) of every signal it handles, though not of
+        those it ignores, so a flag handler would still let a late SIGTERM replace the exit code."""
+        for number in self._previous_handlers:
+            signal.signal(number, signal.SIG_IGN)
+
+
+class StopConditions:
+    """Watches the early-stop reasons of one invocation; `poll` is a collective on the world group."""
+
+    def __init__(self, train: TrainConfig, signals: StopSignals) -> None:
+        self._train = train
+        self._signals = signals
+        self._started = time.monotonic()
 
     def poll(self, steps_this_run: int, device: torch.device) -> str | None:
         """The first reason that holds on any rank, or None; the same answer on every rank."""
         train = self._train
+        received = self._signals.received
         local = [
-            self.received is not None,
+            received is not None,
             train.exit_after is not None and steps_this_run >= train.exit_after,
             train.exit_after_minutes is not None and time.monotonic() - self._started >= 60 * train.exit_after_minutes,
         ]
@@ -61,13 +88,8 @@ class StopConditions:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         for reason, raised in zip(REASONS, flags.tolist(), strict=True):
             if raised:
-                return f"{reason} {self.received}" if reason == "signal" and self.received else reason
+                return f"{reason} {received}" if reason == "signal" and received else reason
         return None
-
-    def close(self) -> None:
-        for number, handler in self._previous_handlers.items():
-            signal.signal(number, handler)
-        self._previous_handlers = {}
 
 
 def stop_with_launcher() -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
@@ -70,3 +71,40 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
         else:
             training[record["step"]] = record
     return training, validation
+
+
+def scaletrain_torchrun(nproc: int) -> list[str]:
+    """`scaletrain-torchrun` (scaletrain/torchrun.py), given the arguments launcher(nproc) gives torchrun."""
+    return [sys.executable, "-m", "scaletrain.torchrun", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "scaletrain"]
+
+
+def start_training(args: list[str], nproc: int = 1, log: Path | None = None, launch: list[str] | None = None,
+                   new_session: bool = False) -> subprocess.Popen:
+    """`scaletrain train` in the background, its output in `log`; `launch` replaces launcher(nproc)
+    (e.g. scaletrain_torchrun(2)); `new_session`: in a process group of its own, to signal as a whole."""
+    output = log.open("w") if log else subprocess.DEVNULL
+    return subprocess.Popen([*(launch or launcher(nproc)), "train", str(DEMO_CONFIG), *args], cwd=REPO,
+                            env=scaletrain_environment(), stdout=output, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
+
+
+def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until metrics.jsonl holds a training record of `step` or later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the run ended (exit {process.returncode}) before step {step}"
+        training, _ = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else ({}, {})
+        if training and max(training) >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*"))

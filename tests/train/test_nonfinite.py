@@ -5,6 +5,7 @@ The fault is injected with train.inject_nonfinite_loss_at, on the first data-par
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -122,24 +123,62 @@ def test_after_a_skip_training_goes_on_from_the_weights_before_it(
 
 
 @pytest.mark.slow
-def test_consecutive_skips_stop_the_run_and_keep_the_last_good_checkpoint(small_dataset: Path, tmp_path: Path):
-    """Steps 4-6 non-finite with train.max_skipped_steps=3: the run stops at step 6 with exit code 3,
-    before that step's checkpoint, naming the checkpoint of step 3, which is still there (keep_last=1)."""
+def test_consecutive_skips_stop_the_run_and_set_aside_the_checkpoint_before_them(small_dataset: Path, tmp_path: Path):
+    """Steps 5-7 non-finite with train.max_skipped_steps=3: the run stops at step 7 with exit code 3. The
+    checkpoint of step 4 holds the weights whose next step failed (the update of step 4 may be what
+    blew up), and so does step 6's, written during the streak: both are moved to checkpoints/diverged/;
+    pruning kept step 2 although keep_last=1, as no step after it trained finitely; the message names it."""
     run_dir = tmp_path / "run"
-    args = overrides(small_dataset, run_dir, "parallel.zero_stage=0", "train.steps=20", "checkpoint.every=3",
-                     "checkpoint.keep_last=1", "train.max_skipped_steps=3", "train.inject_nonfinite_loss_at=[4,5,6]")
+    args = overrides(small_dataset, run_dir, "parallel.zero_stage=0", "train.steps=20", "checkpoint.every=2",
+                     "checkpoint.keep_last=1", "train.max_skipped_steps=3", "train.inject_nonfinite_loss_at=[5,6,7]")
     result = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *args], cwd=REPO, env=scaletrain_environment(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    assert ("training diverged: the loss or gradient norm was non-finite at 3 steps in a row (steps 4-6, "
+    assert ("training diverged: the loss or gradient norm was non-finite at 3 steps in a row (steps 5-7, "
             "train.max_skipped_steps=3)") in result.stderr
-    assert f"The last good checkpoint is {checkpoint(run_dir, 3)}" in result.stderr
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000003"]
+    assert (f"The update of step 4 blew up the weights; checkpoints from it on were moved to "
+            f"{run_dir / 'checkpoints' / 'diverged'} (step_00000004, step_00000006)") in result.stderr
+    assert f"The last good checkpoint is {checkpoint(run_dir, 2)}" in result.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000002"
+    aside = sorted(p.name for p in (run_dir / "checkpoints" / "diverged").iterdir())
+    assert aside == ["step_00000004", "step_00000006"]
     training, _ = read_metrics(run_dir)
-    assert sorted(training) == [1, 2, 3, 4, 5, 6]
-    assert [training[step]["loss"] is None for step in range(1, 7)] == [False, False, False, True, True, True]
-    assert training[6]["skipped_steps"] == 3
+    assert sorted(training) == list(range(1, 8))
+    assert [training[step]["loss"] is None for step in range(1, 8)] == [False] * 4 + [True] * 3
+    assert training[7]["skipped_steps"] == 3
+
+
+@pytest.mark.slow
+def test_a_real_divergence_resumes_with_a_lower_lr_from_before_the_blow_up(small_dataset: Path, tmp_path: Path):
+    """The probe of issue 20: six good steps, then train.lr=1e4 blows the weights up (a huge but
+    finite loss, infinite gradients, every update skipped) and the run exits 3 naming a checkpoint from
+    before the blow-up; running again with the LR lowered, as the message says, resumes there and
+    trains finite losses to the end (it used to resume the blown-up weights and exit 3 again)."""
+    run_dir = tmp_path / "run"
+
+    def train(lr: str, *extra: str) -> subprocess.CompletedProcess:
+        args = overrides(small_dataset, run_dir, "parallel.zero_stage=0", "train.steps=24", "checkpoint.every=1",
+                         "checkpoint.keep_last=1", f"train.lr={lr}", "train.min_lr=0", *extra)
+        return subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *args], cwd=REPO,
+                              env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+
+    assert train("3e-3", "train.exit_after=6").returncode == 75
+    diverged = train("1e4")
+    assert diverged.returncode == 3, diverged.stderr[-3000:]
+    named = re.search(r"The last good checkpoint is (\S+step_(\d+)):", diverged.stderr)
+    first_skipped, stopped = map(int, re.search(r"in a row \(steps (\d+)-(\d+),", diverged.stderr).groups())
+    assert named and int(named.group(2)) < first_skipped - 1, diverged.stderr[-2000:]
+    kept = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    aside = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints" / "diverged").glob("step_*"))
+    assert kept == [int(named.group(2))] and aside == list(range(first_skipped - 1, stopped))
+    resumed = train("3e-3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {int(named.group(2))} from {named.group(1)}" in resumed.stderr
+    training, _ = read_metrics(run_dir)
+    assert sorted(training) == list(range(1, 25))
+    assert all(training[step]["loss"] is not None and training[step]["loss"] < 10 for step in training)
 
 
 def check_weights_on_ranks(rank: int, world_size: int) -> tuple[bool, bool]:

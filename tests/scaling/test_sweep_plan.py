@@ -180,7 +180,10 @@ def test_repeat_seeds_train_one_size_again_at_every_budget(small_dataset: Path, 
             plan_of(tmp_path, tiny_spec(small_dataset, tmp_path / "sweep", repeat_seeds=changes))
 
 
-def test_shipped_ladder_spec_asks_for_tuning_and_its_grid_plans() -> None:
+def test_shipped_ladder_spec_asks_for_tuning_and_its_grid_plans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the spec's sweep dir is relative to the working directory: a fresh, untuned one
     spec_path = REPO / "configs" / "sweeps" / "ladder_english.yaml"
     spec = load_sweep_spec(spec_path)
     with pytest.raises(ConfigError, match="sweep tune"):  # lr: {rule: tuned} before `sweep tune` ran

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +38,26 @@ def main(argv: list[str] | None = None) -> int:
         # that, not a traceback.
         if _is_reporting_rank():
             print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
+        else:
+            _give_the_reporting_rank_time()
         return 2
     return exit_code or 0
+
+
+# How long another rank waits, after a user error, for rank 0 to report the same one (see below).
+REPORTING_GRACE_S = 10.0
+
+
+def _give_the_reporting_rank_time() -> None:
+    """Under torchrun every rank meets the same user error but rank 0 alone prints it, and torchrun
+    ends the other ranks with SIGTERM as soon as one has exited: a rank that got there first would
+    have rank 0 killed before it printed (seen on a loaded box). So the others wait, with SIGTERM's
+    default action back, until torchrun ends them once rank 0 has exited (or the grace has passed).
+    Under srun (no TORCHELASTIC_RUN_ID) every task runs to its own end, so no rank waits."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(REPORTING_GRACE_S)
 
 
 def _parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

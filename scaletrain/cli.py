@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
-import warnings
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from scaletrain import __version__
 from scaletrain.config import Config, ConfigError, load_config
 from scaletrain.disk import DiskWriteError
 from scaletrain.model.registry import FAMILY_MODULES
+from scaletrain.notices import quiet_cpu_notices, quiet_library_notices
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
@@ -22,10 +24,14 @@ from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_ar
 if TYPE_CHECKING:
     from scaletrain.data.manifest import Manifest
 
+EXIT_USER_ERROR = 2  # argparse's code for a usage error; ours for any error the user's input caused
+USER_ERROR = "user_error"  # the errorTraits category of a rank's error file (_leave_for_launcher)
+
 
 def main(argv: list[str] | None = None) -> int:
-    # apex and TransformerEngine are optional accelerators; megatron-core warns on every import without them.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    """Each command imports what it uses when it runs: `--help`, `--version` and the parser need
+    no torch, DeepSpeed or megatron (tests/test_cli.py checks)."""
+    quiet_library_notices(_is_reporting_rank())
     parser = _build_parser()
     args = _parse_arguments(parser, argv)
     try:
@@ -34,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         # User-facing errors (config, data, checkpoint) are ValueErrors with a message that
         # names the culprit and the fix, and file errors name the path and the cause; show
         # that, not a traceback.
+        line = f"scaletrain {args.command}: error: {error}"
         if _is_reporting_rank():
-            print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
-        return 2
+            print(line, file=sys.stderr)
+        _leave_for_launcher(line)
+        return EXIT_USER_ERROR
     return exit_code or 0
 
 
@@ -63,6 +71,21 @@ def _is_reporting_rank() -> bool:
     it, so the user reads it once. Errors that one rank alone meets (a checkpoint file that fails to
     load) are agreed across ranks before they are raised, so rank 0 names them too."""
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def _leave_for_launcher(line: str) -> None:
+    """Under torchrun, the error line in this rank's error file, where scaletrain-torchrun finds it
+    when rank 0 could not print it (the agent stopped rank 0 first, or rank 0 runs on another node).
+
+    torchrun's agent names the file in TORCHELASTIC_ERROR_FILE; the record has the form torch's own
+    `record` writes (torch/distributed/elastic/multiprocessing/errors/error_handler.py), with
+    torch's errorTraits marking it a user error, so plain torchrun shows the line in its report
+    instead of a link to its docs."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}},
+                  "errorTraits": {"category": USER_ERROR, "retryability": "False"}}
+        Path(error_file).write_text(json.dumps(record))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -178,6 +201,7 @@ def _train(args: argparse.Namespace) -> int:
     from scaletrain.train.nonfinite import EXIT_DIVERGED, TrainingDiverged
     from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopSignals
 
+    quiet_cpu_notices()
     config = load_config(args.config, args.overrides)
     stop_signals = StopSignals(config.train.stop_signals)
     try:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from scaletrain import __version__
 from scaletrain.cli import _build_parser, _parse_arguments, main
-from tests.train.runs import REPO, launcher, scaletrain_environment
+from tests.train.runs import REPO, launcher, scaletrain_environment, scaletrain_torchrun
 
 
 def _subcommand_parsers(parser: argparse.ArgumentParser, prefix: str = "scaletrain"):
@@ -27,6 +28,23 @@ def test_version_prints_the_package_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"scaletrain {__version__}"
+
+
+HEAVY_LIBRARIES = ("torch", "deepspeed", "megatron", "scipy", "matplotlib", "sentencepiece", "webdataset")
+
+
+def test_help_and_the_parser_import_no_heavy_library():
+    """`scaletrain --help` and `--version` answer without loading torch & co. (25 s on a busy box)."""
+    probe = ("import sys, contextlib, io\n"
+             "from scaletrain.cli import _build_parser, main\n"
+             "_build_parser()\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "    main(['--help'])\n"
+             "print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=scaletrain_environment(),
+                            capture_output=True, text=True, timeout=120, check=True)
+    loaded = set(result.stdout.split())
+    assert not loaded & set(HEAVY_LIBRARIES), f"imported by the parser: {sorted(loaded & set(HEAVY_LIBRARIES))}"
 
 
 def test_every_argument_of_every_subcommand_says_what_it_is():
@@ -70,6 +88,36 @@ def test_an_error_under_torchrun_is_printed_once():
     errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train: error:")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert "parallel.tensor=3" in errors[0]
+
+
+def test_scaletrain_torchrun_says_a_user_error_in_one_line_and_exits_2():
+    """Plain torchrun adds its agent's lines and a failure report with its own traceback; the launcher does not."""
+    result = subprocess.run(
+        [*scaletrain_torchrun(2), "train", "configs/gpt_tiny.yaml", "train.steps=20"], cwd=REPO,
+        env=scaletrain_environment(), capture_output=True, text=True, timeout=300,
+    )
+    output = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert output == ["scaletrain train: error: train.warmup_steps=30 must be in [0, train.steps=20)"], output
+
+
+@pytest.mark.parametrize("rank_0_failure", ["left the line", "stopped before it"])
+def test_scaletrain_torchrun_prints_the_line_when_rank_0_could_not(rank_0_failure, tmp_path, monkeypatch):
+    """The agent stops the other ranks as soon as one exits: rank 0 may go before it has printed."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from scaletrain.cli import _leave_for_launcher
+    from scaletrain.torchrun import _user_error_line
+
+    line = "scaletrain train: error: train.warmup_steps=30 must be in [0, train.steps=20)"
+    for rank in ([0, 1] if rank_0_failure == "left the line" else [1]):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"{rank}.json"))
+        _leave_for_launcher(line)
+    failures = {0: ProcessFailure(0, 100, -15, str(tmp_path / "0.json")),
+                1: ProcessFailure(1, 101, 2, str(tmp_path / "1.json"))}
+    assert _user_error_line(failures) == ("" if rank_0_failure == "left the line" else line)
+    failures[0] = ProcessFailure(0, 100, 1, str(tmp_path / "none.json"))  # a crash is not a user error
+    assert _user_error_line(failures) is None
 
 
 def test_prepare_reports_its_stages_and_progress_as_plain_lines_in_a_log(small_dataset_raw, tmp_path):

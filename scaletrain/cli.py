@@ -1,4 +1,5 @@
-"""Command line: `scaletrain prepare|train|check|plan|sweep|fit|generate|export|import` (or `python -m scaletrain`)."""
+"""Command line: `scaletrain prepare|train|check|config|plan|sweep|fit|generate|eval|export|import`
+(or `python -m scaletrain`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletrain import __version__
-from scaletrain.config import Config, ConfigError, load_config
+from scaletrain.config import Config, ConfigError, ConfigWarning, config_yaml, derived_comment, load_config
 from scaletrain.disk import DiskWriteError
 from scaletrain.model.registry import FAMILY_MODULES
 from scaletrain.notices import quiet_cpu_notices, quiet_library_notices
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     """Each command imports what it uses when it runs: `--help`, `--version` and the parser need
     no torch, DeepSpeed or megatron (tests/test_cli.py checks)."""
     quiet_library_notices(_is_reporting_rank())
+    warnings.formatwarning = _format_warning
     parser = _build_parser()
     args = _parse_arguments(parser, argv)
     try:
@@ -46,6 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         _leave_for_launcher(line)
         return EXIT_USER_ERROR
     return exit_code or 0
+
+
+_PYTHON_FORMAT_WARNING = warnings.formatwarning
+
+
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """A ConfigWarning as one `warning: ...` line, like scaletrain's other warnings; others as Python
+    writes them (file, line and source of the call)."""
+    if issubclass(category, ConfigWarning):
+        return f"warning: {message}\n"
+    return _PYTHON_FORMAT_WARNING(message, category, filename, lineno, line)
 
 
 def _parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -110,6 +125,13 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=int, default=1, help="ranks the run will start (default 1)")
     check.set_defaults(handler=_check)
 
+    config = commands.add_parser("config", help="print a config as train resolves it (every key, defaults included)")
+    config.add_argument("config", type=Path, nargs="?", help="the run's YAML config, e.g. configs/gpt_tiny.yaml")
+    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20")
+    config.add_argument("--keys", action="store_true",
+                        help="print instead every key a config may set, with its type, default and meaning")
+    config.set_defaults(handler=_config)
+
     plan = commands.add_parser("plan", help="rank the parallel layouts that fit a model on N GPUs")
     add_plan_arguments(plan)
     plan.set_defaults(handler=_plan)
@@ -143,6 +165,15 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(handler=_generate)
+
+    evaluate = commands.add_parser("eval", help="validation metrics of a run's checkpoint, without training")
+    evaluate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
+    evaluate.add_argument("--checkpoint", type=Path, default=None,
+                          help="a checkpoint directory, or its name under RUN/checkpoints, e.g. step_00000300 "
+                               "(default: the newest that loads)")
+    evaluate.add_argument("--samples", type=int, default=None,
+                          help="validation sequences to read (default: the run's train.eval_samples)")
+    evaluate.set_defaults(handler=_evaluate)
     return parser
 
 
@@ -222,6 +253,19 @@ def _check(args: argparse.Namespace) -> None:
     print(preflight(args.config, args.overrides, args.world_size).summary())
 
 
+def _config(args: argparse.Namespace) -> None:
+    """The YAML that load_config reads back to the same Config, or the schema (config_schema.py)."""
+    from scaletrain.config_schema import schema_text
+
+    if args.keys:
+        print(schema_text(), end="")
+        return
+    if args.config is None:
+        raise ConfigError("give a YAML config (e.g. scaletrain config configs/gpt_tiny.yaml), or --keys for the schema")
+    config = load_config(args.config, args.overrides)
+    print(config_yaml(config) + derived_comment(config), end="")
+
+
 def _plan(args: argparse.Namespace) -> None:
     print(plan_from_args(args), end="")
 
@@ -255,3 +299,9 @@ def _generate(args: argparse.Namespace) -> None:
     from scaletrain.generate import generate_text
 
     print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from scaletrain.evaluate import evaluate_checkpoint
+
+    print(evaluate_checkpoint(args.run_dir, args.checkpoint, args.samples).summary())

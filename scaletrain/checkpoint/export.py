@@ -13,7 +13,7 @@ from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.hf_tokenizer import write_hf_tokenizer
 from scaletrain.checkpoint.manager import CheckpointError, first_loadable
 from scaletrain.data.storage import dataset_location
-from scaletrain.generate import run_config
+from scaletrain.generate import announce_checkpoint, run_config
 from scaletrain.model import build_model
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
@@ -30,9 +30,10 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     init_distributed(config)
     try:
         reference = build_model(config)
-        _, state = first_loadable(run_dir, lambda checkpoint: consolidated_state_dict(checkpoint, reference))
+        checkpoint, state = first_loadable(run_dir, lambda checkpoint: consolidated_state_dict(checkpoint, reference))
     finally:
         destroy_distributed()
+    announce_checkpoint(checkpoint)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     family = get_family(config.model.family)

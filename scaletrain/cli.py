@@ -1,8 +1,10 @@
-"""Command line: `scaletrain prepare|train|check|plan|sweep|fit|generate|export|import` (or `python -m scaletrain`)."""
+"""Command line: `scaletrain prepare|train|check|config|plan|sweep|fit|generate|eval|export|import`
+(or `python -m scaletrain`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -14,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletrain import __version__
-from scaletrain.config import Config, ConfigError, load_config
+from scaletrain.config import Config, ConfigError, ConfigWarning, config_yaml, derived_comment, load_config
 from scaletrain.disk import DiskWriteError
 from scaletrain.model.registry import FAMILY_MODULES
+from scaletrain.notices import quiet_cpu_notices, quiet_library_notices
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
@@ -24,10 +27,15 @@ from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_ar
 if TYPE_CHECKING:
     from scaletrain.data.manifest import Manifest
 
+EXIT_USER_ERROR = 2  # argparse's code for a usage error; ours for any error the user's input caused
+USER_ERROR = "user_error"  # the errorTraits category of a rank's error file (_leave_for_launcher)
+
 
 def main(argv: list[str] | None = None) -> int:
-    # apex and TransformerEngine are optional accelerators; megatron-core warns on every import without them.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    """Each command imports what it uses when it runs: `--help`, `--version` and the parser need
+    no torch, DeepSpeed or megatron (tests/test_cli.py checks)."""
+    quiet_library_notices(_is_reporting_rank())
+    warnings.formatwarning = _format_warning
     parser = _build_parser()
     args = _parse_arguments(parser, argv)
     try:
@@ -36,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         # User-facing errors (config, data, checkpoint) are ValueErrors with a message that
         # names the culprit and the fix, and file errors name the path and the cause; show
         # that, not a traceback.
+        line = f"scaletrain {args.command}: error: {error}"
         if _is_reporting_rank():
-            print(f"scaletrain {args.command}: error: {error}", file=sys.stderr)
-        else:
+            print(line, file=sys.stderr)
+        _leave_for_launcher(line)
+        if not _is_reporting_rank():
             _give_the_reporting_rank_time()
-        return 2
+        return EXIT_USER_ERROR
     return exit_code or 0
 
 
@@ -58,6 +68,18 @@ def _give_the_reporting_rank_time() -> None:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(REPORTING_GRACE_S)
+
+
+_PYTHON_FORMAT_WARNING = warnings.formatwarning
+
+
+def _format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    line: str | None = None) -> str:
+    """A ConfigWarning as one `warning: ...` line, like scaletrain's other warnings; others as Python
+    writes them (file, line and source of the call)."""
+    if issubclass(category, ConfigWarning):
+        return f"warning: {message}\n"
+    return _PYTHON_FORMAT_WARNING(message, category, filename, lineno, line)
 
 
 def _parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -85,6 +107,21 @@ def _is_reporting_rank() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
+def _leave_for_launcher(line: str) -> None:
+    """Under torchrun, the error line in this rank's error file, where scaletrain-torchrun finds it
+    when rank 0 could not print it (the agent stopped rank 0 first, or rank 0 runs on another node).
+
+    torchrun's agent names the file in TORCHELASTIC_ERROR_FILE; the record has the form torch's own
+    `record` writes (torch/distributed/elastic/multiprocessing/errors/error_handler.py), with
+    torch's errorTraits marking it a user error, so plain torchrun shows the line in its report
+    instead of a link to its docs."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        record = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}},
+                  "errorTraits": {"category": USER_ERROR, "retryability": "False"}}
+        Path(error_file).write_text(json.dumps(record))
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scaletrain", description=__doc__)
     parser.add_argument("--version", action="version", version=f"scaletrain {__version__}")
@@ -106,6 +143,13 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("overrides", nargs="*", help="the dotted overrides `train` will get")
     check.add_argument("--world-size", type=int, default=1, help="ranks the run will start (default 1)")
     check.set_defaults(handler=_check)
+
+    config = commands.add_parser("config", help="print a config as train resolves it (every key, defaults included)")
+    config.add_argument("config", type=Path, nargs="?", help="the run's YAML config, e.g. configs/gpt_tiny.yaml")
+    config.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20")
+    config.add_argument("--keys", action="store_true",
+                        help="print instead every key a config may set, with its type, default and meaning")
+    config.set_defaults(handler=_config)
 
     plan = commands.add_parser("plan", help="rank the parallel layouts that fit a model on N GPUs")
     add_plan_arguments(plan)
@@ -140,6 +184,15 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     generate.set_defaults(handler=_generate)
+
+    evaluate = commands.add_parser("eval", help="validation metrics of a run's checkpoint, without training")
+    evaluate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
+    evaluate.add_argument("--checkpoint", type=Path, default=None,
+                          help="a checkpoint directory, or its name under RUN/checkpoints, e.g. step_00000300 "
+                               "(default: the newest that loads)")
+    evaluate.add_argument("--samples", type=int, default=None,
+                          help="validation sequences to read (default: the run's train.eval_samples)")
+    evaluate.set_defaults(handler=_evaluate)
     return parser
 
 
@@ -198,6 +251,7 @@ def _train(args: argparse.Namespace) -> int:
     from scaletrain.train.nonfinite import EXIT_DIVERGED, TrainingDiverged
     from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopSignals
 
+    quiet_cpu_notices()
     config = load_config(args.config, args.overrides)
     stop_signals = StopSignals(config.train.stop_signals)
     try:
@@ -216,6 +270,19 @@ def _check(args: argparse.Namespace) -> None:
     from scaletrain.train.preflight import preflight
 
     print(preflight(args.config, args.overrides, args.world_size).summary())
+
+
+def _config(args: argparse.Namespace) -> None:
+    """The YAML that load_config reads back to the same Config, or the schema (config_schema.py)."""
+    from scaletrain.config_schema import schema_text
+
+    if args.keys:
+        print(schema_text(), end="")
+        return
+    if args.config is None:
+        raise ConfigError("give a YAML config (e.g. scaletrain config configs/gpt_tiny.yaml), or --keys for the schema")
+    config = load_config(args.config, args.overrides)
+    print(config_yaml(config) + derived_comment(config), end="")
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -251,3 +318,9 @@ def _generate(args: argparse.Namespace) -> None:
     from scaletrain.generate import generate_text
 
     print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from scaletrain.evaluate import evaluate_checkpoint
+
+    print(evaluate_checkpoint(args.run_dir, args.checkpoint, args.samples).summary())

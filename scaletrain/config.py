@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,24 +19,29 @@ class ConfigError(ValueError):
     """A configuration value a user must fix; the message names the key and the fix."""
 
 
+class ConfigWarning(UserWarning):
+    """A value load_config adjusted rather than refused (a warmup cut to fit a shortened run);
+    the CLI shows it as one `warning:` line, from rank 0 only (notices.py silences other ranks)."""
+
+
 @dataclass
 class ModelConfig:
     """What every family's `model:` section has; each family's file extends it with its own keys
     (model/gpt.py GPTConfig, bert.py BertConfig, t5.py T5Config, llama.py LlamaConfig)."""
 
     family: str = "gpt"
-    num_layers: int = 2
+    num_layers: int = 2  # transformer blocks (T5: encoder blocks)
     hidden_size: int = 128
-    num_heads: int = 4
+    num_heads: int = 4  # attention heads
     head_dim: int | None = None  # None: hidden_size / num_heads
     ffn_hidden_size: int | None = None  # None: 4 * hidden_size, as in GPT-2/3
-    seq_length: int = 128
+    seq_length: int = 128  # tokens per training sequence
     # Megatron pads the vocabulary so every tensor-parallel shard has equal rows; we pad to a
     # multiple that does not depend on the layout, so all layouts build identical weights.
     vocab_divisible_by: int = 128
     dropout: float = 0.0
     layernorm_eps: float = 1e-5
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal weight init (GPT-2)
 
     @property
     def ffn_size(self) -> int:
@@ -76,13 +83,13 @@ class DataConfig:
     raw: list[str] = field(default_factory=list)  # text files, directories or globs for `prepare`
     vocab_size: int = 8192  # sentencepiece pieces + sentinels
     num_sentinels: int = 100  # T5 <extra_id_i>, appended at the end of the vocabulary
-    val_fraction: float = 0.05
-    max_tokens_per_shard: int = 1 << 22
+    val_fraction: float = 0.05  # share of the documents `prepare` holds out for validation
+    max_tokens_per_shard: int = 1 << 22  # `prepare` starts a new shard file after this many tokens
     prepare_workers: int = 2  # sentencepiece threads that tokenize during `prepare`
     dedup: bool = True  # `prepare` drops documents whose normalised text an earlier one has (exact dedup)
     tokenizer: str | None = None  # a sentencepiece .model to reuse (e.g. another dataset's tokenizer.model)
     tokenizer_train_bytes: int | None = None  # train the tokenizer on a seeded sample of about this many bytes
-    loader_workers: int = 1
+    loader_workers: int = 1  # data loader processes per rank (0: load in the training process)
     # data.dir may be a URL (https://, s3://, gs://, file://) or 'pipe:COMMAND {file}' (data/storage.py);
     # remote shards are downloaded whole into this cache and memory-mapped. null: $SCALETRAIN_CACHE or
     # ~/.cache/scaletrain. The limit covers all datasets in the cache; least recently used files go first.
@@ -105,11 +112,11 @@ class ObjectiveConfig:
 
     kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT, T5) | mlm (BERT) | span_corruption (T5)
     mask_prob: float = 0.15  # BERT: fraction of non-special tokens predicted (Devlin et al. 2019)
-    whole_word_masking: bool = False
+    whole_word_masking: bool = False  # BERT: mask all pieces of a word together
     span_masking: bool = False  # SpanBERT geometric spans
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
-    mean_noise_span_length: float = 3.0
+    mean_noise_span_length: float = 3.0  # T5 span corruption: mean corrupted span, in tokens
 
     def resolved_kind(self, family: str) -> str:
         return family_objectives(family)[0] if self.kind == "auto" else self.kind
@@ -124,10 +131,10 @@ def family_objectives(family: str) -> tuple[str, ...]:
 
 @dataclass
 class ParallelConfig:
-    tensor: int = 1
-    pipeline: int = 1
+    tensor: int = 1  # tensor-parallel ranks (Megatron): each layer's weights split over them
+    pipeline: int = 1  # pipeline stages (DeepSpeed PipelineModule)
     data: int | None = None  # None: derived as world_size / (tensor * pipeline)
-    zero_stage: int = 1
+    zero_stage: int = 1  # DeepSpeed ZeRO stage 0-3: what data-parallel ranks partition
     # How DeepSpeed splits layers into stages: parameters | uniform | blocks (equal block counts),
     # or blocks per stage as a list, e.g. "5,7" (the embedding joins the first stage, the head the last).
     pipeline_partition: str = "parameters"
@@ -145,10 +152,15 @@ class TrainConfig:
     # signals that stop the run at the next step boundary with a checkpoint (SLURM preemption and time
     # limits, torchrun's SIGTERM, Ctrl-C)
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
-    seed: int = 1234
-    lr: float = 6e-4
-    min_lr: float = 6e-5
-    warmup_steps: int = 0
+    seed: int = 1234  # weights and data order
+    lr: float = 6e-4  # peak learning rate
+    min_lr: float = 6e-5  # the learning rate at the end of the decay
+    warmup_steps: int = 0  # the LR rises linearly to train.lr over this many steps
+    # the warmup as a fraction of train.steps instead, so a shortened or lengthened run keeps its shape
+    # (Megatron-LM's --lr-warmup-fraction, HF Trainer's warmup_ratio). A key of its own rather than a
+    # warmup_steps below 1: the name says the unit, and no value changes meaning at 1 (is 1.0 one step or
+    # the whole run?). Set one of the two; a YAML file or override that sets one replaces the other.
+    warmup_fraction: float | None = None
     # cosine: warmup, then cosine decay to min_lr at train.steps (GPT-3). wsd: warmup, constant, then a
     # cooldown over the last cooldown_fraction of the steps (train/schedule.py); a WSD run can be
     # continued past its stable phase, which is what cooldown branches and ladder sweeps use.
@@ -158,12 +170,12 @@ class TrainConfig:
     # A checkpoint directory (RUN/checkpoints/step_NNNNNNNN) this run starts from when it has no
     # checkpoint of its own: a cooldown branch of a WSD run (weights, optimizer, step, data position, RNG).
     branch_from: str | None = None
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0
-    micro_batch_size: int = 4
-    grad_accum: int = 1
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    micro_batch_size: int = 4  # sequences per rank per forward/backward pass
+    grad_accum: int = 1  # micro-batches per optimizer step
     # Megatron-style alternative to grad_accum: fix the global batch and derive grad_accum from
     # the data-parallel size at launch, so the same config trains the same way at any scale.
     global_batch_size: int | None = None
@@ -173,7 +185,9 @@ class TrainConfig:
     eval_samples: int = 64  # validation sequences per evaluation
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     activation_checkpoint_interval: int = 0  # recompute activations of every chunk of k layers; 0 = off
-    log_every: int = 1
+    # a plain progress line on stderr every this many steps when stderr is not a terminal (SLURM, CI),
+    # besides the first and last step; metrics.jsonl, W&B and TensorBoard get every step
+    log_every: int = 10
     # A step whose loss or gradient norm is non-finite is skipped (no update; its batch is consumed);
     # this many skipped in a row stop the run (exit 3), naming the last good checkpoint.
     max_skipped_steps: int = 10
@@ -185,6 +199,32 @@ class TrainConfig:
     def cooldown_steps(self) -> int:
         """Steps of the WSD cooldown at the end of the run (0 for cosine, or wsd with no cooldown)."""
         return cooldown_steps(self.steps, self.cooldown_fraction) if self.lr_schedule == "wsd" else 0
+
+    @property
+    def requested_warmup_steps(self) -> int:
+        """The warmup as the config asks for it: warmup_fraction x steps (rounded), else warmup_steps."""
+        if self.warmup_fraction is None:
+            return self.warmup_steps
+        return round(self.warmup_fraction * self.steps)
+
+    @property
+    def longest_warmup_steps(self) -> int:
+        """The longest warmup this run has room for: one step short of the run, and none of the WSD cooldown."""
+        return max(0, min(self.steps - 1, self.steps - self.cooldown_steps))
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        """The warmup the LR schedule runs: the requested one, cut to the room the run has.
+
+        A derived value, like cooldown_steps, rather than a value written into the config at load:
+        the schedule stays a function of (step, config), so a resumed run whose train.steps changed
+        follows the warmup of its new length, and the config written to the run directory is the one
+        the user wrote. A cooldown branch (train.branch_from) is never cut: its warmup is its stable
+        run's, and a different one would not continue that run (validation refuses it instead).
+        """
+        if self.branch_from:
+            return self.requested_warmup_steps
+        return min(self.requested_warmup_steps, self.longest_warmup_steps)
 
 
 LR_SCHEDULES = ("cosine", "wsd")
@@ -198,8 +238,8 @@ def cooldown_steps(steps: int, fraction: float) -> int:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100
-    keep_last: int = 2
+    every: int = 100  # checkpoint interval in steps (also at the end and whenever a run stops early)
+    keep_last: int = 2  # newest checkpoints kept; older ones are pruned
     # steps that are also checkpointed and never pruned: the branch points of a WSD run's cooldowns
     keep_steps: list[int] = field(default_factory=list)
 
@@ -214,11 +254,14 @@ class TrackingConfig:
     tags: list[str] = field(default_factory=list)
     job_type: str = "train"
     peak_tflops: float | None = None  # per-device peak for MFU where the device is not recognised
+    # also write W&B's namespaced metrics as TensorBoard event files under RUN_DIR/tensorboard/, for
+    # clusters without W&B (tracking/tensorboard_sink.py)
+    tensorboard: bool = False
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/gpt_tiny"
+    dir: str = "runs/gpt_tiny"  # checkpoints, config.yaml, metrics.jsonl, the trackers' files
 
 
 @dataclass
@@ -249,21 +292,58 @@ class Config:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config (following `base:` includes), apply `a.b=value` overrides, validate."""
+    """Read a YAML config (following `base:` includes), apply `a.b=value` overrides, validate.
+
+    An error about a key names where its value came from: the override that set it, else the file.
+    """
     raw = _read_yaml_with_bases(Path(path), seen=())
+    set_by: dict[str, str] = {}
     for override in overrides:
-        _apply_override(raw, override)
-    config = config_from_dict(raw, source=str(path))
+        set_by[_apply_override(raw, override)] = override
+    config = _build_dataclass(Config, raw, prefix="", sources=_Sources(str(path), set_by))
     validate(config)
+    _warn_if_warmup_cut(config.train)
     return config
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
-    return _build_dataclass(Config, raw, prefix="", source=source)
+    return _build_dataclass(Config, raw, prefix="", sources=_Sources(source))
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """Where each key's value came from, for the error that names it: an override, else the file."""
+
+    file: str
+    overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the override that set it last
+
+    def of(self, key: str) -> str:
+        """The override that set `key` or a section or list holding it (data.blend=[...]), else the file."""
+        setters = [override for set_key, override in self.overrides.items()
+                   if key == set_key or key.startswith((f"{set_key}.", f"{set_key}["))]
+        return f"override {setters[-1]}" if setters else self.file
+
+
+# Sibling keys that say one thing two ways: a layer (a YAML file over its base, an override over the
+# files) that sets one drops the other from below it; one layer that sets both is refused (_validate_warmup).
+ALTERNATIVES = {("train", "warmup_steps"): "warmup_fraction", ("train", "warmup_fraction"): "warmup_steps"}
 
 
 def save_config(config: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    path.write_text(config_yaml(config))
+
+
+def config_yaml(config: Config) -> str:
+    """Every key with its value, defaults included, as YAML that load_config reads back to the same Config."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def derived_comment(config: Config) -> str:
+    """What the keys work out to, as a YAML comment for `scaletrain config`: the warmup a fraction
+    gives or a short run cuts (TrainConfig.resolved_warmup_steps), the cooldown, the padded vocabulary."""
+    train = config.train
+    return (f"# derived: warmup {train.resolved_warmup_steps} steps, WSD cooldown {train.cooldown_steps} steps, "
+            f"padded vocabulary {config.padded_vocab_size}\n")
 
 
 def _read_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
@@ -281,7 +361,15 @@ def _read_yaml_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if base is None:
         return raw
     parent = _read_yaml_with_bases(path.parent / base, seen + (path.resolve(),))
-    return _deep_merge(parent, raw)
+    return _deep_merge(_without_replaced(parent, raw), raw)
+
+
+def _without_replaced(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """`base` less the keys whose alternative `layer` sets (ALTERNATIVES)."""
+    dropped = {(section, other) for (section, key), other in ALTERNATIVES.items()
+               if isinstance(layer.get(section), dict) and layer[section].get(key) is not None}
+    return {name: {key: item for key, item in value.items() if (name, key) not in dropped}
+            if isinstance(value, dict) else value for name, value in base.items()}
 
 
 def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +382,8 @@ def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _apply_override(raw: dict[str, Any], override: str) -> None:
+def _apply_override(raw: dict[str, Any], override: str) -> str:
+    """Set one dotted key in the raw tree; returns the key."""
     key, sep, text = override.partition("=")
     if not sep or not key or "." not in key:
         raise ConfigError(f"override {override!r} must look like section.key=value, e.g. train.lr=3e-4")
@@ -305,39 +394,61 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {section} is not a section")
     node[leaf] = yaml.safe_load(text) if text != "" else None
+    if node[leaf] is not None and len(sections) == 1 and (sections[0], leaf) in ALTERNATIVES:
+        node.pop(ALTERNATIVES[sections[0], leaf], None)
+    return key
 
 
-def _build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
+def _build_dataclass(cls: type, raw: Any, prefix: str, sources: _Sources) -> Any:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'top level'} must be a mapping, got {raw!r}")
+        section = prefix.rstrip(".")
+        raise ConfigError(f"{sources.of(section)}: {section or 'top level'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise ConfigError(
-            f"{source}: unknown key {prefix}{unknown[0]}; valid keys under "
-            f"{prefix.rstrip('.') or 'the top level'} are: {', '.join(sorted(names))}"
-        )
+        raise ConfigError(_unknown_key_message(cls, prefix, unknown[0], names, sources))
     values = {}
     for name, value in raw.items():
         hint = hints[name]
         if cls is Config and name == "model":
-            hint = _model_section_class(value, source)
+            hint = _model_section_class(value, sources)
         nested = _nested_dataclass(hint, value)
         if nested is not None:
-            values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", source)
+            values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", sources)
         else:
-            values[name] = _coerce(value, hint, f"{prefix}{name}", source)
+            values[name] = _coerce(value, hint, f"{prefix}{name}", sources)
     return cls(**values)
 
 
-def _model_section_class(raw: Any, source: str) -> type:
+def _unknown_key_message(cls: type, prefix: str, name: str, names: list[str], sources: _Sources) -> str:
+    """Names the key and its source, with the closest valid key (difflib), the family that has it, or the list."""
+    key, section = f"{prefix}{name}", prefix.rstrip(".") or "the top level"
+    message = f"{sources.of(key)}: unknown key {key}"
+    close = difflib.get_close_matches(name, names, n=1)
+    families = _families_with_key(name) if issubclass(cls, ModelConfig) else []
+    if families:
+        return f"{message} (model.family={' or '.join(families)} has it, this config's family does not)"
+    if close:
+        return f"{message} (did you mean {prefix}{close[0]}?)"
+    return f"{message}; valid keys under {section} are: {', '.join(sorted(names))}"
+
+
+def _families_with_key(name: str) -> list[str]:
+    from scaletrain.model.registry import FAMILY_MODULES, get_family
+
+    return [family for family in FAMILY_MODULES
+            if name in {f.name for f in dataclasses.fields(get_family(family).config_class)}]
+
+
+def _model_section_class(raw: Any, sources: _Sources) -> type:
     """The `model:` section's schema is its family's config class (e.g. llama adds num_kv_heads)."""
     from scaletrain.model.registry import FAMILY_MODULES, get_family
 
     family = raw.get("family", "gpt") if isinstance(raw, dict) else "gpt"
     if family not in FAMILY_MODULES:
-        raise ConfigError(f"{source}: model.family={family!r} is not supported; use one of {', '.join(FAMILY_MODULES)}")
+        raise ConfigError(f"{sources.of('model.family')}: model.family={family!r} is not supported; use one of "
+                          f"{', '.join(FAMILY_MODULES)}")
     return get_family(family).config_class
 
 
@@ -355,24 +466,24 @@ def build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
     Shared by the run config and other YAML schemas (sweep specs), so both report errors alike.
     """
-    return _build_dataclass(cls, raw, prefix, source)
+    return _build_dataclass(cls, raw, prefix, _Sources(source))
 
 
-def _coerce_item(value: Any, hint: Any, key: str, source: str) -> Any:
+def _coerce_item(value: Any, hint: Any, key: str, sources: _Sources) -> Any:
     if dataclasses.is_dataclass(hint):
-        return _build_dataclass(hint, value, f"{key}.", source)
+        return _build_dataclass(hint, value, f"{key}.", sources)
     if hint is str and not isinstance(value, (dict, list)):
         return str(value)
-    return _coerce(value, hint, key, source)
+    return _coerce(value, hint, key, sources)
 
 
-def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+def _coerce(value: Any, hint: Any, key: str, sources: _Sources) -> Any:
     """Check a YAML value against a field's type; ints are accepted where floats are expected."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
-        raise ConfigError(f"{source}: {key} must be set (got null)")
+        raise ConfigError(f"{sources.of(key)}: {key} must be set (got null)")
     for option in options:
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -384,11 +495,11 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
             return value
         if typing.get_origin(option) is list and isinstance(value, list):
             (item_hint,) = typing.get_args(option)
-            return [_coerce_item(item, item_hint, f"{key}[{index}]", source) for index, item in enumerate(value)]
+            return [_coerce_item(item, item_hint, f"{key}[{index}]", sources) for index, item in enumerate(value)]
         if option is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     expected = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
-    raise ConfigError(f"{source}: {key} must be {expected}, got {value!r}")
+    raise ConfigError(f"{sources.of(key)}: {key} must be {expected}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,8 +680,6 @@ def _validate_train(config: Config) -> None:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} must be finite numbers")
     if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} need 0 <= min_lr <= lr, lr > 0")
-    if not 0 <= train.warmup_steps < train.steps:
-        raise ConfigError(f"train.warmup_steps={train.warmup_steps} must be in [0, train.steps={train.steps})")
     if not 0 <= train.activation_checkpoint_interval <= config.model.num_layers:
         raise ConfigError(
             f"train.activation_checkpoint_interval={train.activation_checkpoint_interval} must be in "
@@ -600,15 +709,51 @@ def _validate_schedule(train: TrainConfig) -> None:
                           "usual WSD cooldown; 0 keeps the LR constant after warmup)")
     if train.cooldown_shape not in COOLDOWN_SHAPES:
         raise ConfigError(f"train.cooldown_shape={train.cooldown_shape!r}; use {' or '.join(COOLDOWN_SHAPES)}")
-    if train.warmup_steps + train.cooldown_steps > train.steps:
-        raise ConfigError(
-            f"train.warmup_steps={train.warmup_steps} plus the cooldown of {train.cooldown_steps} steps "
-            f"(train.cooldown_fraction={train.cooldown_fraction} x train.steps={train.steps}) exceed train.steps; "
-            "lower one of them or raise train.steps"
-        )
+    _validate_warmup(train)
     if train.branch_from is not None and not train.branch_from:
         raise ConfigError("train.branch_from is empty; give a checkpoint directory (RUN/checkpoints/step_NNNNNNNN) "
                           "or null")
+
+
+def _validate_warmup(train: TrainConfig) -> None:
+    """A warmup too long for the run is cut to fit (TrainConfig.resolved_warmup_steps, with a warning at
+    load), except in a cooldown branch, whose warmup must be its stable run's: there it is refused."""
+    if train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={train.warmup_steps} must be >= 0")
+    if train.warmup_fraction is not None and not 0.0 <= train.warmup_fraction < 1.0:
+        raise ConfigError(f"train.warmup_fraction={train.warmup_fraction} must be in [0, 1) (a fraction of "
+                          f"train.steps; 0.01-0.1 is usual); for a warmup in steps set train.warmup_steps")
+    if train.warmup_fraction is not None and train.warmup_steps:
+        raise ConfigError(f"train.warmup_steps={train.warmup_steps} and train.warmup_fraction={train.warmup_fraction} "
+                          "are both set; set one (an override of either replaces the other from the YAML file)")
+    warmup = train.resolved_warmup_steps
+    if train.branch_from and (warmup + train.cooldown_steps > train.steps or warmup >= train.steps):
+        raise ConfigError(
+            f"{_warmup_key(train)} plus the cooldown of {train.cooldown_steps} steps (train.cooldown_fraction="
+            f"{train.cooldown_fraction} x train.steps={train.steps}) exceed train.steps; a cooldown branch "
+            "(train.branch_from) keeps the warmup of the run it branches from, so it is not cut to fit: raise "
+            "train.steps or lower train.cooldown_fraction"
+        )
+
+
+def _warmup_key(train: TrainConfig) -> str:
+    """The key and value that set the warmup, as a message names it."""
+    if train.warmup_fraction is None:
+        return f"train.warmup_steps={train.warmup_steps}"
+    return f"train.warmup_fraction={train.warmup_fraction} ({train.requested_warmup_steps} steps)"
+
+
+def _warn_if_warmup_cut(train: TrainConfig) -> None:
+    """One warning line when the warmup asked for does not fit the run (a run shortened with
+    train.steps=N): training goes on with the longest warmup that fits instead of stopping."""
+    warmup = train.resolved_warmup_steps
+    if warmup == train.requested_warmup_steps:
+        return
+    cooldown = f" with the WSD cooldown of {train.cooldown_steps} steps" if train.cooldown_steps else ""
+    warnings.warn(ConfigWarning(
+        f"{_warmup_key(train)} does not fit train.steps={train.steps}{cooldown}: warming up over {warmup} steps "
+        "instead; set train.warmup_steps or train.warmup_fraction (e.g. 0.1) to choose"
+    ), stacklevel=3)
 
 
 def _validate_data(config: Config) -> None:

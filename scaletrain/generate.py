@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, first_loadable, latest_checkpoint
+from scaletrain.checkpoint.manager import CheckpointError, first_loadable, latest_checkpoint, read_meta
 from scaletrain.config import Config, ParallelConfig, load_config, resolve_for_world
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
@@ -33,7 +34,8 @@ def generate_text(
                                  f"{family.not_generating_reason}")
     init_distributed(config)
     try:
-        _, model = first_loadable(run_dir, lambda checkpoint: load_model(config, checkpoint))
+        checkpoint, model = first_loadable(run_dir, lambda checkpoint: load_model(config, checkpoint))
+        announce_checkpoint(checkpoint)
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
         sample = SAMPLERS[family.generation]
         new_ids = sample(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
@@ -79,6 +81,12 @@ def single_process_config(config: Config) -> Config:
     """The run's model in one process: TP=PP=DP=1, whatever layout trained it."""
     single = dataclasses.replace(config, parallel=ParallelConfig(tensor=1, pipeline=1, data=None, zero_stage=0))
     return resolve_for_world(single, world_size=1)
+
+
+def announce_checkpoint(checkpoint: Path) -> None:
+    """One line on stderr naming the checkpoint a command read and its step: the newest one that loads
+    may not be the newest one written (first_loadable skips broken ones), and stdout stays the output."""
+    print(f"using checkpoint {checkpoint} (step {read_meta(checkpoint).step})", file=sys.stderr, flush=True)
 
 
 def load_model(config: Config, checkpoint: Path) -> torch.nn.Module:

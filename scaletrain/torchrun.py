@@ -7,11 +7,19 @@ SIGUSR1; when the ranks stop early by themselves (train.exit_after) it reports e
 failure and exits 1. A job script cannot tell either from a crash. This launcher takes the stop
 signals itself, passes each to its ranks (which checkpoint at the next step and exit 75:
 train.stop_signals) and exits 75 when every rank that ended non-zero ended with 75.
+
+A user error (a bad override, a missing file) makes every rank exit 2 with one line from rank 0;
+torchrun adds its agent's log lines and a ~30-line failure report with a traceback of itself. This
+launcher exits 2 and adds nothing, or the line itself when rank 0 could not print it. It says the
+outcome once, at the end: its agent's lines about a rank's exit and the signal it sends the others
+are left out (the failure report of any other failure names both), and so is torchrun's banner on
+OMP_NUM_THREADS, which it sets to torchrun's value.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -19,12 +27,22 @@ from types import FrameType
 
 import psutil
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.run import parse_args, run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+from torch.distributed.run import determine_local_world_size, parse_args, run
 
+from scaletrain.cli import EXIT_USER_ERROR, USER_ERROR
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# torch 2.13 elastic: the agent's lines on a rank's exit and on stopping the other ranks
+# (multiprocessing/api.py), and `record`'s when no scheduler gave the launcher an error file to
+# copy the rank's into (multiprocessing/errors/error_handler.py).
+AGENT_LINES = {
+    "torch.distributed.elastic.multiprocessing.api": ("failed (exitcode: ", "Sending process "),
+    "torch.distributed.elastic.multiprocessing.errors.error_handler": ("no error file defined for parent",),
+}
+# how the agent stops the other ranks once one has failed: SIGTERM, then SIGKILL after a timeout
+STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         name for name in args.signals_to_handle.split(",") if name.strip() not in stop_names)
     for number in STOP_SIGNALS:
         signal.signal(number, _pass_to_ranks)
+    if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's choice for ranks that share a node, without its banner
+    for name, starts in AGENT_LINES.items():
+        logging.getLogger(name).addFilter(lambda record, starts=starts: not str(record.msg).startswith(starts))
     try:
         record(run)(args)  # record: the root cause's error file reaches the scheduler, as under torchrun
     except ChildFailedError as error:
@@ -43,13 +65,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_code(error: ChildFailedError) -> int:
-    """75 with one line when every failed rank stopped early at a checkpoint; else torchrun's report, 1."""
+    """75 with one line when every failed rank stopped early at a checkpoint; 2 when the ranks met a
+    user error (_user_error_line); else torchrun's report, 1."""
     if {failure.exitcode for failure in error.failures.values()} == {EXIT_STOPPED_EARLY}:
         print(f"scaletrain-torchrun: the ranks stopped early at a checkpoint (exit {EXIT_STOPPED_EARLY}); "
               "run the same command again to resume", file=sys.stderr)
         return EXIT_STOPPED_EARLY
+    line = _user_error_line(error.failures)
+    if line is not None:
+        if line:
+            print(line, file=sys.stderr)
+        return EXIT_USER_ERROR
     print(error.format_msg(), file=sys.stderr)
     return 1
+
+
+def _user_error_line(failures: dict[int, ProcessFailure]) -> str | None:
+    """None unless a rank exited 2 having left scaletrain's error file (cli.py _leave_for_launcher)
+    and every other failed rank did so too or was stopped by the agent; then the line to print: ""
+    when rank 0 left the file, because it printed the line first (the agent may have stopped it
+    while it exited), else the line from a file."""
+    exit_codes = {failure.exitcode for failure in failures.values()}
+    left_line = {rank: failure for rank, failure in failures.items()
+                 if failure.error_file_data.get("errorTraits", {}).get("category") == USER_ERROR}
+    if EXIT_USER_ERROR not in exit_codes or not exit_codes <= {EXIT_USER_ERROR, *STOPPED_BY_AGENT}:
+        return None
+    if not any(failure.exitcode == EXIT_USER_ERROR for failure in left_line.values()):
+        return None
+    return "" if 0 in left_line else next(iter(left_line.values())).message["message"]
 
 
 def _pass_to_ranks(number: int, frame: FrameType | None) -> None:

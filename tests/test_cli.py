@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from scaletrain import __version__
 from scaletrain.cli import _build_parser, _parse_arguments, main
-from tests.train.runs import REPO, launcher, scaletrain_environment
+from scaletrain.config import Config, load_config
+from scaletrain.model.registry import FAMILY_MODULES, get_family
+from tests.train.runs import REPO, launcher, scaletrain_environment, scaletrain_torchrun
 
 
 def _subcommand_parsers(parser: argparse.ArgumentParser, prefix: str = "scaletrain"):
@@ -27,6 +32,23 @@ def test_version_prints_the_package_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"scaletrain {__version__}"
+
+
+HEAVY_LIBRARIES = ("torch", "deepspeed", "megatron", "scipy", "matplotlib", "sentencepiece", "webdataset")
+
+
+def test_help_and_the_parser_import_no_heavy_library():
+    """`scaletrain --help` and `--version` answer without loading torch & co. (25 s on a busy box)."""
+    probe = ("import sys, contextlib, io\n"
+             "from scaletrain.cli import _build_parser, main\n"
+             "_build_parser()\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+             "    main(['--help'])\n"
+             "print(' '.join(sorted({name.split('.')[0] for name in sys.modules})))\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=scaletrain_environment(),
+                            capture_output=True, text=True, timeout=120, check=True)
+    loaded = set(result.stdout.split())
+    assert not loaded & set(HEAVY_LIBRARIES), f"imported by the parser: {sorted(loaded & set(HEAVY_LIBRARIES))}"
 
 
 def test_every_argument_of_every_subcommand_says_what_it_is():
@@ -61,6 +83,62 @@ def test_unknown_arguments_are_refused(argv, capsys):
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_config_prints_the_resolved_config_that_loads_back_the_same(capsys, tmp_path):
+    overrides = ["train.warmup_fraction=0.05", "model.family=llama", "model.num_kv_heads=2",
+                 "data.blend=[{dir: data/a, weight: 0.7}, {dir: data/b, weight: 0.3, name: b}]"]
+    assert main(["config", "configs/gpt_tiny.yaml", *overrides]) == 0
+    printed = capsys.readouterr().out
+    assert "# derived: warmup 15 steps, WSD cooldown 0 steps, padded vocabulary 8192" in printed
+    (tmp_path / "resolved.yaml").write_text(printed)
+    assert load_config(tmp_path / "resolved.yaml") == load_config(REPO / "configs" / "gpt_tiny.yaml", overrides)
+    assert main(["config"]) == 2
+    assert "give a YAML config (e.g. scaletrain config configs/gpt_tiny.yaml), or --keys" in capsys.readouterr().err
+
+
+def _leaf_keys() -> dict[str, object]:
+    """Every key of the schema with its default, from the dataclasses: the default (GPT) config's,
+    each family's model keys, and a blend entry's."""
+    keys = dict(_flatten(Config().to_dict()))
+    for family in FAMILY_MODULES:
+        keys.update(_flatten(dataclasses.asdict(get_family(family).config_class()), "model."))
+    keys.update({"data.blend[].dir": None, "data.blend[].weight": None, "data.blend[].name": None})
+    return keys
+
+
+def _flatten(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_config_keys_lists_every_key_with_its_type_default_and_meaning(capsys):
+    assert main(["config", "--keys"]) == 0
+    lines = {line.split(":", 1)[0]: line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
+    keys = _leaf_keys()
+    assert set(lines) == set(keys)
+    for key, default in keys.items():
+        if key.startswith("data.blend[]") and key != "data.blend[].name":
+            assert " = " not in lines[key].split("  #")[0], f"{key} has no default: {lines[key]}"
+        else:
+            assert f" = {json.dumps(default)}" in lines[key], lines[key]
+    assert lines["train.warmup_fraction"].startswith("train.warmup_fraction: float | None = null  # the warmup as a "
+                                                     "fraction of train.steps")
+    assert lines["model.num_kv_heads"].startswith("model.num_kv_heads: int | None = null  # (llama) ")
+    assert lines["model.layernorm_eps"] == "model.layernorm_eps: float = 1e-05"
+
+
+def test_a_warmup_cut_for_a_shortened_run_is_one_warning_line():
+    result = subprocess.run([*launcher(1), "config", "configs/gpt_tiny.yaml", "train.steps=20"], cwd=REPO,
+                            env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "warning: train.warmup_steps=30 does not fit train.steps=20: warming up over 19 steps instead; set "
+        "train.warmup_steps or train.warmup_fraction (e.g. 0.1) to choose"]
+    assert "  warmup_steps: 30\n" in result.stdout and "# derived: warmup 19 steps" in result.stdout
+
+
 def test_an_error_under_torchrun_is_printed_once():
     result = subprocess.run(
         [*launcher(2), "train", "configs/gpt_tiny.yaml", "parallel.tensor=3"], cwd=REPO,
@@ -70,6 +148,37 @@ def test_an_error_under_torchrun_is_printed_once():
     errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train: error:")]
     assert len(errors) == 1, result.stderr[-3000:]
     assert "parallel.tensor=3" in errors[0]
+
+
+def test_scaletrain_torchrun_says_a_user_error_in_one_line_and_exits_2():
+    """Plain torchrun adds its agent's lines and a failure report with its own traceback; the launcher does not."""
+    result = subprocess.run(
+        [*scaletrain_torchrun(2), "train", "configs/gpt_tiny.yaml", "train.lrr=20"], cwd=REPO,
+        env=scaletrain_environment(), capture_output=True, text=True, timeout=300,
+    )
+    output = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = "scaletrain train: error: override train.lrr=20: unknown key train.lrr (did you mean train.lr?)"
+    assert output == [line], output
+
+
+@pytest.mark.parametrize("rank_0_failure", ["left the line", "stopped before it"])
+def test_scaletrain_torchrun_prints_the_line_when_rank_0_could_not(rank_0_failure, tmp_path, monkeypatch):
+    """The agent stops the other ranks as soon as one exits: rank 0 may go before it has printed."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from scaletrain.cli import _leave_for_launcher
+    from scaletrain.torchrun import _user_error_line
+
+    line = "scaletrain train: error: override train.lrr=20: unknown key train.lrr (did you mean train.lr?)"
+    for rank in ([0, 1] if rank_0_failure == "left the line" else [1]):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"{rank}.json"))
+        _leave_for_launcher(line)
+    failures = {0: ProcessFailure(0, 100, -15, str(tmp_path / "0.json")),
+                1: ProcessFailure(1, 101, 2, str(tmp_path / "1.json"))}
+    assert _user_error_line(failures) == ("" if rank_0_failure == "left the line" else line)
+    failures[0] = ProcessFailure(0, 100, 1, str(tmp_path / "none.json"))  # a crash is not a user error
+    assert _user_error_line(failures) is None
 
 
 def test_prepare_reports_its_stages_and_progress_as_plain_lines_in_a_log(small_dataset_raw, tmp_path):

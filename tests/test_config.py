@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, load_config, resolve_for_world
+from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, load_config, resolve_for_world
+from scaletrain.train.schedule import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "gpt_tiny.yaml"
@@ -44,7 +46,8 @@ def test_gpt3_175b_shape_and_batch():
         (["parallel.pipeline=2", "parallel.zero_stage=2"], "DeepSpeed pipelines support ZeRO-0/1 only"),
         (["train.lr=-1"], "train.lr=-1.0"),
         (["train.steps=0"], "train.steps=0 must be >= 1"),
-        (["train.warmup_steps=500"], "train.warmup_steps=500"),
+        (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be >= 0"),
+        (["train.warmup_fraction=1.0"], "train.warmup_fraction=1.0 must be in [0, 1)"),
         (["train.micro_batch_size=two"], "train.micro_batch_size must be int, got 'two'"),
         (["train.global_batch_size=64", "train.grad_accum=2"], "set one"),
         (["tracking.wandb=cloud"], "tracking.wandb='cloud'"),
@@ -123,3 +126,85 @@ def test_llama_configs_load_with_their_published_sizes(name, params):
 def test_zero_stages_that_partition_nothing_run_as_stage_0(world_size, overrides, stage):
     config = resolve_for_world(load_config(REPO / "configs" / "gpt_tiny.yaml", overrides), world_size)
     assert config.parallel.zero_stage == stage
+
+
+def test_warmup_fraction_resolves_to_steps_of_the_run():
+    """gpt_tiny.yaml sets warmup_steps: 30; the fraction given as an override replaces it."""
+    config = load_config(TINY, ["train.warmup_fraction=0.05"])
+    assert (config.train.warmup_steps, config.train.resolved_warmup_steps) == (0, 15)  # 0.05 x 300
+    longer = load_config(TINY, ["train.warmup_fraction=0.05", "train.steps=1000"]).train
+    assert longer.resolved_warmup_steps == 50
+    assert learning_rate(0, longer) == pytest.approx(longer.lr / 50)
+    assert learning_rate(49, longer) == pytest.approx(longer.lr)
+    back_to_steps = load_config(TINY, ["train.warmup_fraction=0.05", "train.warmup_steps=7"]).train
+    assert (back_to_steps.warmup_fraction, back_to_steps.resolved_warmup_steps) == (None, 7)
+
+
+def test_a_file_sets_one_warmup_key_over_its_base_and_not_both(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {TINY}\ntrain:\n  warmup_fraction: 0.1\n")
+    assert load_config(child).train.resolved_warmup_steps == 30
+    both = tmp_path / "both.yaml"
+    both.write_text(f"base: {TINY}\ntrain:\n  warmup_steps: 10\n  warmup_fraction: 0.1\n")
+    with pytest.raises(ConfigError, match="train.warmup_steps=10 and train.warmup_fraction=0.1 are both set; set one"):
+        load_config(both)
+
+
+@pytest.mark.parametrize(("overrides", "warmup", "fragment"), [
+    (["train.steps=20"], 19, "train.warmup_steps=30 does not fit train.steps=20: warming up over 19 steps"),
+    (["train.steps=20", "train.lr_schedule=wsd"], 16,
+     "train.warmup_steps=30 does not fit train.steps=20 with the WSD cooldown of 4 steps: warming up over 16 steps"),
+    (["train.steps=10", "train.warmup_fraction=0.98"], 9, "train.warmup_fraction=0.98 (10 steps) does not fit"),
+])
+def test_a_warmup_too_long_for_a_shortened_run_is_cut_with_one_warning(overrides, warmup, fragment):
+    with pytest.warns(ConfigWarning) as caught:
+        train = load_config(TINY, overrides).train
+    assert [str(warning.message) for warning in caught if fragment in str(warning.message)], fragment
+    assert len(caught) == 1
+    assert train.resolved_warmup_steps == warmup
+    assert learning_rate(warmup - 1, train) == pytest.approx(train.lr), "the warmup ends at the peak"
+
+
+def test_a_warmup_that_fits_gives_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert load_config(TINY, ["train.steps=31"]).train.resolved_warmup_steps == 30
+
+
+def test_a_cooldown_branch_keeps_its_warmup_and_is_refused_instead_of_cut():
+    """A branch continues its stable run's schedule; a cut warmup would not be that run's."""
+    overrides = ["train.steps=100", "train.lr_schedule=wsd", "train.warmup_steps=90",
+                 "train.branch_from=runs/stable/checkpoints/step_00000080"]
+    with pytest.raises(ConfigError, match="train.warmup_steps=90 plus the cooldown of 20 steps"):
+        load_config(TINY, overrides)
+
+
+def test_the_schedule_follows_a_changed_run_length():
+    """Resuming with another train.steps: the warmup of a fraction is the new length's."""
+    short, long = TrainConfig(steps=100, warmup_fraction=0.1), TrainConfig(steps=200, warmup_fraction=0.1)
+    assert learning_rate(15, short) < short.lr  # cosine decay has begun after 10 warmup steps
+    assert learning_rate(15, long) == pytest.approx(long.lr * 16 / 20)  # still warming up over 20
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.lrr=1"], "override train.lrr=1: unknown key train.lrr (did you mean train.lr?)"),
+    (["train.lr=1e-3", "model.hidden_sise=64"],
+     "override model.hidden_sise=64: unknown key model.hidden_sise (did you mean model.hidden_size?)"),
+    (["train.micro_batch_size=two"],
+     "override train.micro_batch_size=two: train.micro_batch_size must be int, got 'two'"),
+    (["model.num_kv_heads=2"], "override model.num_kv_heads=2: unknown key model.num_kv_heads (model.family=llama has "
+                               "it, this config's family does not)"),
+    (["model.family=rnn"], "override model.family=rnn: model.family='rnn' is not supported"),
+])
+def test_an_override_error_names_the_override(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(TINY, overrides)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_a_typo_in_a_file_names_the_file(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {TINY}\ntrain:\n  lrr: 0.001\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(child, ["train.lr=1e-3"])
+    assert str(error.value) == f"{child}: unknown key train.lrr (did you mean train.lr?)"

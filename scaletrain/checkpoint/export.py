@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
+from scaletrain.checkpoint.hf_tokenizer import write_hf_tokenizer
 from scaletrain.checkpoint.manager import CheckpointError, first_loadable
 from scaletrain.data.storage import dataset_location
-from scaletrain.generate import run_config
+from scaletrain.generate import announce_checkpoint, run_config
 from scaletrain.model import build_model
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
@@ -21,25 +22,43 @@ from scaletrain.parallel.groups import destroy_distributed, init_distributed
 def export_run(run_dir: Path, out_dir: Path) -> Path:
     """The newest checkpoint of `run_dir` that loads (manager.first_loadable), whatever its layout, as
     a transformers model directory (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM,
-    T5ForConditionalGeneration, LlamaForCausalLM) plus our tokenizer files."""
+    T5ForConditionalGeneration, LlamaForCausalLM) plus our tokenizer files and the Hugging Face ones
+    made from them (hf_tokenizer.py), every file readable by all as the umask allows."""
     config = run_config(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
     init_distributed(config)
     try:
         reference = build_model(config)
-        _, state = first_loadable(run_dir, lambda checkpoint: consolidated_state_dict(checkpoint, reference))
+        checkpoint, state = first_loadable(run_dir, lambda checkpoint: consolidated_state_dict(checkpoint, reference))
     finally:
         destroy_distributed()
+    announce_checkpoint(checkpoint)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    get_family(config.model.family).hf().export(state, config, staging)
-    for tokenizer_file in dataset_location(config.data).tokenizer_files():
+    family = get_family(config.model.family)
+    family.hf().export(state, config, staging)
+    tokenizer_files = dataset_location(config.data).tokenizer_files()
+    for tokenizer_file in tokenizer_files:
         shutil.copy(tokenizer_file, staging / tokenizer_file.name)
+    write_hf_tokenizer(staging / tokenizer_files[0].name, family, config.model.seq_length, staging)
+    _give_ordinary_permissions(staging)
     if out_dir.exists():
         out_dir.rmdir()
     os.replace(staging, out_dir)
     return out_dir
+
+
+def _give_ordinary_permissions(directory: Path) -> None:
+    """Mode 0666 (0777 for folders) less the umask, for `directory` and everything in it.
+
+    safetensors writes model.safetensors through a temporary file made 0600 and renamed (seen with
+    strace on safetensors 0.8), which would leave the exported weights readable by their owner only.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def import_to_file(hf_dir: Path, family: str, out_file: Path) -> Path:

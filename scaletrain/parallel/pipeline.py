@@ -30,6 +30,7 @@ from scaletrain.batch import Batch
 from scaletrain.config import Config
 from scaletrain.model.family import ModelFamily, PipelineLayer, install
 from scaletrain.model.registry import get_family
+from scaletrain.notices import PIPELINE_LAYOUT, without_stdout_lines
 from scaletrain.parallel.groups import Topology
 
 
@@ -110,7 +111,8 @@ class TransformerPipeline(PipelineModule):
 def build_pipeline(config: Config, topology: Topology) -> TransformerPipeline:
     # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing torch group.
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
-    return TransformerPipeline(config, topology, get_family(config.model.family))
+    with without_stdout_lines(PIPELINE_LAYOUT):  # DeepSpeed prints its partition; the start line says the layout
+        return TransformerPipeline(config, topology, get_family(config.model.family))
 
 
 def _layer_specs(layers: list[PipelineLayer]) -> list[LayerSpec]:

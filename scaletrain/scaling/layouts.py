@@ -47,6 +47,29 @@ def planning_global_batch(config: Config) -> int:
     )
 
 
+def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
+    """The dotted config keys (`key=value` overrides) that make `scaletrain train` run `layout`.
+
+    The global batch stays the one the layouts were compared at: train.global_batch_size where the
+    config sets it (grad_accum is then derived at launch; setting both is refused), else grad_accum
+    for this DP. Pipelines get parallel.pipeline_partition=blocks, the equal block counts per stage
+    that the memory and time models assume (the config's default balances parameters instead)."""
+    global_batch = planning_global_batch(config)
+    settings: dict[str, int | str] = {
+        "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline, "parallel.data": layout.data,
+        "parallel.zero_stage": layout.zero_stage,
+    }
+    if layout.pipeline > 1:
+        settings["parallel.pipeline_partition"] = "blocks"
+    settings["train.micro_batch_size"] = layout.micro_batch
+    if config.train.global_batch_size is not None:
+        settings["train.global_batch_size"] = global_batch
+    else:
+        settings["train.grad_accum"] = layout.micro_batches(global_batch)
+    settings["train.activation_checkpoint_interval"] = 1 if layout.recompute else 0
+    return settings
+
+
 def tensor_parallel_sizes(config: Config, gpus_per_node: int) -> list[int]:
     model = config.model
     return [

@@ -29,13 +29,12 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import torch
-from megatron.core import parallel_state
-from torch import nn
+from typing import TYPE_CHECKING
 
 from scaletrain.config import Config, ConfigError
-from scaletrain.model.layers import TransformerBlock
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -186,6 +185,7 @@ def _cache_key(config: Config) -> str:
 
 
 def _count_model(config: Config) -> ModelParameters:
+    from scaletrain.model.layers import TransformerBlock
     from scaletrain.model.registry import get_family
 
     family = get_family(config.model.family)
@@ -219,7 +219,13 @@ def _meta_build_at_tensor_parallel_1() -> Iterator[None]:
 
     Some layers ask megatron's parallel_state for the TP rank at construction (T5's relative-position
     table); the planner runs without torch.distributed, where that asserts. megatron's
-    set_tensor_model_parallel_rank/world_size overrides answer instead, and are restored after."""
+    set_tensor_model_parallel_rank/world_size overrides answer instead, and are restored after.
+
+    torch and megatron are imported here, not at the top: `scaletrain --help` imports this module
+    through the planner and must not wait for them."""
+    import torch
+    from megatron.core import parallel_state
+
     saved = (parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE)
     parallel_state.set_tensor_model_parallel_rank(0)
     parallel_state.set_tensor_model_parallel_world_size(1)
@@ -241,6 +247,8 @@ def _tensors(module: nn.Module) -> tuple[TensorShape, ...]:
 
 
 def _gather_units(module: nn.Module) -> tuple[tuple[TensorShape, ...], ...]:
+    from scaletrain.model.layers import TransformerBlock
+
     units: list[tuple[TensorShape, ...]] = []
     seen: set[int] = set()
 

@@ -2,7 +2,8 @@
 
 The pieces: params.py (exact parameter counts), memory.py + activations.py (per-GPU memory),
 flops.py + step_time.py (time), layouts.py (the candidates), search.py (evaluate them all),
-report.py (the printed report). This module is the command-line surface.
+report.py (the printed report, ending with the chosen layout as `key=value` overrides and the
+command that launches it). This module is the command-line surface.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def run_plan(
         gpus_per_node=gpus_per_node,
     )
     result = plan(config, gpus, parse_memory_size(gpu_memory), hardware, memory_reserve, attention, max_micro_batch)
-    return format_plan(result, title=str(config_path), top=top)
+    return format_plan(result, config_path=str(config_path), top=top, overrides=overrides)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,22 +85,25 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
     parser.add_argument("--gpu-peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
-                        help="dense bf16 peak per GPU (H100 SXM: 989, A100: 312)")
+                        help=f"dense bf16 peak per GPU, e.g. H100 SXM 989, A100 312 (default: {DEFAULT_PEAK_TFLOPS:g})")
     parser.add_argument("--compute-efficiency", type=float, default=DEFAULT_COMPUTE_EFFICIENCY,
-                        help="achievable fraction of peak for the model's matmuls")
+                        help="achievable fraction of peak for the model's matmuls "
+                             f"(default: {DEFAULT_COMPUTE_EFFICIENCY:g})")
     parser.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_BANDWIDTH / 1e9,
-                        help="NVLink GB/s per GPU and direction")
+                        help=f"NVLink GB/s per GPU and direction (default: {DEFAULT_INTRA_NODE_BANDWIDTH / 1e9:g})")
     parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
-                        help="network GB/s per GPU and direction")
+                        help=f"network GB/s per GPU and direction (default: {DEFAULT_INTER_NODE_BANDWIDTH / 1e9:g})")
     parser.add_argument("--gpus-per-node", type=int, default=DEFAULT_GPUS_PER_NODE,
                         help=f"GPUs joined by NVLink in one node (default: {DEFAULT_GPUS_PER_NODE})")
     parser.add_argument("--memory-reserve", type=float, default=DEFAULT_MEMORY_RESERVE,
-                        help="fraction of GPU memory kept free for what is not modelled")
+                        help="fraction of GPU memory kept free for what is not modelled "
+                             f"(default: {DEFAULT_MEMORY_RESERVE:g})")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
-                        help="flash: SDPA flash kernels, no s x s tensors (default); math: keeps them")
+                        help="flash: SDPA flash kernels, no s x s tensors; math: keeps them (default: flash)")
     parser.add_argument("--max-micro-batch", type=int, default=DEFAULT_MAX_MICRO_BATCH,
                         help=f"largest micro-batch to consider (default: {DEFAULT_MAX_MICRO_BATCH})")
-    parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="how many layouts to list")
+    parser.add_argument("--top", type=int, default=DEFAULT_TOP,
+                        help=f"how many layouts to list (default: {DEFAULT_TOP})")
 
 
 def plan_from_args(args: argparse.Namespace) -> str:

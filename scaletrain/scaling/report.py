@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
+import shlex
+from collections.abc import Sequence
+
+from scaletrain.config import Config
 from scaletrain.scaling.counts import model_counts
 from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
-from scaletrain.scaling.layouts import Layout
+from scaletrain.scaling.layouts import Layout, layout_settings
 from scaletrain.scaling.params import LayerParameters, model_parameters, stage_layers, stage_parameters
 from scaletrain.scaling.search import Plan, PlannedLayout, runnable_now
 
 GIB = 2**30
+SBATCH_GPUS_PER_NODE = 8  # launch/slurm.sbatch's #SBATCH --gpus-per-node and --ntasks-per-node
 
 
-def format_plan(plan: Plan, title: str, top: int) -> str:
-    sections = [_header(plan, title), _parameters(plan), _flops(plan), _memory_model(plan), _table(plan, top)]
+def format_plan(plan: Plan, config_path: str, top: int, overrides: Sequence[str] = ()) -> str:
+    """The report of `scaletrain plan CONFIG_PATH OVERRIDES`; it ends with the chosen layout as overrides."""
+    sections = [_header(plan, config_path), _parameters(plan), _flops(plan), _memory_model(plan), _table(plan, top),
+                _chosen(plan, config_path, overrides)]
     return "\n\n".join(sections) + "\n"
 
 
@@ -45,15 +53,31 @@ def _parameters(plan: Plan) -> str:
     ]
     if not counted.pipelined:
         lines.append(f"  {counted.family} has no pipeline stages: counted from its whole model, planned at PP=1 only")
-    if plan.feasible:
-        best = plan.feasible[0].layout
-        lines.append(f"  per stage at the best layout's PP={best.pipeline} (whole stage; per GPU at TP={best.tensor}):")
-        for stage in sorted({0, best.pipeline // 2, best.pipeline - 1}):
-            whole = stage_parameters(config, 1, best.pipeline, stage).total
-            per_gpu = stage_parameters(config, best.tensor, best.pipeline, stage).total
-            contents = _stage_contents(stage_layers(config, best.pipeline, stage), best)
-            lines.append(f"    stage {stage}: {whole:,} ({per_gpu:,} per GPU)  [{contents}]")
+    shown = plan.chosen or (plan.feasible[0] if plan.feasible else None)
+    if shown is not None:
+        layout = shown.layout
+        which = "chosen" if shown is plan.chosen else "fastest fitting"
+        lines.append(f"  per stage at the {which} layout's PP={layout.pipeline} (whole stage; per GPU at "
+                     f"TP={layout.tensor}):")
+        lines.extend(f"    {line}" for line in stage_lines(config, layout))
     return "\n".join(lines)
+
+
+def stage_lines(config: Config, layout: Layout) -> list[str]:
+    """One line per pipeline stage, every stage listed: consecutive stages that hold the same layers
+    share a line that names them all ("stages 1-14, each: ..."), so PP=64 stays readable."""
+    described = []
+    for stage in range(layout.pipeline):
+        whole = stage_parameters(config, 1, layout.pipeline, stage).total
+        per_gpu = stage_parameters(config, layout.tensor, layout.pipeline, stage).total
+        contents = _stage_contents(stage_layers(config, layout.pipeline, stage), layout)
+        described.append(f"{whole:,} ({per_gpu:,} per GPU)  [{contents}]")
+    lines = []
+    for text, group in itertools.groupby(range(layout.pipeline), key=described.__getitem__):
+        stages = list(group)
+        name = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages[0]}-{stages[-1]}, each"
+        lines.append(f"{name}: {text}")
+    return lines
 
 
 def _layer_summary(layers: tuple[LayerParameters, ...]) -> str:
@@ -183,3 +207,33 @@ def _row(rank: int, planned: PlannedLayout) -> str:
         f"{memory.pipeline_buffers / GIB:>6.2f} {memory.total / GIB:>6.2f}     {planned.peak_stage:>5} | "
         f"{time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} {time.communication:>6.2f} {planned.mfu:>4.0%}"
     )
+
+
+def _chosen(plan: Plan, config_path: str, overrides: Sequence[str]) -> str:
+    """The chosen layout as `key=value` overrides to paste after `scaletrain train CONFIG`, and the
+    command that launches it; the plan's own overrides ride along unless the layout sets the key."""
+    chosen = plan.chosen
+    if chosen is None:
+        why = "no layout fits" if not plan.feasible else "this release's config rejects every layout that fits"
+        return f"chosen layout: none ({why}), so no overrides to paste"
+    settings = layout_settings(plan.config, chosen.layout)
+    pasted = [f"{key}={value}" for key, value in settings.items()]
+    kept = [override for override in overrides if override.partition("=")[0] not in settings]
+    arguments = " ".join(shlex.quote(item) for item in [config_path, *kept, *pasted])
+    lines = [
+        f"chosen layout: #{plan.feasible.index(chosen) + 1}, the fastest that fits and that this release's config "
+        "accepts; as overrides:",
+        f"  {' '.join(pasted)}",
+    ]
+    gpus, per_node = plan.gpus, plan.hardware.gpus_per_node
+    if gpus == 1:
+        lines += ["run it:", f"  scaletrain train {arguments}"]
+    elif gpus <= per_node:
+        lines += [f"run it on one node ({gpus} GPUs):", f"  launch/torchrun.sh {gpus} {arguments}"]
+    elif gpus % per_node == 0:
+        tasks = "" if per_node == SBATCH_GPUS_PER_NODE else f" --ntasks-per-node={per_node} --gpus-per-node={per_node}"
+        lines += [f"run it on SLURM ({gpus // per_node} nodes x {per_node} GPUs):",
+                  f"  sbatch --nodes={gpus // per_node}{tasks} launch/slurm.sbatch {arguments}"]
+    else:
+        lines.append(f"no launch line: {gpus} GPUs are not whole {per_node}-GPU nodes (--gpus-per-node)")
+    return "\n".join(lines)

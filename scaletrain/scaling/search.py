@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from scaletrain.config import Config, ConfigError, validate
 from scaletrain.scaling.activations import ActivationSettings
 from scaletrain.scaling.flops import model_flops_per_token
-from scaletrain.scaling.layouts import Layout, enumerate_layouts, planning_global_batch
+from scaletrain.scaling.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
 from scaletrain.scaling.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
 from scaletrain.scaling.params import pipelined
 from scaletrain.scaling.step_time import Hardware, StepTime, predict_step_time
@@ -44,6 +44,11 @@ class Plan:
     @property
     def feasible(self) -> list[PlannedLayout]:
         return [planned for planned in self.layouts if planned.fits]
+
+    @property
+    def chosen(self) -> PlannedLayout | None:
+        """The fastest layout that fits and that this release's config accepts: the one to run."""
+        return next((planned for planned in self.feasible if runnable_now(self.config, planned.layout) is None), None)
 
 
 def planning_precision(config: Config) -> Precision:
@@ -88,13 +93,15 @@ def plan(
 
 
 def runnable_now(config: Config, layout: Layout) -> str | None:
-    """None if this release's config validation accepts the layout's parallel settings, else its message."""
-    parallel = dataclasses.replace(
-        config.parallel, tensor=layout.tensor, pipeline=layout.pipeline, data=layout.data,
-        zero_stage=layout.zero_stage,
-    )
+    """None if this release's config validation accepts the layout's settings (the overrides the
+    report prints, layouts.layout_settings), else its message."""
+    sections: dict[str, dict[str, int | str]] = {}
+    for key, value in layout_settings(config, layout).items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    changed = {section: dataclasses.replace(getattr(config, section), **values) for section, values in sections.items()}
     try:
-        validate(dataclasses.replace(config, parallel=parallel))
+        validate(dataclasses.replace(config, **changed))
     except ConfigError as error:
         return str(error)
     return None

@@ -1,4 +1,4 @@
-"""Metric sinks: a local metrics.jsonl (always) and Weights & Biases (offline by default)."""
+"""Metric sinks: a local metrics.jsonl (always), Weights & Biases (offline by default) and TensorBoard."""
 
 from __future__ import annotations
 
@@ -7,10 +7,20 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from scaletrain.config import Config
 from scaletrain.disk import write_failure
+from scaletrain.tracking.names import tracker_values
+from scaletrain.tracking.tensorboard_sink import TensorBoardSink
+
+
+class Sink(Protocol):
+    """Where records go: each takes the flat metrics.jsonl record of one step."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class JsonlSink:
@@ -64,7 +74,9 @@ def _truncate_after_step(path: Path, step: int) -> None:
 
 class WandbSink:
     """One W&B run per run directory; `run_facts` (N, D, C...) join the config so runs can be
-    compared and grouped by scale in the W&B UI."""
+    compared and grouped by scale in the W&B UI. Metrics go by their namespaced names
+    (tracking/names.py) at W&B's step = the training step; `train/tokens` is there to plot against
+    instead, to compare runs of different batch sizes."""
 
     def __init__(self, config: Config, run_dir: Path, run_facts: dict[str, Any]) -> None:
         import wandb  # deferred: importing wandb costs seconds and only rank 0 needs it
@@ -85,8 +97,7 @@ class WandbSink:
         )
 
     def log(self, record: dict[str, Any]) -> None:
-        values = {key: value for key, value in record.items() if key != "step"}
-        self._run.log(values, step=record["step"])
+        self._run.log(tracker_values(record), step=record["step"])
 
     def close(self) -> None:
         self._run.finish()
@@ -95,7 +106,7 @@ class WandbSink:
 class MetricsLogger:
     """Fans each record out to every sink; a no-op on ranks other than the logging rank."""
 
-    def __init__(self, sinks: list[JsonlSink | WandbSink]) -> None:
+    def __init__(self, sinks: list[Sink]) -> None:
         self._sinks = sinks
 
     @classmethod
@@ -106,9 +117,11 @@ class MetricsLogger:
         """The sinks of a run starting (or resuming) at `resumed_step`."""
         if not is_logging_rank:
             return cls([])
-        sinks: list[JsonlSink | WandbSink] = [JsonlSink(run_dir / "metrics.jsonl", resumed_step)]
+        sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resumed_step)]
         if config.tracking.wandb != "disabled":
             sinks.append(WandbSink(config, run_dir, run_facts or {}))
+        if config.tracking.tensorboard:
+            sinks.append(TensorBoardSink(run_dir, resumed_step))
         return cls(sinks)
 
     def log(self, record: dict[str, Any]) -> None:

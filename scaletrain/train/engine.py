@@ -10,6 +10,7 @@ from torch import nn
 from scaletrain.checkpoint.safe_load import safe_checkpoint_engine
 from scaletrain.config import Config
 from scaletrain.model import build_model
+from scaletrain.notices import OP_BUILT, without_stdout_lines
 from scaletrain.parallel.groups import Topology
 from scaletrain.parallel.mpu import MegatronMPU
 
@@ -69,7 +70,8 @@ def build_training_model(config: Config, topology: Topology) -> nn.Module:
         from scaletrain.parallel.pipeline import build_pipeline
 
         # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+        with without_stdout_lines(OP_BUILT):  # its comm layer loads DeepSpeed's CPU op
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
         return build_pipeline(config, topology)
     return build_model(config)
@@ -97,12 +99,13 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         # must be announced, or the borrowing module sees an empty partition.
         for module, parameter in model.borrowed_parameters():  # every family model has it; no ZeRO-3 with stages
             deepspeed.zero.register_external_parameter(module, parameter)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        config=deepspeed_config(config, precision),
-        mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
-    )
+    with without_stdout_lines(OP_BUILT):  # without pipeline stages, its comm layer starts (and loads its CPU op) here
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config=deepspeed_config(config, precision),
+            mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
+        )
     if topology.data_parallel_size == 1 and config.parallel.zero_stage == 0 and topology.pipeline_parallel_size == 1:
         # Nothing to average: DeepSpeed would still flatten every gradient into buckets, all-reduce
         # them over a group of one and copy them back, each step. (ZeRO-1/2 move gradients into

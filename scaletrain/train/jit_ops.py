@@ -1,47 +1,106 @@
-"""DeepSpeed's JIT-built ops without the hang a killed build leaves behind.
+"""DeepSpeed's JIT-built ops: built once per environment, announced, and without the hang a killed build leaves.
 
-torch's cpp_extension guards each build directory with a lock file (`FileBaton`) that every process
-creates while it builds or checks the op and deletes when done; a process killed in between leaves
-the file, and every later start waits on it forever with no output. Before DeepSpeed loads its ops,
-each rank takes an flock that serialises this node's scaletrain processes, waits for a lock file
-that a live build may hold, and removes one that outlived STALE_AFTER_S, saying so.
+Once per environment: torch builds every extension of a user under one root
+(~/.cache/torch_extensions/py311_cpu), and ninja rebuilds an op whenever the build commands change;
+they name the include paths of the venv that asks, so two venvs on one machine rebuild each other's
+op (100-160 s each) for as long as both run (issue 21). Unless the user set TORCH_EXTENSIONS_DIR,
+each environment (sys.prefix) gets a root of its own, set in TORCH_EXTENSIONS_DIR for torch to use.
+
+Announced: a first build takes ~90 s on 2 CPU cores with no output; rank 0 says it is coming.
+
+Without the hang: torch's cpp_extension guards each build directory with a lock file (`FileBaton`)
+that every process creates while it builds or checks the op and deletes when done; a process killed
+in between leaves the file, and every later start waits on it forever with no output. Before
+DeepSpeed loads its ops, each rank takes an flock that serialises this node's scaletrain processes,
+waits for a lock file that a live build may hold, and removes one that outlived STALE_AFTER_S,
+saying so.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import sys
 import time
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.utils.cpp_extension import get_default_build_root
 
 STALE_AFTER_S = 300.0  # a first build takes ~90 s on 2 CPU cores; checking a built op, well under 1 s
+CPU_COMM_OP = "ShareMemCommBuilder"  # the op DeepSpeed's comm layer loads on CPU (deepspeed_shm_comm)
+
+
+def environment_build_root(prefix: str) -> Path:
+    """torch's extension root for the environment at `prefix` (its sys.prefix): one directory per
+    environment beside torch's shared default, so deleting a venv's build deletes nothing else's."""
+    digest = hashlib.sha256(str(Path(prefix).resolve()).encode()).hexdigest()[:12]
+    return Path(get_default_build_root()) / f"env-{digest}"
+
+
+def pin_build_root() -> Path:
+    """TORCH_EXTENSIONS_DIR when the user set it; else this environment's root, set there (torch
+    reads it at each build, so it holds for every op DeepSpeed builds in this process)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root = environment_build_root(sys.prefix)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    return root
 
 
 def clear_stale_build_locks(stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0) -> list[Path]:
-    """Wait out live build locks under torch's extension root, remove stale ones; returns those removed."""
-    # torch builds in $TORCH_EXTENSIONS_DIR/NAME, else in ~/.cache/torch_extensions/py311_cpu/NAME
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    if not root.is_dir():
-        return []
+    """Before DeepSpeed loads its ops: pin this environment's build root, wait out live build locks
+    under it, remove stale ones (returned), and on rank 0 announce a build that is about to start."""
+    root = pin_build_root()
+    root.mkdir(parents=True, exist_ok=True)
     removed = []
     with (root / ".scaletrain.lock").open("a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
-        for baton in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}):
-            announced = False
-            while baton.exists():
-                age = time.time() - baton.stat().st_mtime
-                if age >= stale_after_s:
-                    baton.unlink(missing_ok=True)
-                    removed.append(baton)
-                    print(f"removed {baton}, a lock left by a JIT build of a DeepSpeed op that was killed "
-                          f"{age:.0f} s ago", file=sys.stderr, flush=True)
-                    break
-                if not announced:
-                    print(f"waiting for {baton} (a DeepSpeed op is being built; the lock counts as stale "
-                          f"after {stale_after_s:.0f} s)", file=sys.stderr, flush=True)
-                    announced = True
-                time.sleep(poll_s)
+        for baton in sorted(root.glob("*/lock")):  # torch builds op NAME in $TORCH_EXTENSIONS_DIR/NAME
+            if _wait_or_remove(baton, stale_after_s, poll_s):
+                removed.append(baton)
+    _announce_build(root)
     return removed
+
+
+def _wait_or_remove(baton: Path, stale_after_s: float, poll_s: float) -> bool:
+    """Wait until a live build deletes `baton`; True when it was stale and removed here instead."""
+    announced = False
+    while baton.exists():
+        age = time.time() - baton.stat().st_mtime
+        if age >= stale_after_s:
+            baton.unlink(missing_ok=True)
+            print(f"removed {baton}, a lock left by a JIT build of a DeepSpeed op that was killed "
+                  f"{age:.0f} s ago", file=sys.stderr, flush=True)
+            return True
+        if not announced:
+            print(f"waiting for {baton} (a DeepSpeed op is being built; the lock counts as stale "
+                  f"after {stale_after_s:.0f} s)", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(poll_s)
+    return False
+
+
+def _announce_build(root: Path) -> None:
+    """On rank 0 (or alone), one line when DeepSpeed is about to JIT-build its CPU op under `root`."""
+    op_name = _op_to_build(root)
+    if op_name and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"compiling DeepSpeed's CPU op {op_name} (first run in this environment, ~90 s)",
+              file=sys.stderr, flush=True)
+
+
+def _op_to_build(root: Path) -> str | None:
+    """The name of DeepSpeed's CPU comm op when its comm layer will JIT-build it under `root`: on this
+    accelerator it has one, it is compatible and not pre-installed (DeepSpeed 0.19 comm/torch.py
+    build_shm_op, op_builder/builder.py OpBuilder.load), and torch's library of it is not there yet."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder(CPU_COMM_OP)
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    if installed_ops.get(builder.NAME, False) or (root / builder.NAME / f"{builder.NAME}.so").exists():
+        return None
+    return builder.NAME

@@ -45,9 +45,10 @@ from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
+from scaletrain.train.evaluation import validation_metrics
 from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged, weights_are_finite
-from scaletrain.train.objective import Objective, ValidationSet, build_objective
+from scaletrain.train.objective import Objective, build_objective
 from scaletrain.train.preflight import check_data_matches
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
 from scaletrain.train.schedule import learning_rate
@@ -177,11 +178,11 @@ def _run(
                           data_wait_fraction=batches.take_waited() / elapsed)
             if peak_flops:
                 record["mfu"] = flops_per_step / elapsed / peak_flops
-            if state.step % config.train.log_every == 0:
-                logger.log(record)
-                if topology.is_logging_rank and not interactive:
-                    # SLURM and CI logs: one plain line per log_every steps, no carriage returns
-                    print(_log_line(record, config.train.steps), file=sys.stderr, flush=True)
+            logger.log(record)
+            if topology.is_logging_rank and not interactive and _log_line_due(state.step, steps_this_run, config):
+                # SLURM and CI logs: a plain line every log_every steps, no carriage returns
+                print(_log_line(record, config.train.steps, time.perf_counter() - started, steps_this_run),
+                      file=sys.stderr, flush=True)
             _stop_if_diverged(config, topology, state)
             if prune_due and not guard.skipped:
                 _prune(config, topology)  # the step after the newest checkpoint trained finitely
@@ -262,12 +263,29 @@ def _set_aside_blown_up(config: Config, topology: Topology, blown_up_at: int) ->
             f"run the same command again to resume from it (train.resume=auto).")
 
 
-def _log_line(record: dict[str, float], total_steps: int) -> str:
+def _log_line_due(step: int, steps_this_run: int, config: Config) -> bool:
+    """Every train.log_every steps (Megatron's --log-interval), and the first step of an invocation (it
+    shows the run is training and how fast) and the last one (the run's final loss)."""
+    return step % config.train.log_every == 0 or steps_this_run == 1 or step == config.train.steps
+
+
+def _log_line(record: dict[str, float], total_steps: int, elapsed_s: float, steps_this_run: int) -> str:
+    """The plain progress line; the ETA is this invocation's mean step time so far (evaluations and
+    checkpoints included, as the steps left will have them) times the steps left."""
     parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
     if "grad_norm" in record:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    eta_s = elapsed_s / steps_this_run * (total_steps - record["step"])
+    parts.extend([f"elapsed {_duration(elapsed_s)}", f"eta {_duration(eta_s)}"])
     return "train: " + ", ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    """42 -> 0m42s, 3725 -> 1h02m: as `sweep plan` writes predicted times."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _report_end(
@@ -297,36 +315,9 @@ def write_run_summary(
 
 
 def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str, float]:
-    """Validation metrics over a fixed prefix of the validation split, identical for every layout.
-
-    A blend reports each dataset's metrics (val_loss/NAME) and, under the plain names, their
-    weighted mean: the loss expected under the blend's mixture, free of sampling noise."""
-    sets = objective.validation_sets
-    if len(sets) == 1:
-        return _evaluate_set(engine, objective, topology, sets[0])
-    per_set = {validation.name: _evaluate_set(engine, objective, topology, validation) for validation in sets}
-    metrics: dict[str, float] = {}
-    for validation in sets:
-        for key, value in per_set[validation.name].items():
-            metrics[key] = metrics.get(key, 0.0) + validation.weight * value
-    for name, values in per_set.items():
-        metrics.update({f"{key}/{name}": value for key, value in values.items()})
-    return metrics
-
-
-def _evaluate_set(engine: Any, objective: Objective, topology: Topology, validation: ValidationSet) -> dict[str, float]:
-    config = objective.config
-    per_step = config.train.micro_batch_size * topology.data_parallel_size
-    num_samples = min(config.train.eval_samples, validation.num_samples) // per_step * per_step
-    if num_samples == 0:
-        raise ConfigError(
-            f"the validation split of {validation.name} holds {validation.num_samples} sequences of "
-            f"{config.model.seq_length} tokens, fewer than one evaluation step (micro_batch_size x data-parallel "
-            f"size = {per_step}); raise data.val_fraction and re-prepare, or set train.eval_every=0"
-        )
-    loader = objective.eval_loader(validation, topology.data_parallel_rank, topology.data_parallel_size, num_samples)
-    family = get_family(config.model.family)
-    return evaluation_metrics(engine, list(_device_batches(loader, topology.device)), family)
+    """The engine's validation metrics (train/evaluation.py: which sequences, a blend's weighting)."""
+    family = get_family(objective.config.model.family)
+    return validation_metrics(lambda batches: evaluation_metrics(engine, batches, family), objective, topology)
 
 
 def _restore_or_start(

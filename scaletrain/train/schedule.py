@@ -8,9 +8,15 @@ from scaletrain.config import TrainConfig
 
 
 def learning_rate(step: int, train: TrainConfig) -> float:
-    """LR used for the optimizer update that completes step `step + 1` (steps count from 0)."""
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
+    """LR used for the optimizer update that completes step `step + 1` (steps count from 0).
+
+    A function of the step and the config alone, the warmup included (TrainConfig.resolved_warmup_steps:
+    warmup_steps or warmup_fraction x steps, cut to fit the run), so a run resumed with another
+    train.steps follows the schedule of its new length from the resumed step.
+    """
+    warmup_steps = train.resolved_warmup_steps
+    if step < warmup_steps:
+        return train.lr * (step + 1) / warmup_steps
     if train.lr_schedule == "wsd":
         return _warmup_stable_decay(step, train)
     return _cosine(step, train)
@@ -18,8 +24,9 @@ def learning_rate(step: int, train: TrainConfig) -> float:
 
 def _cosine(step: int, train: TrainConfig) -> float:
     """Cosine decay from lr to min_lr over the steps after warmup (GPT-3, Brown et al. 2020, app. B)."""
-    decay_steps = max(1, train.steps - train.warmup_steps)
-    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    warmup_steps = train.resolved_warmup_steps
+    decay_steps = max(1, train.steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return train.min_lr + (train.lr - train.min_lr) * cosine
 

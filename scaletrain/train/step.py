@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,22 +40,34 @@ def train_step(
 def evaluation_metrics(
     engine: Any, batches: list[dict[str, torch.Tensor]], family: ModelFamily
 ) -> dict[str, float]:
-    """Validation loss over this rank's micro-batches, averaged over data-parallel ranks, plus the
-    family's own metrics (e.g. BERT's masked-token accuracy) from counts summed over batches and ranks."""
+    """An engine's validation metrics over this rank's micro-batches (model_evaluation_metrics);
+    a pipeline reports the loss alone, the only number its last stage returns."""
     if is_pipeline(engine):
         loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
         return {"val_loss": data_parallel_mean(loss.detach().float())}
     engine.eval()
+    metrics = model_evaluation_metrics(engine, engine.module, batches, family)
+    engine.train()
+    return metrics
+
+
+def model_evaluation_metrics(
+    forward: Callable[..., torch.Tensor], module: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
+    family: ModelFamily,
+) -> dict[str, float]:
+    """Validation loss over this rank's micro-batches, averaged over data-parallel ranks, plus the
+    family's own metrics (e.g. BERT's masked-token accuracy) from counts summed over batches and ranks.
+    `forward` returns a batch's loss (a DeepSpeed engine, or the model itself in `scaletrain eval`);
+    `module` is the model whose outputs the family counts."""
     with torch.no_grad():
-        losses = [engine(**model_inputs(batch)).float() for batch in batches]
+        losses = [forward(**model_inputs(batch)).float() for batch in batches]
         metrics = {"val_loss": data_parallel_mean(torch.stack(losses).mean())}
         if family.evaluation_counts is not None:
-            per_batch = [family.evaluation_counts(engine.module, model_inputs(batch)) for batch in batches]
+            per_batch = [family.evaluation_counts(module, model_inputs(batch)) for batch in batches]
             for name in per_batch[0] if per_batch else ():
                 counts = torch.stack([torch.stack(counts[name]) for counts in per_batch]).sum(dim=0).double()
                 dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
                 metrics[name] = float(counts[0] / counts[1])
-    engine.train()
     return metrics
 
 

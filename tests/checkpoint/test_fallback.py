@@ -64,7 +64,7 @@ def test_binary_garbage_in_latest_is_only_a_hint(trained_run: Path, small_datase
 @pytest.mark.slow
 def test_generate_and_export_fall_back_past_a_truncated_newest_checkpoint(trained_run: Path, tmp_path: Path):
     """They used to crash with a 12-frame `[rank0]` traceback; now a warning names the checkpoint they
-    skip, and with none left one line says so."""
+    skip, one line the checkpoint they used, and with none left one line says so."""
     run_dir = copied(trained_run, tmp_path)
     truncate(model_states(run_dir, 8))
     commands = (["generate", str(run_dir), "--max-new-tokens", "4"], ["export", str(run_dir), str(tmp_path / "hf")])
@@ -73,6 +73,7 @@ def test_generate_and_export_fall_back_past_a_truncated_newest_checkpoint(traine
         assert result.returncode == 0, result.stderr[-2000:]
         assert f"warning: skipping checkpoint {run_dir / 'checkpoints' / 'step_00000008'}" in result.stderr
         assert f"trying {run_dir / 'checkpoints' / 'step_00000004'}" in result.stderr
+        assert f"using checkpoint {run_dir / 'checkpoints' / 'step_00000004'} (step 4)" in result.stderr
         assert "Traceback" not in result.stderr
     assert (tmp_path / "hf" / "config.json").is_file()
     truncate(model_states(run_dir, 4))

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError, load_config, resolve_for_world
 from scaletrain.scaling.activations import ActivationSettings
 from scaletrain.scaling.layouts import Layout
 from scaletrain.scaling.memory import MIXED_BF16, peak_memory
 from scaletrain.scaling.params import total_parameters
 from scaletrain.scaling.planner import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
+from scaletrain.scaling.report import format_plan, stage_lines
 from scaletrain.scaling.search import plan
 from scaletrain.scaling.step_time import Hardware
 
@@ -83,6 +85,61 @@ def test_ranking_is_fastest_first_and_report_lists_it(plan_175b):
                                            layout.micro_batch)]
     assert f"{best.step_time.total:.2f}" in first
     assert len([line for line in lines[header + 1:] if " | " in line]) == 5
+
+
+def _listed_stages(lines: list[str]) -> list[int]:
+    """The stage numbers that `stage N:` and `stages A-B, each:` lines name, in order."""
+    stages = []
+    for line in lines:
+        match = re.match(r"\s*stages? (\d+)(?:-(\d+), each)?: ", line)
+        if match:
+            stages.extend(range(int(match.group(1)), int(match.group(2) or match.group(1)) + 1))
+    return stages
+
+
+def test_every_pipeline_stage_is_listed(plan_175b):
+    """The chosen 175B layout on 1024 GPUs has PP=4; stage 1 used to be missing (only the first, the
+    middle and the last stage were printed). Stages 1 and 2 hold the same blocks and share a line."""
+    assert plan_175b.chosen.layout.pipeline == 4
+    lines = format_plan(plan_175b, str(GPT3_175B), top=3).splitlines()
+    assert _listed_stages(lines) == [0, 1, 2, 3]
+    assert any(line.strip().startswith("stages 1-2, each: ") for line in lines)
+    sixteen = stage_lines(plan_175b.config, Layout(8, 16, 8, 1, 1, True))
+    assert len(sixteen) == 3 and _listed_stages(sixteen) == list(range(16))
+
+
+@pytest.mark.parametrize("config_name, overrides, gpus", [
+    ("gpt3_175b.yaml", [], 1024),  # train.global_batch_size set: the line keeps it
+    ("gpt_tiny.yaml", ["parallel.data=8"], 8),  # a batch of micro-batch x grad_accum x DP: the line sets grad_accum
+])
+def test_overrides_line_loads_into_the_chosen_layout(config_name, overrides, gpus):
+    config_path = REPO / "configs" / config_name
+    report = run_plan(config_path, overrides, gpus, "80GiB", top=3)
+    lines = report.splitlines()
+    heading = next(index for index, line in enumerate(lines) if line.startswith("chosen layout: #"))
+    pasted = lines[heading + 1].split()
+    chosen = plan(load_config(config_path, overrides), gpus, 80 * GIB, Hardware(989e12)).chosen.layout
+    config = resolve_for_world(load_config(config_path, [*overrides, *pasted]), gpus)
+    parallel, train = config.parallel, config.train
+    assert (parallel.tensor, parallel.pipeline, parallel.data) == (chosen.tensor, chosen.pipeline, chosen.data)
+    assert parallel.zero_stage == chosen.zero_stage or (chosen.data, chosen.pipeline, parallel.zero_stage) == (1, 1, 0)
+    global_batch = 1536 if config_name == "gpt3_175b.yaml" else 16 * 8
+    assert (train.micro_batch_size, train.grad_accum) == (chosen.micro_batch, chosen.micro_batches(global_batch))
+    assert train.activation_checkpoint_interval == (1 if chosen.recompute else 0)
+    launch = lines[heading + 3].split()
+    assert launch[launch.index(str(config_path)) + 1:] == pasted  # the plan's overrides are all in the line
+
+
+def test_help_shows_every_default():
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    with_defaults = [action for action in parser._actions
+                     if action.option_strings and action.default not in (None, argparse.SUPPRESS)]
+    assert {"--compute-efficiency", "--intra-node-gbps", "--inter-node-gbps", "--memory-reserve", "--top"} <= {
+        action.option_strings[0] for action in with_defaults}
+    for action in with_defaults:
+        default = f"{action.default:g}" if isinstance(action.default, (int, float)) else action.default
+        assert f"(default: {default})" in action.help, action.option_strings
 
 
 def test_small_model_prefers_pure_data_parallelism():

@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,10 +16,11 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from scaletrain.cli import main
 from scaletrain.scaling.fit_plots import PLOT_FILES
 from scaletrain.scaling.sweep.executors import materialize
 from scaletrain.scaling.sweep.plan import plan_sweep
-from scaletrain.scaling.sweep.results import RESULT_COLUMNS
+from scaletrain.scaling.sweep.results import RESULT_COLUMNS, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
@@ -179,3 +181,25 @@ def test_finalize_exits_non_zero_when_the_fit_fails_entirely(tmp_path: Path) -> 
     assert f"wrote {plan.directory / 'results.csv'}" in result.stdout
     assert [row["status"] for row in read_results(plan.directory)] == ["done"] * 2 + ["pending"] * 4
     assert not (plan.directory / "fit").exists()
+
+
+def test_status_shows_a_running_runs_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A running run shows the latest step its metrics.jsonl logged, of its total, not the total alone;
+    a finished run its steps; a run not started 0 of its total."""
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(tmp_path / "unprepared", tmp_path / "sweep"))
+    plan = plan_sweep(load_sweep_spec(spec_path))
+    materialize(plan)
+    done, running, pending = plan.runs[:3]
+    (plan.run_dir(done) / "summary.json").write_text(json.dumps(
+        {"step": done.steps, "tokens": done.tokens, "flops": done.flops, "val_loss": 4.1}))
+    # this test's process stands for the trainer: alive, on this host
+    write_status_file(plan.run_dir(running), {"state": "running", "pid": os.getpid(), "host": socket.gethostname()})
+    logged = running.steps // 3
+    records = [{"step": 0, "val_loss": 6.9}, *({"step": step, "loss": 6.0} for step in range(1, logged + 1))]
+    lines = [json.dumps(record) for record in records] + ['{"step": ']  # the trainer is writing its next line
+    (plan.run_dir(running) / "metrics.jsonl").write_text("\n".join(lines))
+    assert main(["sweep", "status", str(plan.directory)]) == 0
+    printed = {line.split()[0]: line.split()[1:4] for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert printed[running.name] == ["running", f"{logged}/{running.steps}", f"{100 * logged // running.steps}%"]
+    assert printed[done.name][:2] == ["done", str(done.steps)]
+    assert printed[pending.name] == ["pending", f"0/{pending.steps}", "0%"]

@@ -1,4 +1,4 @@
-"""W&B after a graceful stop: the resumed job continues the same run, every step once, no gap."""
+"""W&B after a graceful stop: the resumed job continues the same run, every step once, no gap, namespaced names."""
 
 from __future__ import annotations
 
@@ -37,5 +37,9 @@ def test_a_resumed_run_continues_the_same_wandb_run_without_gaps(small_dataset: 
     assert sorted(first) == list(range(0, 7)) and sorted(second) == list(range(7, STEPS + 1))
     training, validation = read_metrics(run_dir)
     logged = {**first, **second}
-    assert all(logged[step]["loss"] == training[step]["loss"] for step in range(1, STEPS + 1))
-    assert all(logged[step]["val_loss"] == value for step, value in validation.items())
+    assert all(logged[step]["train/loss"] == training[step]["loss"] for step in range(1, STEPS + 1))
+    assert all(logged[step]["train/tokens"] == training[step]["tokens"] for step in range(1, STEPS + 1))
+    assert all(logged[step]["perf/step_time_s"] == training[step]["step_time_s"] for step in range(1, STEPS + 1))
+    assert all(logged[step]["eval/loss"] == value for step, value in validation.items())
+    assert not any(name in row for row in logged.values() for name in ("loss", "val_loss", "tokens_per_s")), \
+        "W&B names are namespaced (train/, eval/, perf/); only metrics.jsonl keeps the flat ones"

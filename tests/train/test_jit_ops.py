@@ -1,15 +1,32 @@
-"""A lock file left by a killed JIT build of a DeepSpeed op no longer hangs the next start."""
+"""DeepSpeed's JIT-built ops: one build root per environment, and no hang on a killed build's lock."""
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import get_default_build_root
 
-from scaletrain.train.jit_ops import clear_stale_build_locks
+from scaletrain.train.jit_ops import clear_stale_build_locks, environment_build_root, pin_build_root
+
+
+def test_each_environment_builds_in_a_root_of_its_own_unless_the_user_chose_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Two venvs sharing torch's default root rebuild each other's op (issue 21)."""
+    first, second = environment_build_root("/work/a/.venv"), environment_build_root("/work/b/.venv")
+    assert first != second and first == environment_build_root("/work/a/.venv")
+    assert first.parent == second.parent == Path(get_default_build_root())
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "")  # recorded, so that the value pinned below is undone
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert pin_build_root() == environment_build_root(sys.prefix)
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(environment_build_root(sys.prefix))  # where torch builds
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert pin_build_root() == tmp_path
 
 
 def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(

@@ -161,9 +161,11 @@ def test_scaletrain_torchrun_exits_75_when_its_ranks_stopped_at_a_checkpoint(
 @pytest.mark.parametrize("rank_exit, launcher_exit, output", [
     (EXIT_STOPPED_EARLY, EXIT_STOPPED_EARLY, "scaletrain-torchrun: the ranks stopped early at a checkpoint (exit 75)"),
     (3, 1, "exitcode  : 3"),
-], ids=["every rank 75", "a rank 3"])
+    (2, 1, "exitcode  : 2"),
+], ids=["every rank 75", "a rank 3", "a rank 2 that is not scaletrain's user error"])
 def test_scaletrain_torchrun_exit_code_follows_its_ranks(rank_exit: int, launcher_exit: int, output: str):
-    """Ranks that all stopped early make exit 75 and one line; any other failure torchrun's report and 1."""
+    """Ranks that all stopped early make exit 75 and one line; scaletrain's user error exit 2 and its
+    line (tests/test_cli.py); any other failure torchrun's report and 1."""
     result = subprocess.run([sys.executable, "-m", "scaletrain.torchrun", "--standalone", "--nproc_per_node=2",
                              "--no-python", "sh", "-c", f"exit {rank_exit}"],
                             cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=120)

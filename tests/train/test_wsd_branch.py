@@ -48,12 +48,13 @@ def test_wsd_warmup_and_no_cooldown() -> None:
     ("train.cooldown_fraction=1.0", "train.cooldown_fraction=1.0 must be in [0, 1)"),
     ("train.cooldown_fraction=-0.1", "train.cooldown_fraction=-0.1 must be in [0, 1)"),
     ("train.cooldown_shape=cosine", "train.cooldown_shape='cosine'; use sqrt or linear"),
-    ("train.warmup_steps=90", "train.warmup_steps=90 plus the cooldown of 20 steps"),
+    ("train.warmup_steps=90 train.branch_from=runs/stable/checkpoints/step_00000080",
+     "train.warmup_steps=90 plus the cooldown of 20 steps"),  # a run that is no branch has its warmup cut
     ("checkpoint.keep_steps=[0,50]", "checkpoint.keep_steps has [0], outside [1, train.steps=100]"),
 ])
 def test_schedule_refusals_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as error:
-        load_config(DEMO_CONFIG, ["train.steps=100", "train.lr_schedule=wsd", override])
+        load_config(DEMO_CONFIG, ["train.steps=100", "train.lr_schedule=wsd", *override.split()])
     assert message in str(error.value)
 
 

@@ -38,7 +38,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("spec", type=Path, help="a sweep spec with a `tune:` section")
     tune.set_defaults(sweep_handler=_tune)
 
-    status = commands.add_parser("status", help="pending/queued/running/done/failed per run, with final val_loss")
+    status = commands.add_parser("status", help="pending/queued/running/done/failed per run, with progress "
+                                                "(latest logged step / total) and final val_loss")
     status.add_argument("source", type=Path, help="the sweep spec or its directory")
     status.set_defaults(sweep_handler=_status)
 
@@ -174,18 +175,28 @@ def format_plan(plan: SweepPlan) -> str:
 
 
 def format_status(sweep_dir: Path, rows: list[dict]) -> str:
-    lines = [f"{'run':<34} {'status':<8} {'steps':>7} {'val_loss':>9} {'train_loss':>10} {'wall':>8}"]
+    """One line per run: a finished run's steps, any other's progress (latest logged step / total)."""
+    lines = [f"{'run':<34} {'status':<8} {'steps':>16} {'val_loss':>9} {'train_loss':>10} {'wall':>8}"]
     for row in rows:
         val = f"{row['val_loss']:.4f}" if row["val_loss"] is not None else "-"
         train = f"{row['train_loss']:.4f}" if row["train_loss"] is not None else "-"
         wall = _duration(row["wall_s"]) if row["wall_s"] else "-"
-        lines.append(f"{row['name']:<34} {row['status']:<8} {row['steps']:>7} {val:>9} {train:>10} {wall:>8}")
+        steps = row["steps"] if row["status"] == "done" else _progress(sweep_dir / RUNS_DIR / row["name"], row["steps"])
+        lines.append(f"{row['name']:<34} {row['status']:<8} {steps:>16} {val:>9} {train:>10} {wall:>8}")
     counts = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     lines.append(", ".join(f"{count} {state}" for state, count in sorted(counts.items())) +
                  f"; table in {sweep_dir / RESULTS_FILE}")
     return "\n".join(lines) + "\n"
+
+
+def _progress(run_dir: Path, total_steps: int) -> str:
+    """`120/1000 12%`: the latest step the run logged (metrics.jsonl) of its planned steps, rounded down."""
+    from scaletrain.scaling.sweep.results import latest_logged_step
+
+    step = latest_logged_step(run_dir / "metrics.jsonl")
+    return f"{step}/{total_steps} {100 * step // total_steps}%"
 
 
 def _duration(seconds: float) -> str:

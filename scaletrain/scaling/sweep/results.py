@@ -128,6 +128,12 @@ def smoothed_train_loss(metrics_path: Path) -> float | None:
     return sum(tail) / len(tail)
 
 
+def latest_logged_step(metrics_path: Path) -> int:
+    """The last step a run logged a training record for (0 before its first): how far a running or
+    interrupted run has got, read from its metrics.jsonl while it is being written."""
+    return max(training_records(metrics_path), default=0)
+
+
 def training_records(metrics_path: Path) -> dict[int, dict[str, Any]]:
     """Training records by step; a step logged again after a resume replaces the earlier record."""
     records: dict[int, dict[str, Any]] = {}

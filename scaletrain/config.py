@@ -291,10 +291,12 @@ class Config:
 # Loading
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, to_train: bool = True) -> Config:
     """Read a YAML config (following `base:` includes), apply `a.b=value` overrides, validate.
 
     An error about a key names where its value came from: the override that set it, else the file.
+    to_train=False for a run's saved config read to use its checkpoints (generate, export, eval): the
+    warning about a warmup cut to fit the run was the training command's to give, not theirs.
     """
     raw = _read_yaml_with_bases(Path(path), seen=())
     set_by: dict[str, str] = {}
@@ -302,7 +304,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         set_by[_apply_override(raw, override)] = override
     config = _build_dataclass(Config, raw, prefix="", sources=_Sources(str(path), set_by))
     validate(config)
-    _warn_if_warmup_cut(config.train)
+    if to_train:
+        _warn_if_warmup_cut(config.train)
     return config
 
 
@@ -429,9 +432,25 @@ def _unknown_key_message(cls: type, prefix: str, name: str, names: list[str], so
     families = _families_with_key(name) if issubclass(cls, ModelConfig) else []
     if families:
         return f"{message} (model.family={' or '.join(families)} has it, this config's family does not)"
+    elsewhere = _sections_with_key(name) if cls in _section_classes() else []
+    if elsewhere:
+        return f"{message} (it belongs under {' or '.join(elsewhere)}: write {elsewhere[0]}.{name})"
     if close:
         return f"{message} (did you mean {prefix}{close[0]}?)"
     return f"{message}; valid keys under {section} are: {', '.join(sorted(names))}"
+
+
+def _section_classes() -> set[type]:
+    hints = typing.get_type_hints(Config)
+    return {hints[section.name] for section in dataclasses.fields(Config)}
+
+
+def _sections_with_key(name: str) -> list[str]:
+    """The top-level sections (other than model:, whose keys depend on the family) that have the key:
+    `train.zero_stage` is `parallel.zero_stage`."""
+    hints = typing.get_type_hints(Config)
+    return [section.name for section in dataclasses.fields(Config)
+            if section.name != "model" and name in {f.name for f in dataclasses.fields(hints[section.name])}]
 
 
 def _families_with_key(name: str) -> list[str]:

@@ -92,7 +92,7 @@ def _checkpoint_path(run_dir: Path, checkpoint: Path) -> Path:
 
 
 def _checkpoint_config(checkpoint: Path) -> Config:
-    return single_process_config(load_config(checkpoint / "config.yaml"))
+    return single_process_config(load_config(checkpoint / "config.yaml", to_train=False))
 
 
 def _with_samples(config: Config, samples: int | None) -> Config:

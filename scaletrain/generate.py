@@ -74,7 +74,7 @@ def run_config(run_dir: Path) -> Config:
     newest = latest_checkpoint(run_dir)
     if newest is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
-    return single_process_config(load_config(newest / "config.yaml"))
+    return single_process_config(load_config(newest / "config.yaml", to_train=False))
 
 
 def single_process_config(config: Config) -> Config:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, load_config, resolve_for_world
+from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, load_config, resolve_for_world, save_config
 from scaletrain.train.schedule import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,6 +171,17 @@ def test_a_warmup_that_fits_gives_no_warning():
         assert load_config(TINY, ["train.steps=31"]).train.resolved_warmup_steps == 30
 
 
+def test_a_saved_run_config_read_to_use_its_checkpoints_does_not_warn_again(tmp_path):
+    """generate, export and eval read the run's config.yaml (to_train=False): the cut was the training
+    command's to report, and the warmup resolves the same."""
+    saved = tmp_path / "config.yaml"
+    with pytest.warns(ConfigWarning):
+        save_config(load_config(TINY, ["train.steps=20"]), saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert load_config(saved, to_train=False).train.resolved_warmup_steps == 19
+
+
 def test_a_cooldown_branch_keeps_its_warmup_and_is_refused_instead_of_cut():
     """A branch continues its stable run's schedule; a cut warmup would not be that run's."""
     overrides = ["train.steps=100", "train.lr_schedule=wsd", "train.warmup_steps=90",
@@ -195,6 +206,8 @@ def test_the_schedule_follows_a_changed_run_length():
     (["model.num_kv_heads=2"], "override model.num_kv_heads=2: unknown key model.num_kv_heads (model.family=llama has "
                                "it, this config's family does not)"),
     (["model.family=rnn"], "override model.family=rnn: model.family='rnn' is not supported"),
+    (["train.zero_stage=1"], "override train.zero_stage=1: unknown key train.zero_stage (it belongs under parallel: "
+                             "write parallel.zero_stage)"),
 ])
 def test_an_override_error_names_the_override(overrides, message):
     with pytest.raises(ConfigError) as error:

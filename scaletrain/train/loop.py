@@ -42,6 +42,7 @@ from scaletrain.config import Config, ConfigError, resolve_for_world, save_confi
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
 from scaletrain.scaling.counts import model_counts
+from scaletrain.tracking.durations import format_duration
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
@@ -277,15 +278,8 @@ def _log_line(record: dict[str, float], total_steps: int, elapsed_s: float, step
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     eta_s = elapsed_s / steps_this_run * (total_steps - record["step"])
-    parts.extend([f"elapsed {_duration(elapsed_s)}", f"eta {_duration(eta_s)}"])
+    parts.extend([f"elapsed {format_duration(elapsed_s)}", f"eta {format_duration(eta_s)}"])
     return "train: " + ", ".join(parts)
-
-
-def _duration(seconds: float) -> str:
-    """42 -> 0m42s, 3725 -> 1h02m: as `sweep plan` writes predicted times."""
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _report_end(

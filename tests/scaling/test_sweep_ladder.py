@@ -37,6 +37,9 @@ def overrides_of(run) -> dict[str, str]:
     return dict(override.split("=", 1) for override in run.overrides)
 
 
+ONE_SIZE = {"models": {"shapes": [TINY_SHAPES[2]]}}  # stable 73 steps; branches of 45 and 91 steps
+
+
 def test_ladder_plan_branches_off_one_stable_run_per_size(small_dataset: Path, tmp_path: Path) -> None:
     spec = ladder_spec(small_dataset, tmp_path / "sweep", models={"shapes": TINY_SHAPES[1:]})
     plan = plan_of(tmp_path, spec)
@@ -74,9 +77,14 @@ def test_ladder_refuses_length_dependent_warmup_and_rules(small_dataset: Path, t
         plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", hyperparameters=timescale))
     with pytest.raises(ConfigError, match=r"ladder.cooldown_fraction=0.0 must be in \(0, 1\)"):
         plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", ladder={"cooldown_fraction": 0}))
-
-
-ONE_SIZE = {"models": {"shapes": [TINY_SHAPES[2]]}}  # stable 73 steps; branches of 45 and 91 steps
+    # One branch of 45 steps from step 36: a 36-step warmup fits the branch (36 + 9 cooldown) but would be
+    # cut in the 36-step stable run, whose schedule the branch continues.
+    one_branch = {**ONE_SIZE, "budgets": [1.2e10]}
+    plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", **one_branch, warmup={"steps": 35, "fraction": 0}))
+    with pytest.raises(ConfigError, match=r"run stable-l2-h64-a4-s7: the warmup of 36 steps does not fit the stable "
+                                          r"run's 36 steps"):
+        plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", **one_branch,
+                                      warmup={"steps": 36, "fraction": 0}))
 
 
 def run_sweep(spec_path: Path) -> str:

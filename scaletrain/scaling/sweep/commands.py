@@ -11,6 +11,7 @@ from scaletrain.config import ConfigError
 from scaletrain.scaling.sweep.ladder import ladder_flops, ladder_lines
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RESULTS_FILE, RUNS_DIR, SWEEP_FILE
 from scaletrain.scaling.sweep.spec import SweepSpec, load_sweep_spec, spec_from_dict
+from scaletrain.tracking.durations import format_duration
 
 if TYPE_CHECKING:
     from scaletrain.scaling.sweep.plan import SweepPlan
@@ -156,14 +157,14 @@ def format_plan(plan: SweepPlan) -> str:
         lines.append(
             f"{run.name:<34} {run.counts.total_params:>10,} {run.counts.non_embedding_params:>10,} "
             f"{run.tokens:>11,} {run.flops:>9.3g} {run.steps:>7,} {epochs:>6} {run.lr:>8.2e} {run.batch_size:>6} "
-            f"{run.beta2:>6.3g} {run.warmup_steps:>6} {run.weight_decay:>8.3g} {_duration(run.predicted_s):>8}"
+            f"{run.beta2:>6.3g} {run.warmup_steps:>6} {run.weight_decay:>8.3g} {format_duration(run.predicted_s):>8}"
         )
     # a ladder trains its stable runs plus the branches' cooldowns, not every branch's full length
     total_flops = ladder_flops(plan.runs)[0] if plan.spec.mode == "ladder" else sum(run.flops for run in plan.runs)
     total_s = sum(run.predicted_s for run in plan.runs)
     lines.append("-" * len(header))
     lines.append(f"total: {len(plan.runs)} runs, {sum(r.tokens for r in plan.runs):,} tokens, {total_flops:.3g} FLOPs, "
-                 f"predicted {_duration(total_s)} on this machine (throughput model: "
+                 f"predicted {format_duration(total_s)} on this machine (throughput model: "
                  f"{plan.spec.throughput.flops_per_s:.3g} FLOP/s, {plan.spec.throughput.step_overhead_s} s/step "
                  f"overhead, {plan.spec.throughput.startup_s:.0f} s startup)")
     if plan.spec.mode == "ladder":
@@ -180,7 +181,7 @@ def format_status(sweep_dir: Path, rows: list[dict]) -> str:
     for row in rows:
         val = f"{row['val_loss']:.4f}" if row["val_loss"] is not None else "-"
         train = f"{row['train_loss']:.4f}" if row["train_loss"] is not None else "-"
-        wall = _duration(row["wall_s"]) if row["wall_s"] else "-"
+        wall = format_duration(row["wall_s"]) if row["wall_s"] else "-"
         steps = row["steps"] if row["status"] == "done" else _progress(sweep_dir / RUNS_DIR / row["name"], row["steps"])
         lines.append(f"{row['name']:<34} {row['status']:<8} {steps:>16} {val:>9} {train:>10} {wall:>8}")
     counts = {}
@@ -197,9 +198,3 @@ def _progress(run_dir: Path, total_steps: int) -> str:
 
     step = latest_logged_step(run_dir / "metrics.jsonl")
     return f"{step}/{total_steps} {100 * step // total_steps}%"
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

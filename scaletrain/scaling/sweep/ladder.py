@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaletrain.config import ConfigError, cooldown_steps, load_config
+from scaletrain.config import Config, ConfigError, cooldown_steps, load_config
 from scaletrain.scaling.sweep.layout import RUNS_DIR
 from scaletrain.scaling.sweep.spec import SweepSpec
 
@@ -95,7 +95,12 @@ def _stable_run(spec: SweepSpec, group: list[PlannedRun], points: list[int]) -> 
         "checkpoint.keep_steps": f"[{', '.join(map(str, points))}]", "run.dir": Path(spec.dir) / RUNS_DIR / name,
         "tracking.name": name,
     })
-    _validate(spec, name, overrides)
+    train = _validate(spec, name, overrides, to_train=False).train
+    if train.resolved_warmup_steps != train.requested_warmup_steps:
+        raise ConfigError(
+            f"sweep {spec.name}: run {name}: the warmup of {train.requested_warmup_steps} steps does not fit the "
+            f"stable run's {steps} steps (its last branch point), and its branches must continue the stable "
+            "run's schedule: lower warmup.steps or raise the budgets")
     fraction = steps / longest.steps
     return dataclasses.replace(
         longest, name=name, budget=None, steps=steps, tokens=round(longest.tokens * fraction),
@@ -155,8 +160,8 @@ def _with_overrides(overrides: tuple[str, ...], changes: dict[str, object]) -> t
     return (*kept, *(f"{key}={value}" for key, value in changes.items()))
 
 
-def _validate(spec: SweepSpec, name: str, overrides: tuple[str, ...]) -> None:
+def _validate(spec: SweepSpec, name: str, overrides: tuple[str, ...], to_train: bool = True) -> Config:
     try:
-        load_config(spec.base, [*spec.overrides, *overrides])
+        return load_config(spec.base, [*spec.overrides, *overrides], to_train=to_train)
     except ConfigError as error:
         raise ConfigError(f"sweep {spec.name}: run {name}: {error}") from None

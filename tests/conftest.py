@@ -36,3 +36,44 @@ def small_dataset(small_dataset_raw: list[Path], tmp_path_factory: pytest.TempPa
     data_dir = tmp_path_factory.mktemp("small_dataset") / "data"
     prepare_dataset(small_dataset_raw, data_dir, **SMALL_DATASET_SETTINGS)
     return data_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# The time budget (issue 22): every run ends with the ten slowest tests, the time by directory and the
+# total, and names any test over PER_TEST_BUDGET_S that is not a real multi-host or SLURM job
+# (@pytest.mark.long_job), so growth is seen when it happens. Printed, not failed: timings on a shared
+# box are noise for a pass/fail decision (speed goals are checked by benchmarks/).
+
+PER_TEST_BUDGET_S = 90.0
+_durations: dict[str, float] = {}
+_long_jobs: set[str] = set()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _long_jobs.update(item.nodeid for item in items if item.get_closest_marker("long_job"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _durations:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("time budget")
+    write("ten slowest tests (setup + call + teardown):")
+    for nodeid, seconds in sorted(_durations.items(), key=lambda item: -item[1])[:10]:
+        write(f"  {seconds:7.1f} s  {nodeid}")
+    by_directory: dict[str, float] = {}
+    for nodeid, seconds in _durations.items():
+        directory = nodeid.split("::")[0].rsplit("/", 1)[0]
+        by_directory[directory] = by_directory.get(directory, 0.0) + seconds
+    write("by directory: " + ", ".join(f"{name} {seconds / 60:.1f} min"
+                                       for name, seconds in sorted(by_directory.items(), key=lambda item: -item[1])))
+    write(f"total: {sum(_durations.values()) / 60:.1f} min in {len(_durations)} tests")
+    over = [nodeid for nodeid, seconds in _durations.items()
+            if seconds > PER_TEST_BUDGET_S and nodeid not in _long_jobs]
+    for nodeid in over:
+        write(f"over the {PER_TEST_BUDGET_S:.0f} s budget: {nodeid} ({_durations[nodeid]:.0f} s); make it cheaper, "
+              "or mark it long_job if it is a real multi-host or SLURM job")

@@ -33,7 +33,7 @@ def test_a_two_rank_run_prints_no_library_notice_before_its_first_step(small_dat
     environment = scaletrain_environment()
     environment.pop("TORCH_EXTENSIONS_DIR", None)
     result = subprocess.run(
-        [*launcher(2), "train", str(DEMO_CONFIG), *tiny_overrides(small_dataset, tmp_path / "run"),
+        [*launcher(2, fresh=True), "train", str(DEMO_CONFIG), *tiny_overrides(small_dataset, tmp_path / "run"),
          "train.steps=2", "train.warmup_steps=1"],
         cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
     )

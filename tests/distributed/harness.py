@@ -1,6 +1,6 @@
 """The one helper that runs a test function on several real gloo processes, and gathers TP shards.
 
-`run_on_ranks(worker, world_size, *args)` spawns `world_size` processes, initialises
+`run_on_ranks(worker, world_size, *args)` starts `world_size` processes, initialises
 torch.distributed on gloo, calls `worker(rank, world_size, *args)` in each and returns the
 per-rank results (anything torch.save can write). Workers must be module-level functions.
 """
@@ -18,11 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.warm import fork_server
+
 
 def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Ranks are forks of the tests' warm fork server (tests/warm.py), which has imported torch,
+    megatron-core and DeepSpeed once; spawned ranks imported them each time, ~5 s of CPU per rank."""
+    fork_server()
     with tempfile.TemporaryDirectory() as results_dir:
-        mp.spawn(
-            _entry, args=(worker, world_size, _free_port(), results_dir, args), nprocs=world_size, join=True
+        mp.start_processes(
+            _entry, args=(worker, world_size, _free_port(), results_dir, args), nprocs=world_size, join=True,
+            start_method="forkserver",
         )
         return [torch.load(Path(results_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 

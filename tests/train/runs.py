@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
+from tests.warm import SOCKET_VARIABLE, warm_socket
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "gpt_tiny.yaml"
+WARM_CLIENT = REPO / "tests" / "warm_client.py"
 
 
 def tiny_overrides(data_dir: Path, run_dir: Path) -> list[str]:
@@ -27,15 +29,20 @@ def tiny_overrides(data_dir: Path, run_dir: Path) -> list[str]:
     ]
 
 
-def launcher(nproc: int) -> list[str]:
+def launcher(nproc: int, fresh: bool = False) -> list[str]:
+    """`python -m scaletrain`, under torchrun for several ranks. Each scaletrain process is a fork of the
+    warm test server (tests/warm.py) unless `fresh`: tests of what happens while a process imports, or
+    of a launcher's process tree (pkill by command line, a rank's parent), need fresh ones."""
+    scaletrain = [sys.executable, "-m", "scaletrain"] if fresh else [sys.executable, str(WARM_CLIENT)]
     if nproc == 1:
-        return [sys.executable, "-m", "scaletrain"]
+        return scaletrain
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*torchrun, "-m", "scaletrain"]
+    return [*torchrun, *(scaletrain[1:] if fresh else [str(WARM_CLIENT)])]
 
 
 def scaletrain_environment() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
+            SOCKET_VARIABLE: str(warm_socket())}
 
 
 def run_scaletrain(
@@ -80,11 +87,11 @@ def scaletrain_torchrun(nproc: int) -> list[str]:
 
 
 def start_training(args: list[str], nproc: int = 1, log: Path | None = None, launch: list[str] | None = None,
-                   new_session: bool = False) -> subprocess.Popen:
-    """`scaletrain train` in the background, its output in `log`; `launch` replaces launcher(nproc)
+                   new_session: bool = False, fresh: bool = False) -> subprocess.Popen:
+    """`scaletrain train` in the background, its output in `log`; `launch` replaces launcher(nproc, fresh)
     (e.g. scaletrain_torchrun(2)); `new_session`: in a process group of its own, to signal as a whole."""
     output = log.open("w") if log else subprocess.DEVNULL
-    return subprocess.Popen([*(launch or launcher(nproc)), "train", str(DEMO_CONFIG), *args], cwd=REPO,
+    return subprocess.Popen([*(launch or launcher(nproc, fresh)), "train", str(DEMO_CONFIG), *args], cwd=REPO,
                             env=scaletrain_environment(), stdout=output, stderr=subprocess.STDOUT, text=True,
                             start_new_session=new_session)
 

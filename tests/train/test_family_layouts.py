@@ -29,14 +29,15 @@ FAMILIES = {
 LAYOUTS = {
     "single": (1, []),
     "tp2": (2, ["parallel.tensor=2"]),
+    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
     "dp2_zero3": (2, ["parallel.zero_stage=3"]),
     "pp2": (2, ["parallel.pipeline=2"]),
     "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
     "pp2_recompute": (2, ["parallel.pipeline=2", "train.activation_checkpoint_interval=1"]),
 }
 CASES = [
-    ("llama", "tp2"), ("llama", "pp2"), ("llama", "tp2_pp2"), ("llama", "dp2_zero3"),
-    ("bert", "tp2"), ("bert", "dp2_zero3"), ("bert", "pp2"), ("t5", "tp2"), ("t5", "dp2_zero3"),
+    ("llama", "tp2"), ("llama", "pp2"), ("llama", "tp2_pp2"), ("llama", "dp2_zero3"), ("llama", "dp2_zero1"),
+    ("bert", "tp2"), ("bert", "dp2_zero3"), ("bert", "pp2"), ("bert", "tp2_pp2"), ("t5", "tp2"), ("t5", "dp2_zero3"),
     ("t5", "pp2"), ("t5", "tp2_pp2"), ("t5", "pp2_recompute"), ("t5_prefix_lm", "pp2"),
 ]
 

@@ -98,7 +98,7 @@ def kill_9(process: subprocess.Popen, groups: set[int] | None = None) -> None:
 
 
 def start(args: list[str], nproc: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([*launcher(nproc), "train", *args], cwd=REPO,
+    return subprocess.Popen([*launcher(nproc, fresh=True), "train", *args], cwd=REPO,
                             env=scaletrain_environment(), stdout=log.open("a"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -71,7 +71,7 @@ def test_preemption_signal_checkpoints_at_the_step_and_resume_is_exact(
     complete step, checkpoints there and exits 75; resuming trains the remaining steps exactly."""
     run_dir = tmp_path / "run"
     extra = ["parallel.zero_stage=1"] if nproc == 2 else []
-    process = start_training(overrides(small_dataset, run_dir, *extra), nproc, log=tmp_path / "train.log")
+    process = start_training(overrides(small_dataset, run_dir, *extra), nproc, log=tmp_path / "train.log", fresh=True)
     wait_for_step(run_dir, 4, process)
     signalled = time.monotonic()
     if nproc == 1:
@@ -146,7 +146,7 @@ def test_a_changed_learning_rate_on_resume_takes_effect(small_dataset: Path, tmp
 @pytest.mark.slow
 def test_a_second_train_on_the_same_run_dir_is_refused(small_dataset: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
-    first = start_training(overrides(small_dataset, run_dir, "train.steps=100000", "train.eval_every=0"))
+    first = start_training(overrides(small_dataset, run_dir, "train.steps=100000", "train.eval_every=0"), fresh=True)
     try:
         wait_for_step(run_dir, 2, first)
         second = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir)],
@@ -186,7 +186,8 @@ def test_workers_stop_when_the_torchrun_launcher_is_killed(small_dataset: Path, 
     """SIGKILL to torchrun alone: its ranks get SIGTERM from the kernel, checkpoint and exit."""
     run_dir = tmp_path / "run"
     launcher_process = start_training(
-        overrides(small_dataset, run_dir, "parallel.zero_stage=1", "train.steps=100000", "train.eval_every=0"), 2)
+        overrides(small_dataset, run_dir, "parallel.zero_stage=1", "train.steps=100000", "train.eval_every=0"), 2,
+        fresh=True)
     workers: list[str] = []
     try:
         wait_for_step(run_dir, 3, launcher_process)

@@ -93,7 +93,7 @@ def test_one_rank_stops_at_a_checkpoint_when_its_loader_worker_is_signalled_too(
 ):
     """`kill -TERM PID $(pgrep -P PID)`, and Ctrl-C (SIGINT to the terminal's process group)."""
     run_dir, log_file = tmp_path / "run", tmp_path / "train.log"
-    process = start_training(endless(small_dataset, run_dir), log=log_file, new_session=True)
+    process = start_training(endless(small_dataset, run_dir), log=log_file, new_session=True, fresh=True)
     with killed_if_left(process):
         wait_for_step(run_dir, 3, process)
         workers = psutil.Process(process.pid).children()
@@ -116,7 +116,7 @@ def test_plain_torchrun_sigterm_has_every_rank_checkpoint_and_exit_by_itself(sma
     with a traceback whatever they do; the ranks stop at the same step with a checkpoint, each
     before torchrun's 30 s grace is up (none is SIGKILLed) and without an error."""
     run_dir, log_file = tmp_path / "run", tmp_path / "train.log"
-    process = start_training(endless(small_dataset, run_dir), nproc=2, log=log_file)
+    process = start_training(endless(small_dataset, run_dir), nproc=2, log=log_file, fresh=True)
     with killed_if_left(process):
         wait_for_step(run_dir, 3, process)
         process.send_signal(signal.SIGTERM)

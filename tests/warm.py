@@ -1,0 +1,213 @@
+"""Warm processes for the tests: forks of a process that has already imported torch, DeepSpeed and
+megatron-core, instead of fresh interpreters that import them again.
+
+A fresh `scaletrain train` spends about 5 s of CPU importing those (megatron.core alone pulls in
+torch._inductor and wandb), and a two-rank run under torchrun about 15 s of its 21, while the tiny
+runs the tests train take a second: start-up was most of the suite's time. Two warm servers fix it:
+
+- `fork_server()`: multiprocessing's fork server with PRELOADED imported; tests/distributed/harness.py
+  forks its ranks from it.
+- `WarmServer` (this module run as `python -m tests.warm SOCKET`): forks one `scaletrain` process per
+  request from tests/warm_client.py, which stands where `python -m scaletrain` stood: under torchrun
+  (each rank a client), or alone. The fork takes the client's argv, environment, working directory
+  and stdin/stdout/stderr; the client passes signals on to it and exits as it did (code or signal), so
+  torchrun's rendezvous, error files and exit codes are real. The fork ends when its client ends.
+
+A fork cannot show what happens while a process imports (which modules a command loads, the notices
+printed on import) nor a launcher's own process tree (pkill by command line, a rank's parent), so
+tests of those use fresh processes: `launcher(nproc, fresh=True)` in tests/train/runs.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import multiprocessing
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRELOADED = ("torch", "megatron.core", "deepspeed", "transformers", "scaletrain.cli", "scaletrain.train.loop",
+             "tests.warm", "tests.distributed.harness")
+SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"  # where tests/warm_client.py finds the server
+HEADER = struct.Struct("!I")  # the length of the JSON request that follows it
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's fork server context; the server starts (and imports PRELOADED) on first use.
+
+    It keeps the environment of the moment it started: a child sets what it needs itself."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    return context
+
+
+_server: subprocess.Popen | None = None
+_socket_path: Path | None = None
+
+
+def warm_socket() -> Path:
+    """The socket of this test session's WarmServer, started on first use and stopped at exit."""
+    global _server, _socket_path
+    if _server is None or _server.poll() is not None:
+        directory = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
+        _socket_path = directory / "server.sock"
+        log = (directory / "server.log").open("w")
+        repo = Path(__file__).resolve().parents[1]
+        _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(_socket_path)], cwd=repo,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not _socket_path.exists():
+            if _server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the warm test server did not start: {(directory / 'server.log').read_text()}")
+            time.sleep(0.05)
+        atexit.register(_stop_server, _server)
+    return _socket_path
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=30)
+
+
+class WarmServer:
+    """Accepts client requests on a Unix socket and forks a `scaletrain` process for each; tells each
+    client its fork's pid, then how the fork ended. It never runs a torch op or starts a Python thread,
+    so no OpenMP, gloo or DataLoader thread would be missing in a fork."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(socket_path) + ".tmp")
+        self.listener.listen(64)
+        self.wakeup_read, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)
+        signal.set_wakeup_fd(wakeup_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        self.clients: dict[int, socket.socket] = {}
+        os.rename(str(socket_path) + ".tmp", socket_path)  # clients see the socket once it listens
+
+    def serve(self) -> None:
+        while True:
+            readable, _, _ = select.select([self.listener, self.wakeup_read], [], [])
+            if self.wakeup_read in readable:
+                os.read(self.wakeup_read, 4096)
+                self._report_exits()
+            if self.listener in readable:
+                self._fork_for(self.listener.accept()[0])
+
+    def _fork_for(self, connection: socket.socket) -> None:
+        header, fds, _, _ = socket.recv_fds(connection, HEADER.size, 3)
+        request = json.loads(_receive_exactly(connection, HEADER.unpack(header)[0]))
+        pid = os.fork()
+        if pid == 0:
+            self.listener.close()
+            for other in self.clients.values():
+                other.close()
+            _become_scaletrain(request, fds, connection)  # never returns
+        for fd in fds:
+            os.close(fd)
+        self.clients[pid] = connection
+        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+    def _report_exits(self) -> None:
+        while self.clients:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            connection = self.clients.pop(pid, None)
+            if connection is not None:
+                ended = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
+                         else {"exit": os.waitstatus_to_exitcode(status)})
+                with contextlib.suppress(OSError):  # the client is gone
+                    connection.sendall(json.dumps(ended).encode() + b"\n")
+                connection.close()
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the client closed the connection mid-request")
+        data += chunk
+    return data
+
+
+def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket) -> None:
+    """In the fork: the process `python -m scaletrain *args` would have been, then run it; exit with its code."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        _end_with_client(connection)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = ["scaletrain", *request["args"]]
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the fork's own stdin, kept open to exit)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        import torch
+
+        # OpenMP read OMP_NUM_THREADS when the server imported torch, under the server's environment.
+        torch.set_num_threads(int(request["env"].get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+        from scaletrain.cli import main
+
+        try:
+            code = main(request["args"]) or 0
+        except SystemExit as exit_request:
+            code = exit_request.code if isinstance(exit_request.code, int) else (0 if exit_request.code is None else 1)
+            if isinstance(exit_request.code, str):
+                print(exit_request.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # exiting either way
+                stream.flush()
+        os._exit(code)
+
+
+def _end_with_client(connection: socket.socket) -> None:
+    """The fork is killed when its client ends (killed with SIGKILL, say): the client holds the other end
+    of the connection, so a thread that reads it sees end-of-file then."""
+    import threading
+
+    def watch() -> None:
+        while connection.recv(1):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="warm-client-watch").start()
+
+
+def main(socket_path: str) -> None:
+    for name in PRELOADED:
+        importlib.import_module(name)
+    # Importing torch starts one native thread (torch's own; its pools are re-made in a fork by torch's
+    # at-fork handlers), and no Python thread: forks see the same as multiprocessing's fork server.
+    threads = len(os.listdir("/proc/self/task"))
+    print(f"warm server: {len(PRELOADED)} modules imported, {threads} native thread(s)", flush=True)
+    WarmServer(Path(socket_path)).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

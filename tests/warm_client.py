@@ -1,0 +1,46 @@
+"""Stands where `python -m scaletrain ARGS` stands (alone, or as a rank under torchrun) and has the warm
+test server (tests/warm.py) fork that process: it sends its argv, environment, working directory and
+stdin/stdout/stderr, passes on the signals it receives, and exits as the fork did.
+
+Imports only the standard library, so it starts in milliseconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
+
+
+def main() -> None:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(os.environ[SOCKET_VARIABLE])
+    request = json.dumps({"args": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(connection, [struct.pack("!I", len(request))], [0, 1, 2])
+    connection.sendall(request)
+    replies = connection.makefile("r")
+    pid = json.loads(replies.readline())["pid"]
+    for signum in FORWARDED:
+        signal.signal(signum, lambda received, _frame: os.kill(pid, received))
+    line = ""
+    while not line:
+        try:
+            line = replies.readline()
+        except InterruptedError:
+            continue
+        if not line:
+            sys.exit(f"warm test server ended before process {pid} did")
+    ended = json.loads(line)
+    if "signal" in ended:
+        signal.signal(ended["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), ended["signal"])
+    sys.exit(ended["exit"])
+
+
+if __name__ == "__main__":
+    main()

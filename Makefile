@@ -14,7 +14,7 @@ TORCH_PIP_ARGS ?=
 CORPUS := data/raw/shakespeare
 ENGLISH_CORPUS := data/raw/english
 
-.PHONY: install demo corpus corpus-english corpus-fineweb-edu test lint clean
+.PHONY: install demo corpus corpus-english corpus-fineweb-edu test test-fast lint clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ demo: corpus
 
 test: install
 	$(BIN)/python -m pytest tests
+
+# The edit-run loop: every test not marked slow (no multi-process layouts, kill campaigns, sweeps or
+# SLURM jobs); every package is touched. At most 5 minutes on 2 cores.
+test-fast: install
+	$(BIN)/python -m pytest tests -m "not slow"
 
 lint: install
 	$(BIN)/ruff check scaletrain tests data_pipelines benchmarks

@@ -107,6 +107,7 @@ def ladder_sweep(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) 
     return root / "sweep", run_sweep(spec_path)
 
 
+@pytest.mark.slow
 def test_ladder_branches_equal_fresh_wsd_runs(ladder_sweep: tuple[Path, str], tmp_path: Path) -> None:
     sweep_dir, output = ladder_sweep
     assert "trained 3 runs, skipped 0 already done, 0 failed" in output
@@ -128,6 +129,7 @@ def test_ladder_branches_equal_fresh_wsd_runs(ladder_sweep: tuple[Path, str], tm
     assert (sweep_dir / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_an_interrupted_ladder_resumes(
     ladder_sweep: tuple[Path, str], small_dataset: Path, tmp_path: Path
 ) -> None:

@@ -43,6 +43,7 @@ def read_results(sweep_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
+@pytest.mark.slow
 def test_every_run_finishes_with_its_planned_budget(finished_sweep: tuple[Path, Path, str]) -> None:
     _, sweep_dir, output = finished_sweep
     assert f"trained {NUM_RUNS} runs, skipped 0 already done, 0 failed" in output
@@ -62,6 +63,7 @@ def test_every_run_finishes_with_its_planned_budget(finished_sweep: tuple[Path, 
         assert metrics[-1]["val_loss"] == pytest.approx(float(row["val_loss"]))
 
 
+@pytest.mark.slow
 def test_fit_writes_every_key_and_valid_plots(finished_sweep: tuple[Path, Path, str]) -> None:
     _, sweep_dir, _ = finished_sweep
     fit = json.loads((sweep_dir / "fit" / "fit.json").read_text())
@@ -75,6 +77,7 @@ def test_fit_writes_every_key_and_valid_plots(finished_sweep: tuple[Path, Path, 
         assert height > 200 and width > 200
 
 
+@pytest.mark.slow
 def test_every_wandb_run_carries_the_group(finished_sweep: tuple[Path, Path, str]) -> None:
     _, sweep_dir, _ = finished_sweep
     results = {row["name"]: row for row in read_results(sweep_dir)}
@@ -94,6 +97,7 @@ def test_every_wandb_run_carries_the_group(finished_sweep: tuple[Path, Path, str
     assert "history" in logged
 
 
+@pytest.mark.slow
 def test_status_and_rerun(finished_sweep: tuple[Path, Path, str]) -> None:
     spec_path, sweep_dir, _ = finished_sweep
     status = run_scaletrain("sweep", ["status", str(spec_path)])
@@ -103,6 +107,7 @@ def test_status_and_rerun(finished_sweep: tuple[Path, Path, str]) -> None:
     assert f"trained 0 runs, skipped {NUM_RUNS} already done" in run_scaletrain("sweep", ["run", str(spec_path)])
 
 
+@pytest.mark.slow
 def test_fit_command_on_the_sweep(finished_sweep: tuple[Path, Path, str], tmp_path: Path) -> None:
     _, sweep_dir, _ = finished_sweep
     output = run_scaletrain("fit", [str(sweep_dir), "--out", str(tmp_path / "fit"), "--bootstrap", "5",
@@ -112,6 +117,7 @@ def test_fit_command_on_the_sweep(finished_sweep: tuple[Path, Path, str], tmp_pa
     assert "approach" in output.lower()
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_trains_only_unfinished_runs(
     finished_sweep: tuple[Path, Path, str], small_dataset: Path, tmp_path: Path
 ) -> None:
@@ -141,6 +147,7 @@ def test_interrupted_sweep_trains_only_unfinished_runs(
         assert {key: row[key] for key in COMPARED} == {key: reference[row["name"]][key] for key in COMPARED}
 
 
+@pytest.mark.slow
 def test_torchrun_executor_trains_the_same_runs_on_two_ranks(
     finished_sweep: tuple[Path, Path, str], small_dataset: Path, tmp_path: Path
 ) -> None:

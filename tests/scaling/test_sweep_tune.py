@@ -27,6 +27,7 @@ def tuned_spec(data_dir: Path, sweep_dir: Path) -> dict:
     return spec
 
 
+@pytest.mark.slow
 def test_sweep_tune_fits_the_lr_and_a_tuned_spec_plans_with_it(small_dataset: Path, tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     spec_path = write_spec(tmp_path / "spec.yaml", tuned_spec(small_dataset, sweep_dir))

@@ -154,6 +154,11 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
             os.dup2(fd, target)
             os.close(fd)
         _end_with_client(connection)
+        # Exit handlers registered while the server imported belong to the server: wandb's, for one,
+        # deletes the media directory it made at import, which every later fork shares. A fork runs
+        # only those its own command registers (a fresh process would run both; these cleanups are the
+        # server's to do once, at its own exit).
+        atexit._clear()
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])

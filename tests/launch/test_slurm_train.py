@@ -110,6 +110,7 @@ def submit_before_a_time_limit_check(cluster: SlurmCluster, submit: Callable[[],
     raise AssertionError(f"no time-limit check logged in 90 s\n{cluster.log_tails()}")
 
 
+@pytest.mark.long_job  # a real SLURM job that waits for slurmctld's 30 s time-limit check, then a requeue
 def test_time_limit_signal_checkpoints_at_the_step_requeues_and_resumes_exactly(
     slurm_cluster: SlurmCluster, small_dataset: Path, torchrun_run: Path, tmp_path: Path
 ) -> None:

@@ -2,7 +2,8 @@
 test server (tests/warm.py) fork that process: it sends its argv, environment, working directory and
 stdin/stdout/stderr, passes on the signals it receives, and exits as the fork did.
 
-Imports only the standard library, so it starts in milliseconds."""
+Imports only the standard library and tests/warm.py's constants (that module imports nothing else at
+its top; this script's directory, tests/, is first on sys.path), so it starts in milliseconds."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 
-SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"
+from warm import HEADER, SOCKET_VARIABLE
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -21,7 +22,7 @@ def main() -> None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(os.environ[SOCKET_VARIABLE])
     request = json.dumps({"args": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    socket.send_fds(connection, [struct.pack("!I", len(request))], [0, 1, 2])
+    socket.send_fds(connection, [HEADER.pack(len(request))], [0, 1, 2])
     connection.sendall(request)
     replies = connection.makefile("r")
     pid = json.loads(replies.readline())["pid"]

@@ -16,6 +16,7 @@ ENGLISH_CORPUS := data/raw/english
 
 .PHONY: install demo corpus corpus-english corpus-fineweb-edu test test-fast lint clean
 
+# install ends by building DeepSpeed's CPU comm op (~90 s, once per venv) that the first run would build.
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -23,6 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m scaletrain.train.jit_ops
 	touch $@
 
 corpus: install

@@ -12,6 +12,8 @@ runs the tests train take a second: start-up was most of the suite's time. Two w
   (each rank a client), or alone. The fork takes the client's argv, environment, working directory
   and stdin/stdout/stderr; the client passes signals on to it and exits as it did (code or signal), so
   torchrun's rendezvous, error files and exit codes are real. The fork ends when its client ends.
+  In a fork, sys.executable is tests/warm_python, so the `python -m scaletrain` processes that a
+  command starts itself (a sweep's runs, locally or as SLURM array tasks) are warm forks too.
 
 A fork cannot show what happens while a process imports (which modules a command loads, the notices
 printed on import) nor a launcher's own process tree (pkill by command line, a rank's parent), so
@@ -39,6 +41,8 @@ from pathlib import Path
 PRELOADED = ("torch", "megatron.core", "deepspeed", "transformers", "scaletrain.cli", "scaletrain.train.loop",
              "tests.warm", "tests.distributed.harness")
 SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"  # where tests/warm_client.py finds the server
+PYTHON_VARIABLE = "SCALETRAIN_TEST_PYTHON"  # the interpreter behind tests/warm_python
+WARM_PYTHON = Path(__file__).resolve().parent / "warm_python"
 HEADER = struct.Struct("!I")  # the length of the JSON request that follows it
 
 
@@ -161,6 +165,8 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
         atexit._clear()
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ[PYTHON_VARIABLE] = sys.executable
+        sys.executable = str(WARM_PYTHON)
         os.chdir(request["cwd"])
         sys.argv = ["scaletrain", *request["args"]]
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the fork's own stdin, kept open to exit)

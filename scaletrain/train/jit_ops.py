@@ -7,6 +7,8 @@ op (100-160 s each) for as long as both run (issue 21). Unless the user set TORC
 each environment (sys.prefix) gets a root of its own, set in TORCH_EXTENSIONS_DIR for torch to use.
 
 Announced: a first build takes ~90 s on 2 CPU cores with no output; rank 0 says it is coming.
+`make install` builds it ahead (`python -m scaletrain.train.jit_ops`), as DeepSpeed's DS_BUILD_OPS
+would at pip-install time, so the first run, demo or test of a new environment does not wait on it.
 
 Without the hang: torch's cpp_extension guards each build directory with a lock file (`FileBaton`)
 that every process creates while it builds or checks the op and deletes when done; a process killed
@@ -104,3 +106,21 @@ def _op_to_build(root: Path) -> str | None:
     if installed_ops.get(builder.NAME, False) or (root / builder.NAME / f"{builder.NAME}.so").exists():
         return None
     return builder.NAME
+
+
+def build_ahead() -> str | None:
+    """Build DeepSpeed's CPU comm op into this environment's root now (the name built, None when
+    there is nothing to build): what the first DeepSpeed engine of this environment would do."""
+    clear_stale_build_locks()
+    op_name = _op_to_build(pin_build_root())
+    if op_name is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().create_op_builder(CPU_COMM_OP).load(verbose=False)
+    return op_name
+
+
+if __name__ == "__main__":
+    built = build_ahead()
+    print(f"built DeepSpeed's CPU op {built} under {pin_build_root()}" if built
+          else f"DeepSpeed's CPU op needs no build here ({pin_build_root()})")

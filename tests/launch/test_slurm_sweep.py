@@ -8,16 +8,22 @@ import csv
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401 (registers the fixture)
-from tests.train.runs import REPO, read_metrics
+from tests.train.runs import REPO, launcher, read_metrics, run_scaletrain
+from tests.warm import SOCKET_VARIABLE, warm_socket
 
 pytestmark = pytest.mark.slow
+
+
+def warm(cluster: SlurmCluster) -> dict[str, str]:
+    """The cluster's environment for a warm `scaletrain sweep run`: sbatch exports it to the array tasks,
+    whose `python -m scaletrain` (tests/warm_python, a warm fork's sys.executable) are warm forks too."""
+    return {**cluster.env, SOCKET_VARIABLE: str(warm_socket())}
 
 
 def test_slurm_executor_trains_the_sweep_as_a_job_array(
@@ -27,8 +33,7 @@ def test_slurm_executor_trains_the_sweep_as_a_job_array(
     spec = tiny_spec(small_dataset, sweep_dir, budgets=[1.2e10], fit={"bootstrap": 0},
                      slurm={"max_concurrent": 1, "cpus_per_task": 2, "time": "00:20:00"})
     spec_path = write_spec(tmp_path / "spec.yaml", spec)
-    plan = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "plan", str(spec_path)], cwd=REPO,
-                          capture_output=True, text=True, check=True).stdout
+    plan = run_scaletrain("sweep", ["plan", str(spec_path)])
     names = [line.split()[0] for line in plan.splitlines() if line.startswith("c1.2e10-")]
     assert len(names) == 3
     broken = sweep_dir / "runs" / names[1] / "checkpoints" / "step_00000001"
@@ -36,8 +41,8 @@ def test_slurm_executor_trains_the_sweep_as_a_job_array(
     (broken / "meta.json").write_text("{")  # its resume fails with a clear error: the array must go on
 
     submitted = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path), "--executor", "slurm"],
-        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=True).stdout
+        [*launcher(1), "sweep", "run", str(spec_path), "--executor", "slurm"],
+        cwd=REPO, env=warm(slurm_cluster), capture_output=True, text=True, timeout=120, check=True).stdout
     array_job, finalize_job = (int(job) for job in
                                re.search(r"job array (\d+) .* finalize job (\d+)", submitted).groups())
     (script,) = (sweep_dir / "slurm").glob("array-*.sbatch")
@@ -55,8 +60,8 @@ def test_slurm_executor_trains_the_sweep_as_a_job_array(
     assert float(rows[names[0]]["val_loss"]) > 0 and rows[names[1]]["val_loss"] == ""
     assert "corrupt" in (sweep_dir / "runs" / names[1] / "train.log").read_text()
 
-    status = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "status", str(sweep_dir)], cwd=REPO,
-                            env=slurm_cluster.env, capture_output=True, text=True, check=True).stdout
+    status = subprocess.run([*launcher(1), "sweep", "status", str(sweep_dir)], cwd=REPO,
+                            env=warm(slurm_cluster), capture_output=True, text=True, check=True).stdout
     assert "2 done, 1 failed" in status
 
 
@@ -71,8 +76,8 @@ def test_slurm_executor_trains_a_ladder_as_two_dependent_arrays(
                      slurm={"max_concurrent": 2, "cpus_per_task": 1, "time": "00:20:00"})
     spec_path = write_spec(tmp_path / "spec.yaml", spec)
     submitted = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path), "--executor", "slurm"],
-        cwd=REPO, env=slurm_cluster.env, capture_output=True, text=True, timeout=120, check=True).stdout
+        [*launcher(1), "sweep", "run", str(spec_path), "--executor", "slurm"],
+        cwd=REPO, env=warm(slurm_cluster), capture_output=True, text=True, timeout=120, check=True).stdout
     stable_job, branch_job, finalize_job = (int(job) for job in re.search(
         r"job array (\d+) \(1 runs\); job array (\d+) \(2 runs\).* finalize job (\d+)", submitted).groups())
     assert slurm_cluster.wait(stable_job, timeout=600) == {0: "COMPLETED"}

@@ -20,7 +20,7 @@ from scaletrain.scaling.sweep.ladder import ladder_flops
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
-from tests.train.runs import REPO, read_metrics, run_scaletrain, scaletrain_environment
+from tests.train.runs import REPO, launcher, read_metrics, run_scaletrain, scaletrain_environment
 
 LADDER = {"mode": "ladder", "name": "tiny-ladder", "warmup": {"steps": 2, "fraction": 0.0}, "guards": {"min_steps": 1}}
 
@@ -89,7 +89,7 @@ def test_ladder_refuses_length_dependent_warmup_and_rules(small_dataset: Path, t
 
 def run_sweep(spec_path: Path) -> str:
     """`sweep run`; a fit of two points may fail (exit 1) after every run trained: training is what counts."""
-    result = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO,
+    result = subprocess.run([*launcher(1), "sweep", "run", str(spec_path)], cwd=REPO,
                             env=scaletrain_environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 or "fit failed" in result.stdout, result.stderr[-3000:]
     return result.stdout
@@ -143,7 +143,8 @@ def test_an_interrupted_ladder_resumes(
     deadline = time.monotonic() + 600
     while not (stable_dir / "checkpoints" / "latest").exists() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and the stable run's trainer, as a preemption would
+    # the sweep and the stable run's trainer, as a preemption would: fresh processes, one process group
+    os.killpg(sweep.pid, signal.SIGKILL)
     sweep.wait()
     assert not (stable_dir / "summary.json").exists(), "the kill should land in the stable run"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from scaletrain.scaling.sweep.tune import tune_plan
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
-from tests.train.runs import REPO
+from tests.train.runs import REPO, launcher, scaletrain_environment
 
 
 def plan_of(tmp_path: Path, spec: dict):
@@ -105,8 +104,8 @@ def test_bad_specs_name_the_culprit(small_dataset: Path, tmp_path: Path, changes
 def test_cli_refuses_a_bad_spec_without_writing_anything(small_dataset: Path, tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir, budgets=[1e6]))
-    result = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*launcher(1), "sweep", "run", str(spec_path)], cwd=REPO,
+                            env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "less than one optimizer step" in result.stderr and "Traceback" not in result.stderr
     assert not sweep_dir.exists()
@@ -114,8 +113,8 @@ def test_cli_refuses_a_bad_spec_without_writing_anything(small_dataset: Path, tm
 
 def test_plan_command_prints_the_table(small_dataset: Path, tmp_path: Path) -> None:
     spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, tmp_path / "sweep"))
-    result = subprocess.run([sys.executable, "-m", "scaletrain", "sweep", "plan", str(spec_path)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300, check=True)
+    result = subprocess.run([*launcher(1), "sweep", "plan", str(spec_path)], cwd=REPO,
+                            env=scaletrain_environment(), capture_output=True, text=True, timeout=300, check=True)
     lines = result.stdout.splitlines()
     assert sum(line.startswith("c1.2e10-") or line.startswith("c2.4e10-") for line in lines) == 6
     assert any(line.startswith("total: 6 runs") and "predicted" in line for line in lines)

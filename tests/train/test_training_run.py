@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,15 @@ import torch
 
 from scaletrain.data.dataset import PackedSequenceDataset
 from tests.distributed.harness import run_on_ranks
-from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides
+from tests.train.runs import (
+    DEMO_CONFIG,
+    REPO,
+    launcher,
+    read_metrics,
+    run_scaletrain,
+    scaletrain_environment,
+    tiny_overrides,
+)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +112,8 @@ def test_consolidated_weights_reproduce_the_logged_validation_loss(trained_run: 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path: Path):
     result = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "train", str(DEMO_CONFIG), "parallel.tensor=3"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [*launcher(1), "train", str(DEMO_CONFIG), "parallel.tensor=3"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
     assert "parallel.tensor=3 does not divide model.num_heads=4" in result.stderr
@@ -115,9 +122,9 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path: Path):
 
 def test_training_on_unprepared_data_names_the_fix(tmp_path: Path):
     result = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "train", str(DEMO_CONFIG), f"data.dir={tmp_path / 'nothing'}",
+        [*launcher(1), "train", str(DEMO_CONFIG), f"data.dir={tmp_path / 'nothing'}",
          f"run.dir={tmp_path / 'run'}", "tracking.wandb=disabled"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 2
     assert "scaletrain prepare" in result.stderr

@@ -43,6 +43,7 @@ matching nothing, a file without the text column) exits 2 with one line naming i
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import gzip
 import json
@@ -369,13 +370,15 @@ def build_corpus(
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the corpus from other users' jobs
-        rows = open_stream(recipe, options, data_files)
-        texts = filter_documents(rows, required_columns(recipe, options), filters, counts, source)
+        texts = filter_documents(open_stream(recipe, options, data_files), required_columns(recipe, options),
+                                 filters, counts, source)
         try:
             files = write_documents(texts, staging, options, counts, log, recipe.name)
         except (ValueError, OSError) as error:  # a corrupt file (pyarrow raises ValueErrors), a dropped connection
             raise CorpusError(f"reading {source} failed after {counts['read']:,} rows: {error}; replace the file "
                               "or check the network, then run again") from error
+        finally:
+            close_stream(texts)
         if not files:
             raise CorpusError(f"no document of {source} passed the filters ({counts['read']:,} read, dropped: "
                               f"{counts['dropped']}); loosen the filters or check --language")
@@ -388,6 +391,15 @@ def build_corpus(
     log(f"{recipe.name}: kept {counts['kept']:,} of {counts['read']:,} documents "
         f"({counts['characters']:,} characters) in {len(files)} files in {out_dir}; dropped {counts['dropped']}")
     return summary
+
+
+def close_stream(texts: Iterator[str]) -> None:
+    """End the row stream now, while pyarrow is alive. A parquet stream's reader left for the interpreter's
+    final teardown can abort the process after all the work succeeded ("terminate called without an
+    active exception", exit -6: apache/arrow#45214, huggingface/datasets#7566); closing the generator
+    frees the dataset's iterator, and a collection frees any cycle that still holds it."""
+    texts.close()
+    gc.collect()
 
 
 def corpus_settings(recipe: Recipe, options: CorpusOptions, data_files: list[Path] | None) -> dict:

@@ -12,6 +12,8 @@ runs the tests train take a second: start-up was most of the suite's time. Two w
   (each rank a client), or alone. The fork takes the client's argv, environment, working directory
   and stdin/stdout/stderr; the client passes signals on to it and exits as it did (code or signal), so
   torchrun's rendezvous, error files and exit codes are real. The fork ends when its client ends.
+  A client whose first argument is TORCHRUN stands for `python -m torch.distributed.run ARGS` instead
+  (importing torch for torchrun took 1.5 s of each multi-rank run); its ranks are clients in turn.
   In a fork, sys.executable is tests/warm_python, so the `python -m scaletrain` processes that a
   command starts itself (a sweep's runs, locally or as SLURM array tasks) are warm forks too.
 
@@ -38,10 +40,11 @@ import tempfile
 import time
 from pathlib import Path
 
-PRELOADED = ("torch", "megatron.core", "deepspeed", "transformers", "scaletrain.cli", "scaletrain.train.loop",
-             "tests.warm", "tests.distributed.harness")
+PRELOADED = ("torch", "torch.distributed.run", "megatron.core", "deepspeed", "transformers", "scaletrain.cli",
+             "scaletrain.train.loop", "tests.warm", "tests.distributed.harness")
 SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"  # where tests/warm_client.py finds the server
 PYTHON_VARIABLE = "SCALETRAIN_TEST_PYTHON"  # the interpreter behind tests/warm_python
+TORCHRUN = "--torchrun"  # a client's first argument when it stands for `python -m torch.distributed.run`
 WARM_PYTHON = Path(__file__).resolve().parent / "warm_python"
 HEADER = struct.Struct("!I")  # the length of the JSON request that follows it
 
@@ -148,7 +151,8 @@ def _receive_exactly(connection: socket.socket, size: int) -> bytes:
 
 
 def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket) -> None:
-    """In the fork: the process `python -m scaletrain *args` would have been, then run it; exit with its code."""
+    """In the fork: the process `python -m scaletrain *args` (or torchrun's) would have been, then run it;
+    exit with its code."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -168,7 +172,9 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
         os.environ[PYTHON_VARIABLE] = sys.executable
         sys.executable = str(WARM_PYTHON)
         os.chdir(request["cwd"])
-        sys.argv = ["scaletrain", *request["args"]]
+        torchrun = request["args"][:1] == [TORCHRUN]
+        args = request["args"][1:] if torchrun else request["args"]
+        sys.argv = ["torchrun" if torchrun else "scaletrain", *args]
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the fork's own stdin, kept open to exit)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
@@ -176,10 +182,13 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
 
         # OpenMP read OMP_NUM_THREADS when the server imported torch, under the server's environment.
         torch.set_num_threads(int(request["env"].get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-        from scaletrain.cli import main
+        if torchrun:
+            from torch.distributed.run import main
+        else:
+            from scaletrain.cli import main
 
         try:
-            code = main(request["args"]) or 0
+            code = main(args) or 0
         except SystemExit as exit_request:
             code = exit_request.code if isinstance(exit_request.code, int) else (0 if exit_request.code is None else 1)
             if isinstance(exit_request.code, str):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
-from tests.warm import SOCKET_VARIABLE, warm_socket
+from tests.warm import SOCKET_VARIABLE, TORCHRUN, warm_socket
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "gpt_tiny.yaml"
@@ -30,14 +30,16 @@ def tiny_overrides(data_dir: Path, run_dir: Path) -> list[str]:
 
 
 def launcher(nproc: int, fresh: bool = False) -> list[str]:
-    """`python -m scaletrain`, under torchrun for several ranks. Each scaletrain process is a fork of the
-    warm test server (tests/warm.py) unless `fresh`: tests of what happens while a process imports, or
-    of a launcher's process tree (pkill by command line, a rank's parent), need fresh ones."""
+    """`python -m scaletrain`, under torchrun for several ranks. Each scaletrain process, and torchrun, is
+    a fork of the warm test server (tests/warm.py) unless `fresh`: tests of what happens while a process
+    imports, or of a launcher's process tree (pkill by command line, a rank's parent), need fresh ones."""
     scaletrain = [sys.executable, "-m", "scaletrain"] if fresh else [sys.executable, str(WARM_CLIENT)]
     if nproc == 1:
         return scaletrain
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*torchrun, *(scaletrain[1:] if fresh else [str(WARM_CLIENT)])]
+    options = ["--standalone", f"--nproc_per_node={nproc}"]
+    if fresh:
+        return [sys.executable, "-m", "torch.distributed.run", *options, "-m", "scaletrain"]
+    return [sys.executable, str(WARM_CLIENT), TORCHRUN, *options, str(WARM_CLIENT)]
 
 
 def scaletrain_environment() -> dict[str, str]:

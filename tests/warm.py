@@ -162,11 +162,7 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
             os.dup2(fd, target)
             os.close(fd)
         _end_with_client(connection)
-        # Exit handlers registered while the server imported belong to the server: wandb's, for one,
-        # deletes the media directory it made at import, which every later fork shares. A fork runs
-        # only those its own command registers (a fresh process would run both; these cleanups are the
-        # server's to do once, at its own exit).
-        atexit._clear()
+        _leave_server_resources()
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ[PYTHON_VARIABLE] = sys.executable
@@ -204,6 +200,17 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
             with contextlib.suppress(Exception):  # exiting either way
                 stream.flush()
         os._exit(code)
+
+
+def _leave_server_resources() -> None:
+    """A fork runs the exit handlers the server registered as it imported, as a fresh process would
+    (multiprocessing's ends the DataLoader workers at once; without it each lingered 5 s until its
+    parent watchdog fired), except those that delete what the server owns for every fork: the media
+    directory wandb makes at import (an atexit cleanup and the TemporaryDirectory's finalizer)."""
+    media = sys.modules.get("wandb.sdk.data_types._private")
+    if media is not None:
+        atexit.unregister(media.MEDIA_TMP.cleanup)
+        media.MEDIA_TMP._finalizer.detach()
 
 
 def _end_with_client(connection: socket.socket) -> None:

@@ -1,0 +1,91 @@
+"""torchrun across hosts (issue 23): two hosts made of network namespaces (tests/hosts.py), each running
+its own torchrun agent with two ranks, meet by c10d rendezvous on n1 (`launch/torchrun.sh` with NNODES
+and RDZV_ENDPOINT, as the README says) or statically (torchrun's node rank and master address) and
+train the single-rank model: DP across the hosts, and TP2 inside each host x DP2
+across them. Every process is a fresh interpreter in its host's namespace (a warm fork would run in
+the test's own network namespace)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.hosts import Hosts, make_hosts, missing_requirement
+from tests.train.runs import DEMO_CONFIG, REPO, run_scaletrain, tiny_overrides
+from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank
+
+pytestmark = pytest.mark.slow
+
+RANKS_PER_HOST = 2
+RUN_TIMEOUT_S = 300
+TRAINING = [f"train.steps={STEPS}", "train.eval_every=10"]
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory):
+    reason = missing_requirement()
+    if reason is not None:
+        pytest.skip(reason)
+    with make_hosts(2, tmp_path_factory.mktemp("hosts")) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def single_rank(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
+    run_dir = tmp_path_factory.mktemp("single_rank") / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *tiny_overrides(small_dataset, run_dir), *TRAINING])
+    return LayoutRuns(run_dir, run_dir)
+
+
+def torchrun_on_hosts(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list[str],
+                      data_dir: Path) -> None:
+    """One torchrun agent per host, RANKS_PER_HOST ranks each, training the tiny GPT into `run_dir`;
+    fails with every host's output unless all agents exit 0 within RUN_TIMEOUT_S."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true",
+                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    arguments = [str(DEMO_CONFIG), *tiny_overrides(data_dir, run_dir), *TRAINING, *overrides]
+    agents = []
+    for node_rank, host in enumerate(hosts.hosts):
+        if rendezvous == "c10d":  # the documented multi-node command, the same on every host
+            environment.update(NNODES=str(len(hosts)), RDZV_ENDPOINT=f"{hosts[0].name}:29400", RDZV_ID=run_dir.name)
+            command = [str(REPO / "launch" / "torchrun.sh"), str(RANKS_PER_HOST), *arguments]
+        else:  # torchrun's static rendezvous: node rank and master address given
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
+                       f"--nproc_per_node={RANKS_PER_HOST}", f"--node_rank={node_rank}",
+                       f"--master_addr={hosts[0].name}", "--master_port=29500", "-m", "scaletrain", "train",
+                       *arguments]
+        log = (run_dir.parent / f"{host.name}.log").open("w")
+        agents.append((host, log, hosts.popen(host, command, cwd=REPO, env=dict(environment), stdout=log,
+                                              stderr=subprocess.STDOUT)))
+    failures = []
+    for host, log, agent in agents:
+        try:
+            code = agent.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # the harness ends what is left
+            code = f"nothing within {RUN_TIMEOUT_S} s"
+        log.close()
+        if code != 0:
+            failures.append(f"{host.name} exited {code}")
+    if failures:
+        outputs = "\n".join(f"--- {host.name} ---\n{Path(log.name).read_text()[-3000:]}" for host, log, _ in agents)
+        raise AssertionError(f"torchrun across hosts failed ({'; '.join(failures)}):\n{outputs}")
+
+
+@pytest.mark.parametrize("rendezvous, layout, overrides", [
+    ("c10d", "dp4", ["train.micro_batch_size=2"]),
+    ("c10d", "tp2_dp2", ["parallel.tensor=2"]),
+    ("static", "tp2_dp2", ["parallel.tensor=2"]),
+], ids=["c10d: DP across two hosts", "c10d: TP2 inside each host x DP2 across", "static: TP2 x DP2"])
+def test_torchrun_across_two_hosts_trains_the_single_rank_model(
+    hosts: Hosts, single_rank: LayoutRuns, small_dataset: Path, tmp_path: Path, rendezvous: str, layout: str,
+    overrides: list[str],
+) -> None:
+    run_dir = tmp_path / f"{rendezvous}_{layout}"
+    torchrun_on_hosts(hosts, rendezvous, run_dir, overrides, small_dataset)
+    assert_matches_single_rank(LayoutRuns(run_dir, run_dir), single_rank)
+    (n1_log, n2_log) = ((tmp_path / f"{host.name}.log").read_text() for host in hosts.hosts)
+    assert "finished: 20 steps" in n1_log + n2_log

@@ -28,6 +28,7 @@ from types import FrameType
 import psutil
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from scaletrain.cli import EXIT_USER_ERROR, USER_ERROR
@@ -61,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         record(run)(args)  # record: the root cause's error file reaches the scheduler, as under torchrun
     except ChildFailedError as error:
         return _exit_code(error)
+    except RendezvousConnectionError as error:
+        # Several nodes: the agent that hosts the c10d store ended (its ranks failed, say, with a user
+        # error that rank 0 printed on that node), and this one lost it mid-run or while shutting down.
+        print(f"scaletrain-torchrun: lost the rendezvous store at {args.rdzv_endpoint or 'the master node'}: "
+              f"the node that hosts it has ended, and its output says why ({error.__cause__ or error})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -41,6 +41,13 @@ from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
+from scaletrain.parallel.placement import (
+    RankPlace,
+    check_tensor_parallel_within_hosts,
+    gather_places,
+    hosts_of,
+    place_lines,
+)
 from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.durations import format_duration
 from scaletrain.tracking.flops import device_peak_flops
@@ -83,10 +90,12 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
         stop_with_launcher()  # after the handlers: it may send this process SIGTERM
         config = resolve_for_world(config, world_size_from_environment())
         topology = init_distributed(config)
+        places = gather_places(topology)
+        check_tensor_parallel_within_hosts(places, topology.tensor_parallel_size)
         check_data_matches(config)
         lock = _lock_run_directory(Path(config.run.dir), topology)
         try:
-            return _train_locked(config, topology, signals)
+            return _train_locked(config, topology, places, signals)
         finally:
             lock.release()
     finally:
@@ -94,7 +103,8 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
             signals.restore()
 
 
-def _train_locked(config: Config, topology: Topology, stop_signals: StopSignals) -> TrainState:
+def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
+                  stop_signals: StopSignals) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks. Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.data_parallel_rank)
@@ -108,9 +118,11 @@ def _train_locked(config: Config, topology: Topology, stop_signals: StopSignals)
     guard = NonFiniteGuard(engine, topology.device)
     run_dir = Path(config.run.dir)
     state = _restore_or_start(engine, config, topology, run_dir, candidates)
-    facts = _scaling_facts(config, topology)
+    facts = {**_scaling_facts(config, topology), "hosts": hosts_of(places)}
     if topology.is_logging_rank:
         print(_start_line(config, topology, facts, state), file=sys.stderr, flush=True)
+        if topology.world_size > 1:
+            print("\n".join(place_lines(places, topology)), file=sys.stderr, flush=True)
     logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, facts, resumed_step=state.step)
     try:
         _run(engine, guard, config, topology, state, logger, stop_signals)
@@ -447,7 +459,7 @@ def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
             "global_batch_size": global_batch, "tokens_per_step": global_batch * config.model.seq_length}
 
 
-def _start_line(config: Config, topology: Topology, facts: dict[str, float], state: TrainState) -> str:
+def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state: TrainState) -> str:
     resumed = f"resuming at step {state.step} from {state.resumed_from}" if state.resumed_from else "starting at step 0"
     return (f"train: {config.model.family}, {facts['params']:,} parameters ({facts['non_embedding_params']:,} "
             f"non-embedding); world {topology.world_size} = TP {topology.tensor_parallel_size} x "

@@ -75,11 +75,13 @@ class StopConditions:
         self._started = time.monotonic()
 
     def poll(self, steps_this_run: int, device: torch.device) -> str | None:
-        """The first reason that holds on any rank, or None; the same answer on every rank."""
+        """The first reason that holds on any rank, or None; the same answer on every rank (a signal
+        is named by the largest signal number any rank received, so every rank says the same even
+        when the signal reached some ranks first)."""
         train = self._train
         received = self._signals.received
         local = [
-            received is not None,
+            signal.Signals[received].value if received is not None else 0,
             train.exit_after is not None and steps_this_run >= train.exit_after,
             train.exit_after_minutes is not None and time.monotonic() - self._started >= 60 * train.exit_after_minutes,
         ]
@@ -88,7 +90,7 @@ class StopConditions:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         for reason, raised in zip(REASONS, flags.tolist(), strict=True):
             if raised:
-                return f"{reason} {received}" if reason == "signal" and received else reason
+                return f"{reason} {signal.Signals(raised).name}" if reason == "signal" else reason
         return None
 
 

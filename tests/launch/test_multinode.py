@@ -8,6 +8,7 @@ the test's own network namespace)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,10 @@ def single_rank(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def torchrun_on_hosts(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list[str],
-                      data_dir: Path) -> None:
+                      data_dir: Path, expected_exits: tuple[set[int], ...] = ({0}, {0})) -> dict[str, str]:
     """One torchrun agent per host, RANKS_PER_HOST ranks each, training the tiny GPT into `run_dir`;
-    fails with every host's output unless all agents exit 0 within RUN_TIMEOUT_S."""
+    fails with every host's output unless each agent exits with one of its `expected_exits` within
+    RUN_TIMEOUT_S. Returns each host's output by name."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true",
                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     arguments = [str(DEMO_CONFIG), *tiny_overrides(data_dir, run_dir), *TRAINING, *overrides]
@@ -62,17 +64,19 @@ def torchrun_on_hosts(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: l
         agents.append((host, log, hosts.popen(host, command, cwd=REPO, env=dict(environment), stdout=log,
                                               stderr=subprocess.STDOUT)))
     failures = []
-    for host, log, agent in agents:
+    for (host, log, agent), expected_exit in zip(agents, expected_exits, strict=True):
         try:
             code = agent.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:  # the harness ends what is left
             code = f"nothing within {RUN_TIMEOUT_S} s"
         log.close()
-        if code != 0:
+        if code not in expected_exit:
             failures.append(f"{host.name} exited {code}")
+    outputs = {host.name: Path(log.name).read_text() for host, log, _ in agents}
     if failures:
-        outputs = "\n".join(f"--- {host.name} ---\n{Path(log.name).read_text()[-3000:]}" for host, log, _ in agents)
-        raise AssertionError(f"torchrun across hosts failed ({'; '.join(failures)}):\n{outputs}")
+        shown = "\n".join(f"--- {name} ---\n{output[-3000:]}" for name, output in outputs.items())
+        raise AssertionError(f"torchrun across hosts: {'; '.join(failures)}, expected {expected_exits}:\n{shown}")
+    return outputs
 
 
 @pytest.mark.parametrize("rendezvous, layout, overrides", [
@@ -85,7 +89,31 @@ def test_torchrun_across_two_hosts_trains_the_single_rank_model(
     overrides: list[str],
 ) -> None:
     run_dir = tmp_path / f"{rendezvous}_{layout}"
-    torchrun_on_hosts(hosts, rendezvous, run_dir, overrides, small_dataset)
+    output = "\n".join(torchrun_on_hosts(hosts, rendezvous, run_dir, overrides, small_dataset).values())
     assert_matches_single_rank(LayoutRuns(run_dir, run_dir), single_rank)
-    (n1_log, n2_log) = ((tmp_path / f"{host.name}.log").read_text() for host in hosts.hosts)
-    assert "finished: 20 steps" in n1_log + n2_log
+    assert f"finished: {STEPS} steps" in output
+    # rank 0 says where every rank runs: two consecutive ranks per host, each TP pair on one host
+    places = dict(re.findall(r"^train: rank (\d) \(local \d\) on (n\d), cpu;", output, flags=re.MULTILINE))
+    assert sorted(places) == ["0", "1", "2", "3"], output[-3000:]
+    assert places["0"] == places["1"] != places["2"] == places["3"]
+
+
+def test_a_tp_group_across_hosts_is_refused_before_anything_is_written(
+    hosts: Hosts, small_dataset: Path, tmp_path: Path
+) -> None:
+    """TP4 over 2 hosts x 2 ranks would all-reduce every layer across the network: every rank stops
+    with exit 2, rank 0 saying which group spans which hosts and what to set instead. n1 hosts the
+    rendezvous store and rank 0 (c10d orders the nodes by hostname): its agent exits 2 with that one
+    line. n2's agent either sees its ranks' exit 2 first (exit 2), or loses the store as n1's agent
+    ends and says so in one line (exit 1); no traceback either way."""
+    run_dir = tmp_path / "tp4"
+    outputs = torchrun_on_hosts(hosts, "c10d", run_dir, ["parallel.tensor=4", "model.num_heads=4"], small_dataset,
+                                expected_exits=({2}, {1, 2}))
+    errors = [line for line in outputs["n1"].splitlines() if line.startswith("scaletrain train: error:")]
+    assert errors == ["scaletrain train: error: parallel.tensor=4 puts TP group ranks 0-3 on hosts n1, n2: a TP group "
+                      "must stay inside a node (it all-reduces every layer); use parallel.tensor <= 2 (the ranks per "
+                      "node), dividing it, or more ranks per node"], outputs["n1"][-3000:]
+    assert ("scaletrain-torchrun: lost the rendezvous store at n1:29400" in outputs["n2"]
+            or "scaletrain train: error: parallel.tensor=4" in outputs["n2"]), outputs["n2"][-3000:]
+    assert "Traceback" not in outputs["n1"] + outputs["n2"]
+    assert not run_dir.exists()

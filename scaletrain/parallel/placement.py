@@ -1,0 +1,64 @@
+"""Where each rank runs: gathered once at start-up, said by rank 0 (a line per rank), recorded among the
+run's facts (the W&B config), and checked.
+
+The check: a tensor-parallel group must not span hosts. TP all-reduces activations twice per layer
+(Shoeybi et al. 2019, sec. 3), so it is placed on the fastest links, inside a node (Narayanan et al.
+2021, sec. 3.3); across hosts every layer would wait on the network. Ranks are numbered node by node
+(torchrun, and SLURM with one task per rank) and TP is the fastest-varying coordinate, so TP groups
+stay inside nodes whenever parallel.tensor divides the ranks per node.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from scaletrain.config import ConfigError
+from scaletrain.parallel.groups import Topology
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    rank: int
+    local_rank: int
+    host: str
+    device: str
+
+
+def gather_places(topology: Topology) -> list[RankPlace]:
+    """Every rank's place, in rank order, on every rank (one all_gather_object at start-up)."""
+    mine = RankPlace(topology.rank, int(os.environ.get("LOCAL_RANK", 0)), socket.gethostname(), str(topology.device))
+    if topology.world_size == 1:
+        return [mine]
+    places: list[RankPlace | None] = [None] * topology.world_size
+    dist.all_gather_object(places, mine)
+    return [place for place in places if place is not None]
+
+
+def check_tensor_parallel_within_hosts(places: list[RankPlace], tensor_parallel_size: int) -> None:
+    """ConfigError naming the first TP group whose ranks are on more than one host."""
+    for start in range(0, len(places), tensor_parallel_size):
+        group = places[start:start + tensor_parallel_size]
+        hosts = list(dict.fromkeys(place.host for place in group))
+        if len(hosts) > 1:
+            per_host = min(sum(place.host == host for place in places) for host in hosts_of(places))
+            raise ConfigError(
+                f"parallel.tensor={tensor_parallel_size} puts TP group ranks {group[0].rank}-{group[-1].rank} on "
+                f"hosts {', '.join(hosts)}: a TP group must stay inside a node (it all-reduces every layer); "
+                f"use parallel.tensor <= {per_host} (the ranks per node), dividing it, or more ranks per node")
+
+
+def hosts_of(places: list[RankPlace]) -> list[str]:
+    """The distinct hosts, in rank order."""
+    return list(dict.fromkeys(place.host for place in places))
+
+
+def place_lines(places: list[RankPlace], topology: Topology) -> list[str]:
+    """One line per rank: its local rank, host and device, and its TP/DP/PP coordinates (TP fastest)."""
+    tensor, data = topology.tensor_parallel_size, topology.data_parallel_size
+    return [f"train: rank {place.rank} (local {place.local_rank}) on {place.host}, {place.device}; "
+            f"TP {place.rank % tensor} DP {place.rank // tensor % data} PP {place.rank // (tensor * data)}"
+            for place in places]

@@ -6,6 +6,11 @@ they name the include paths of the venv that asks, so two venvs on one machine r
 op (100-160 s each) for as long as both run (issue 21). Unless the user set TORCH_EXTENSIONS_DIR,
 each environment (sys.prefix) gets a root of its own, set in TORCH_EXTENSIONS_DIR for torch to use.
 
+One ninja: torch runs `ninja` from PATH, and pip's ninja in the venv (1.13) and the system's (Debian
+1.11) keep .ninja_log in different versions, so each rebuilt the op the other had built (~50 s a time)
+whenever runs started with and without the venv's bin on PATH (activated or not, a job script, a
+launcher). The environment's own ninja, when it has one, is put first on PATH before any build.
+
 Announced: a first build takes ~90 s on 2 CPU cores with no output; rank 0 says it is coming.
 `make install` builds it ahead (`python -m scaletrain.train.jit_ops`), as DeepSpeed's DS_BUILD_OPS
 would at pip-install time, so the first run, demo or test of a new environment does not wait on it.
@@ -41,9 +46,20 @@ def environment_build_root(prefix: str) -> Path:
     return Path(get_default_build_root()) / f"env-{digest}"
 
 
+def pin_ninja(prefix: str = sys.prefix) -> None:
+    """Put the environment's bin directory first on PATH when it holds a ninja (see the module docstring)."""
+    bin_dir = Path(prefix) / "bin"
+    if (bin_dir / "ninja").exists():
+        entries = os.environ.get("PATH", "").split(os.pathsep)
+        if entries[:1] != [str(bin_dir)]:
+            os.environ["PATH"] = os.pathsep.join([str(bin_dir), *(entry for entry in entries if entry)])
+
+
 def pin_build_root() -> Path:
     """TORCH_EXTENSIONS_DIR when the user set it; else this environment's root, set there (torch
-    reads it at each build, so it holds for every op DeepSpeed builds in this process)."""
+    reads it at each build, so it holds for every op DeepSpeed builds in this process). Pins the
+    ninja that builds too (pin_ninja)."""
+    pin_ninja()
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     root = environment_build_root(sys.prefix)

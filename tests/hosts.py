@@ -128,11 +128,6 @@ def make_hosts(count: int, directory: Path) -> Iterator[Hosts]:
         _remove(hosts, made)
 
 
-def set_link(hosts: Hosts, host: Host, up: bool) -> None:
-    """Take `host`'s link to the bridge down (a cut cable) or up again."""
-    _ip("-n", host.namespace, "link", "set", "eth0", "up" if up else "down")
-
-
 def _remove(hosts: Hosts, namespaces: list[str]) -> None:
     """End every process in the namespaces (the ones started here, and whatever they started), then
     delete the namespaces; the veth pairs and the bridge go with them."""

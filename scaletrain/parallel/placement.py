@@ -42,7 +42,7 @@ def check_tensor_parallel_within_hosts(places: list[RankPlace], tensor_parallel_
     """ConfigError naming the first TP group whose ranks are on more than one host."""
     for start in range(0, len(places), tensor_parallel_size):
         group = places[start:start + tensor_parallel_size]
-        hosts = list(dict.fromkeys(place.host for place in group))
+        hosts = hosts_of(group)
         if len(hosts) > 1:
             per_host = min(sum(place.host == host for place in places) for host in hosts_of(places))
             raise ConfigError(

@@ -137,6 +137,6 @@ def build_ahead() -> str | None:
 
 
 if __name__ == "__main__":
-    built = build_ahead()
-    print(f"built DeepSpeed's CPU op {built} under {pin_build_root()}" if built
-          else f"DeepSpeed's CPU op needs no build here ({pin_build_root()})")
+    built, root = build_ahead(), pin_build_root()
+    print(f"built DeepSpeed's CPU op {built} under {root}" if built
+          else f"DeepSpeed's CPU op needs no build here ({root})")

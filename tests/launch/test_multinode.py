@@ -117,3 +117,20 @@ def test_a_tp_group_across_hosts_is_refused_before_anything_is_written(
             or "scaletrain train: error: parallel.tensor=4" in outputs["n2"]), outputs["n2"][-3000:]
     assert "Traceback" not in outputs["n1"] + outputs["n2"]
     assert not run_dir.exists()
+
+
+def test_each_host_has_its_own_name_and_reaches_only_the_others(tmp_path: Path) -> None:
+    """The harness itself: hostnames n1/n2, each resolving the other to its 10.77.0.x address, a single
+    route (the hosts' subnet: no way off the machine), and nothing left once the hosts are removed."""
+    reason = missing_requirement()
+    if reason is not None:
+        pytest.skip(reason)
+    with make_hosts(2, tmp_path / "hosts") as made:
+        namespaces = {host.namespace for host in made.hosts} | {made.bridge}
+        for host, other in ((made[0], made[1]), (made[1], made[0])):
+            assert made.run(host, ["hostname"]).stdout.strip() == host.name
+            assert made.run(host, ["getent", "hosts", other.name]).stdout.split()[:2] == [other.address, other.name]
+            assert made.run(host, ["ip", "route"]).stdout.splitlines() == [
+                f"10.77.0.0/24 dev eth0 proto kernel scope link src {host.address} "]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert not namespaces & {line.split()[0] for line in listed.splitlines() if line.strip()}

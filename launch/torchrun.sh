@@ -8,9 +8,12 @@
 #   NNODES=2 RDZV_ENDPOINT=node1:29400 launch/torchrun.sh 2 configs/gpt_tiny.yaml parallel.tensor=2
 # scaletrain-torchrun is torchrun that passes SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 to the ranks, which
 # checkpoint at the next step, and exits 75 when they stopped early: run the same command to resume.
+# A rank lost mid-run (its process killed, its node gone) stops the others within parallel.timeout_s
+# with one line naming it, exit 76; MAX_RESTARTS=N (torchrun's --max-restarts) restarts the ranks of
+# every node up to N times in the same job instead, each start resuming from the last checkpoint.
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
-  echo "usage: [NNODES=N RDZV_ENDPOINT=HOST:PORT [RDZV_ID=NAME]] $0 NUM_PROCESSES CONFIG [key=value ...]" >&2
+  echo "usage: [NNODES=N RDZV_ENDPOINT=HOST:PORT [RDZV_ID=NAME]] [MAX_RESTARTS=N] $0 NUM_PROCESSES CONFIG [key=value ...]" >&2
   exit 2
 fi
 nproc=$1; shift
@@ -23,4 +26,5 @@ if [[ -n "${NNODES:-}" && "$NNODES" != 1 ]]; then
 else
   meeting=(--standalone)
 fi
-exec scaletrain-torchrun "${meeting[@]}" --nproc_per_node="$nproc" -m scaletrain train "$@"
+exec scaletrain-torchrun "${meeting[@]}" --max-restarts="${MAX_RESTARTS:-0}" --nproc_per_node="$nproc" \
+  -m scaletrain train "$@"

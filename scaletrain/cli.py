@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -142,6 +143,8 @@ def _build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", type=Path, help="the run's YAML config, as `train` will get it")
     check.add_argument("overrides", nargs="*", help="the dotted overrides `train` will get")
     check.add_argument("--world-size", type=int, default=1, help="ranks the run will start (default 1)")
+    check.add_argument("--ranks-per-node", type=int,
+                       help="ranks each node starts: then a TP group that would span nodes is refused too")
     check.set_defaults(handler=_check)
 
     config = commands.add_parser("config", help="print a config as train resolves it (every key, defaults included)")
@@ -242,11 +245,14 @@ def _prepare_into(config: Config, data_dir: Path, overwrite: bool) -> Manifest:
 def _train(args: argparse.Namespace) -> int:
     """Exit 0 when the run trained all its steps, EXIT_STOPPED_EARLY (75) when a signal,
     train.exit_after or train.exit_after_minutes stopped it at a checkpoint: resume by running again;
-    EXIT_DIVERGED (3) when it stopped on non-finite losses or weights: change the config first.
+    EXIT_DIVERGED (3) when it stopped on non-finite losses or weights: change the config first;
+    EXIT_RANK_LOST (76) when another rank was lost (parallel/peer_loss.py): resume by running again,
+    from the last checkpoint.
 
     The stop handlers go in as soon as the config names them and are never taken out; once the
     exit code is known the stop signals are ignored (train/stopping.py StopSignals says why)."""
     from scaletrain.parallel.groups import destroy_distributed
+    from scaletrain.parallel.peer_loss import EXIT_RANK_LOST, RankLost
     from scaletrain.train.loop import train
     from scaletrain.train.nonfinite import EXIT_DIVERGED, TrainingDiverged
     from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopSignals
@@ -260,6 +266,12 @@ def _train(args: argparse.Namespace) -> int:
         if _is_reporting_rank():
             print(f"scaletrain train: error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
+    except RankLost as error:
+        # every surviving rank knows; one line per host (its first local rank) says it
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"scaletrain train: error: rank {os.environ.get('RANK', '?')} on {socket.gethostname()}: {error}",
+                  file=sys.stderr, flush=True)
+        return EXIT_RANK_LOST
     finally:
         destroy_distributed()
         stop_signals.ignore_while_exiting()
@@ -269,7 +281,7 @@ def _train(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> None:
     from scaletrain.train.preflight import preflight
 
-    print(preflight(args.config, args.overrides, args.world_size).summary())
+    print(preflight(args.config, args.overrides, args.world_size, args.ranks_per_node).summary())
 
 
 def _config(args: argparse.Namespace) -> None:

@@ -141,6 +141,11 @@ class ParallelConfig:
     # Sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals of each block work on
     # 1/tensor of the sequence; megatron's linears all-gather / reduce-scatter instead of all-reducing.
     sequence_parallel: bool = False
+    # How long a collective may wait for another rank before it fails (torch.distributed's process-group
+    # timeout). A rank lost with its host (link down, node dead) is detected only this way: every other
+    # rank waits this long, then exits naming it (train/peer_loss.py). Long enough for the slowest
+    # legitimate wait: a first step's JIT builds, a checkpoint saved by rank 0 while others wait.
+    timeout_s: float = 1800.0
 
 
 @dataclass
@@ -602,6 +607,9 @@ def _validate_parallel(config: Config) -> None:
         raise ConfigError(f"parallel.data={parallel.data} must be >= 1 (or omitted to derive it)")
     if parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}; use 0, 1, 2 or 3")
+    if not parallel.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s={parallel.timeout_s} must be > 0 (seconds a collective may wait "
+                          "for another rank; 1800 by default)")
     if parallel.pipeline > 1 and parallel.zero_stage > 1:
         raise ConfigError(
             f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "

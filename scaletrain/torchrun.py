@@ -14,6 +14,14 @@ launcher exits 2 and adds nothing, or the line itself when rank 0 could not prin
 outcome once, at the end: its agent's lines about a rank's exit and the signal it sends the others
 are left out (the failure report of any other failure names both), and so is torchrun's banner on
 OMP_NUM_THREADS, which it sets to torchrun's value.
+
+A restarted job (--max-restarts) meets afresh. By default the ranks of every rendezvous round share the
+c10d agent's store under the prefix /worker/attempt_{TORCHELASTIC_RESTART_COUNT}, but an agent that
+restarts its ranks because another node's failed (a membership change) does not count it as a restart
+(elastic/agent/server/api.py), so after a rank is lost the nodes' new ranks use different prefixes, or
+the old round's keys: they read addresses of ranks that are gone and fail to connect (seen on the
+namespace hosts: "Gloo connectFullMesh failed ... Connection refused"). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+(set here unless the user set it) makes rank 0 of each round host a store of its own on a new port.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from scaletrain.cli import EXIT_USER_ERROR, USER_ERROR
+from scaletrain.parallel.peer_loss import EXIT_RANK_LOST
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -54,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         name for name in args.signals_to_handle.split(",") if name.strip() not in stop_names)
     for number in STOP_SIGNALS:
         signal.signal(number, _pass_to_ranks)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # see the module docstring
     if "OMP_NUM_THREADS" not in os.environ and determine_local_world_size(args.nproc_per_node) > 1:
         os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's choice for ranks that share a node, without its banner
     for name, starts in AGENT_LINES.items():
@@ -73,12 +83,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_code(error: ChildFailedError) -> int:
-    """75 with one line when every failed rank stopped early at a checkpoint; 2 when the ranks met a
-    user error (_user_error_line); else torchrun's report, 1."""
-    if {failure.exitcode for failure in error.failures.values()} == {EXIT_STOPPED_EARLY}:
+    """75 with one line when every failed rank stopped early at a checkpoint; 76 with one line when the
+    ranks stopped because another was lost (parallel/peer_loss.py); 2 when the ranks met a user error
+    (_user_error_line); else torchrun's report, 1."""
+    exit_codes = {failure.exitcode for failure in error.failures.values()}
+    if exit_codes == {EXIT_STOPPED_EARLY}:
         print(f"scaletrain-torchrun: the ranks stopped early at a checkpoint (exit {EXIT_STOPPED_EARLY}); "
               "run the same command again to resume", file=sys.stderr)
         return EXIT_STOPPED_EARLY
+    if EXIT_RANK_LOST in exit_codes and exit_codes <= {EXIT_RANK_LOST, *STOPPED_BY_AGENT}:
+        print(f"scaletrain-torchrun: a rank was lost and the others stopped (exit {EXIT_RANK_LOST}; the ranks' "
+              "output names it); run the same command again to resume from the last checkpoint, or let "
+              "--max-restarts restart the ranks", file=sys.stderr)
+        return EXIT_RANK_LOST
     line = _user_error_line(error.failures)
     if line is not None:
         if line:

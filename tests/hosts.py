@@ -26,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +77,21 @@ class Hosts:
             **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, timeout=timeout,
                               **kwargs)
+
+    def set_link(self, host: Host, up: bool) -> None:
+        """Cut `host` off the others (its interface down: nothing it sends or is sent arrives), or
+        reconnect it."""
+        _ip("-n", host.namespace, "link", "set", "eth0", "up" if up else "down")
+
+    def kill(self, host: Host, matches: Callable[[list[bytes]], bool]) -> list[int]:
+        """SIGKILL every process of `host` whose argv `matches`; their pids."""
+        killed = []
+        for pid in _namespace_pids(host.namespace):
+            with contextlib.suppress(OSError):
+                if matches(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        return killed
 
 
 def missing_requirement() -> str | None:

@@ -1,4 +1,5 @@
-"""A real one-node SLURM cluster (slurmctld + slurmd as child processes) for tests that submit jobs.
+"""A real SLURM cluster (slurmctld + slurmd as child processes) for tests that submit jobs: one node on
+this host, or one node per namespace host of tests/hosts.py (`start_slurm_on_hosts`, issue 23).
 
 Use the `slurm_cluster` fixture (module scope: each test module that asks for it gets its own
 cluster, started in about a second). Import it into the test module under its function name:
@@ -26,12 +27,14 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+
+from tests.hosts import Host, Hosts
 
 SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 ENABLE_HINT = "install Debian's slurm-wlm: apt-get install slurm-wlm (CI's .ci/run does this as root)"
@@ -47,17 +50,25 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 @dataclass
 class SlurmCluster:
-    """A running cluster: `env` points SLURM's clients at it; `submit` and `wait` run jobs on it."""
+    """A running cluster: `env` points SLURM's clients at it; `submit` and `wait` run jobs on it.
+    `client` turns a client's argv into the command that runs it where the cluster is reachable (as
+    host n1 for a cluster on namespace hosts; as it is for a one-node cluster on this host)."""
 
     directory: Path
     conf: Path
-    node: str
+    nodes: list[str]
     env: dict[str, str]
     daemons: dict[str, subprocess.Popen] = field(default_factory=dict)
+    client: Callable[[Sequence[str]], list[str]] = list
+
+    @property
+    def node(self) -> str:
+        return self.nodes[0]
 
     def run(self, command: list[str], timeout: float = 30.0) -> str:
         """Run a SLURM client against this cluster; fail with its stderr and the daemons' logs."""
-        result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(self.client(command), env=self.env, capture_output=True, text=True,
+                                timeout=timeout)
         if result.returncode != 0:
             raise AssertionError(f"{' '.join(command)} failed ({result.returncode}): {result.stderr.strip()}\n"
                                  f"{self.log_tails()}")
@@ -66,8 +77,8 @@ class SlurmCluster:
     def submit(self, args: list[str], cwd: Path | str, env: dict[str, str] | None = None) -> int:
         """`sbatch --parsable ARGS` run in `cwd`; returns the job id (of the whole array, for arrays).
         `env` adds to the environment sbatch exports to the job."""
-        result = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env={**self.env, **(env or {})},
-                                capture_output=True, text=True, timeout=30)
+        result = subprocess.run(self.client(["sbatch", "--parsable", *args]), cwd=cwd,
+                                env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=30)
         if result.returncode != 0:
             raise AssertionError(f"sbatch {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return int(result.stdout.strip().split(";")[0])
@@ -109,7 +120,7 @@ class SlurmCluster:
             time.sleep(0.25)
 
     def check_daemons(self) -> None:
-        """Fail, with their logs, if slurmctld or slurmd has exited."""
+        """Fail, with their logs, if slurmctld or a slurmd has exited."""
         exited = {name: daemon.returncode for name, daemon in self.daemons.items() if daemon.poll() is not None}
         if exited:
             raise AssertionError(f"SLURM daemons exited (exit codes {exited})\n{self.log_tails()}")
@@ -148,16 +159,22 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-def write_conf(directory: Path, node: str) -> Path:
-    """slurm.conf of a one-node cluster whose every file lives in `directory`."""
-    controller_port, node_port = free_ports(2)
-    for subdirectory in ("state", "spool"):
-        (directory / subdirectory).mkdir()
+def write_conf(directory: Path, nodes: Sequence[tuple[str, str]], ports: tuple[int, int]) -> Path:
+    """slurm.conf of a cluster whose every file lives in `directory`: `nodes` are (name, address), the
+    first also runs the controller; ports are the controller's and the nodes'. With several nodes each
+    slurmd has its own spool, pid and log file (%n: the node's name)."""
+    (directory / "state").mkdir(parents=True)
+    several = len(nodes) > 1
+    spools = [directory / (f"spool_{name}" if several else "spool") for name, _ in nodes]
+    for spool in spools:
+        spool.mkdir()
+    per_node = "_%n" if several else ""
     memory_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    (controller, controller_address), controller_port, node_port = nodes[0], *ports
     settings = {
         "ClusterName": "scaletraintest",
         # Name and address given together: the controller needs no DNS entry for this host.
-        "SlurmctldHost": f"{node}(127.0.0.1)",
+        "SlurmctldHost": f"{controller}({controller_address})",
         "SlurmctldPort": controller_port,
         "SlurmdPort": node_port,
         # No munge daemon: both authentication and job credentials are plugins that do nothing.
@@ -172,8 +189,9 @@ def write_conf(directory: Path, node: str) -> Path:
         "MpiDefault": "none",
         "SelectType": "select/cons_tres",
         "SelectTypeParameters": "CR_Core",
-        # Start a batch job within the controller's 1 s tick of its submission, not up to 3 s later.
-        "SchedulerParameters": "batch_sched_delay=0",
+        # Start a batch job within the controller's 1 s tick of its submission, not up to 3 s later, and a
+        # requeued one within a second of its begin time, not at the next main (60 s) or backfill (30 s) pass.
+        "SchedulerParameters": "batch_sched_delay=0,sched_interval=1",
         # Trust the node line below, not the hardware slurmd detects, so a mismatch never drains it.
         "SlurmdParameters": "config_overrides",
         "ReturnToService": 2,
@@ -182,37 +200,66 @@ def write_conf(directory: Path, node: str) -> Path:
         "JobCompType": "jobcomp/none",
         "AccountingStorageType": "accounting_storage/none",
         "StateSaveLocation": directory / "state",
-        "SlurmdSpoolDir": directory / "spool",
+        "SlurmdSpoolDir": directory / f"spool{per_node}",
         "SlurmctldPidFile": directory / "slurmctld.pid",
-        "SlurmdPidFile": directory / "slurmd.pid",
+        "SlurmdPidFile": directory / f"slurmd{per_node}.pid",
         "SlurmctldLogFile": directory / "slurmctld.log",
-        "SlurmdLogFile": directory / "slurmd.log",
-        "NodeName": f"{node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={max(memory_mib // 2, 1)} "
-                    "State=UNKNOWN",
-        "PartitionName": "debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+        "SlurmdLogFile": directory / f"slurmd{per_node}.log",
     }
+    lines = [f"{key}={value}" for key, value in settings.items()]
+    lines += [f"NodeName={name} NodeAddr={address} CPUs={os.cpu_count()} "
+              f"RealMemory={max(memory_mib // (2 * len(nodes)), 1)} State=UNKNOWN" for name, address in nodes]
+    lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     conf = directory / "slurm.conf"
-    conf.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
+    conf.write_text("".join(f"{line}\n" for line in lines))
     return conf
 
 
 @contextlib.contextmanager
 def start_slurm_cluster(directory: Path) -> Iterator[SlurmCluster]:
-    """Start slurmctld and slurmd with a fresh config in `directory`; on exit, stop everything they started."""
+    """Start slurmctld and slurmd on this host with a fresh config in `directory`; on exit, stop
+    everything they started."""
     node = socket.gethostname().split(".")[0]  # slurmd names itself by the short host name
-    conf = write_conf(directory, node)
-    cluster = SlurmCluster(directory, conf, node, {**os.environ, "SLURM_CONF": str(conf)})
+    conf = write_conf(directory, [(node, "127.0.0.1")], tuple(free_ports(2)))
+    cluster = SlurmCluster(directory, conf, [node], {**os.environ, "SLURM_CONF": str(conf)})
     try:
         for daemon in ("slurmctld", "slurmd"):
-            with open(directory / f"{daemon}-console.log", "w") as console:
-                cluster.daemons[daemon] = subprocess.Popen(
-                    [str(find_program(daemon)), "-D", "-f", str(conf)], env=cluster.env, stdout=console,
-                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                )
+            cluster.daemons[daemon] = _start_daemon(cluster, daemon, [str(find_program(daemon)), "-D", "-f", str(conf)],
+                                                    subprocess.Popen)
         wait_until_idle(cluster)
         yield cluster
     finally:
         stop(cluster)
+
+
+@contextlib.contextmanager
+def start_slurm_on_hosts(hosts: Hosts, directory: Path) -> Iterator[SlurmCluster]:
+    """A cluster of one node per host: slurmctld on the first host, `slurmd -N NAME` on each, the clients
+    run as the first host (the only way to reach the controller, and test traffic stays inside the
+    hosts' namespaces). Jobs start in their node's namespace, with its name and address."""
+    conf = write_conf(directory, [(host.name, host.address) for host in hosts.hosts], (6817, 6818))
+    first = hosts[0]
+    cluster = SlurmCluster(directory, conf, [host.name for host in hosts.hosts],
+                           {**os.environ, "SLURM_CONF": str(conf)}, client=lambda argv: hosts.command(first, argv))
+    try:
+        daemons: list[tuple[Host, str, list[str]]] = [(first, "slurmctld", [])]
+        daemons += [(host, f"slurmd-{host.name}", ["-N", host.name]) for host in hosts.hosts]
+        for host, name, extra in daemons:
+            program = str(find_program(name.split("-")[0]))
+            cluster.daemons[name] = _start_daemon(
+                cluster, name, [program, "-D", "-f", str(conf), *extra],
+                lambda command, host=host, **kwargs: hosts.popen(host, command, **kwargs))
+        wait_until_idle(cluster)
+        yield cluster
+    finally:
+        stop(cluster)
+
+
+def _start_daemon(cluster: SlurmCluster, name: str, command: list[str], popen: Callable[..., subprocess.Popen]
+                  ) -> subprocess.Popen:
+    """Start a daemon in the foreground (-D), its console output in NAME-console.log."""
+    with open(cluster.directory / f"{name}-console.log", "w") as console:
+        return popen(command, env=cluster.env, stdout=console, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
 
 def die_with_parent() -> None:
@@ -222,20 +269,19 @@ def die_with_parent() -> None:
 
 
 def wait_until_idle(cluster: SlurmCluster, timeout: float = START_TIMEOUT_S) -> None:
-    """Return once the controller reports the node idle; fail early if a daemon exits."""
+    """Return once the controller reports every node idle; fail early if a daemon exits."""
     deadline = time.monotonic() + timeout
-    state = "not reported"
+    states: dict[str, str] = {}
     while time.monotonic() < deadline:
         cluster.check_daemons()
-        result = subprocess.run(["scontrol", "--oneliner", "show", "node", cluster.node], env=cluster.env,
+        result = subprocess.run(cluster.client(["scontrol", "--oneliner", "show", "node"]), env=cluster.env,
                                 capture_output=True, text=True, timeout=30)
-        match = re.search(r"\bState=(\S+)", result.stdout)
-        state = match.group(1) if match else state
-        if state == "IDLE":
+        states = dict(re.findall(r"\bNodeName=(\S+) .*?\bState=(\S+)", result.stdout))
+        if sorted(states) == sorted(cluster.nodes) and set(states.values()) == {"IDLE"}:
             return
         time.sleep(0.1)
-    raise AssertionError(f"node {cluster.node} not idle {timeout:.0f} s after starting the SLURM daemons "
-                         f"(State={state})\n{cluster.log_tails()}")
+    raise AssertionError(f"nodes not idle {timeout:.0f} s after starting the SLURM daemons "
+                         f"(states {states or 'not reported'})\n{cluster.log_tails()}")
 
 
 def stop(cluster: SlurmCluster) -> None:

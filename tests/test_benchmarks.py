@@ -63,3 +63,20 @@ def test_tokenize_throughput_times_the_plain_loop_and_prepare(small_dataset_raw:
         assert re.search(rf"prepare tokenization, {workers} worker\(s\): {rate} .*; [\d.]+x the plain loop",
                          result.stdout), result.stdout
         assert re.search(rf"prepare end to end, {workers} worker\(s\): {rate}", result.stdout), result.stdout
+
+
+@pytest.mark.slow
+def test_cross_host_measures_all_reduce_on_one_and_on_two_hosts():
+    """Only the all-reduce part (the DP2 step needs a prepared demo dataset and ~1 minute); root only."""
+    from tests.hosts import missing_requirement
+
+    reason = missing_requirement()
+    if reason is not None:
+        pytest.skip(reason)
+    result = subprocess.run([sys.executable, "benchmarks/cross_host.py", "--sizes-mb", "1", "--iterations", "2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    rows = re.findall(r"^(one host|two hosts) +all-reduce 1 MB +[\d.]+ ms +([\d.]+) GB/s$", result.stdout,
+                      flags=re.MULTILINE)
+    assert [placement for placement, _ in rows] == ["one host", "two hosts"], result.stdout
+    assert all(float(bandwidth) > 0 for _, bandwidth in rows)

@@ -44,12 +44,13 @@ def init_distributed(config: Config) -> Topology:
         # Plain torch.distributed: deepspeed.initialize adopts the existing group later, and
         # commands that need no engine (generate, export) never import DeepSpeed.
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        dist.init_process_group(backend, timeout=timedelta(seconds=config.parallel.timeout_s))
     world_size = dist.get_world_size()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor,
             pipeline_model_parallel_size=config.parallel.pipeline,
+            distributed_timeout_minutes=config.parallel.timeout_s / 60,  # a timedelta's minutes: fractions do
         )
     if config.parallel.sequence_parallel:
         from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
@@ -92,10 +93,13 @@ def world_size_from_environment() -> int:
 
 
 def _select_device() -> torch.device:
+    """The local rank's GPU. A launcher that binds one GPU per task (srun --gpus-per-task=1 or
+    --gpu-bind) leaves each rank a single visible device, which is then its own whatever its local rank."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = 0 if torch.cuda.device_count() == 1 else local_rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -26,16 +26,35 @@ class RankPlace:
     local_rank: int
     host: str
     device: str
+    address: str = ""  # the host name's address, which gloo advertises (and names in its errors)
 
 
 def gather_places(topology: Topology) -> list[RankPlace]:
     """Every rank's place, in rank order, on every rank (one all_gather_object at start-up)."""
-    mine = RankPlace(topology.rank, int(os.environ.get("LOCAL_RANK", 0)), socket.gethostname(), str(topology.device))
+    host = socket.gethostname()
+    mine = RankPlace(topology.rank, int(os.environ.get("LOCAL_RANK", 0)), host, str(topology.device), _address(host))
     if topology.world_size == 1:
         return [mine]
     places: list[RankPlace | None] = [None] * topology.world_size
     dist.all_gather_object(places, mine)
     return [place for place in places if place is not None]
+
+
+def _address(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return ""
+
+
+def planned_places(world_size: int, ranks_per_node: int) -> list[RankPlace]:
+    """The places a launcher will give: ranks numbered node by node (torchrun's node ranks, SLURM's
+    block distribution), hosts named node1, node2, ... as `scaletrain check` knows no real names."""
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ConfigError(f"--ranks-per-node {ranks_per_node} does not divide --world-size {world_size}; give the "
+                          "ranks each node starts (its GPUs), with the world size a multiple of it")
+    return [RankPlace(rank, rank % ranks_per_node, f"node{rank // ranks_per_node + 1}", "")
+            for rank in range(world_size)]
 
 
 def check_tensor_parallel_within_hosts(places: list[RankPlace], tensor_parallel_size: int) -> None:

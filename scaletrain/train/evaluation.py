@@ -43,7 +43,9 @@ def validation_metrics(
 
 def evaluation_samples(config: Config, validation: ValidationSet, data_parallel_size: int) -> int:
     """The prefix evaluated: train.eval_samples sequences, fewer if the split is smaller, rounded down to
-    whole evaluation steps (micro_batch_size x data-parallel size)."""
+    whole evaluation steps (micro_batch_size x data-parallel size). Layouts whose steps both divide
+    eval_samples read the same prefix; a run resumed at another DP size that does not (16 samples, micro 2,
+    DP3: 12) evaluates fewer sequences from then on, and its val_loss moves with them."""
     per_step = config.train.micro_batch_size * data_parallel_size
     num_samples = min(config.train.eval_samples, validation.num_samples) // per_step * per_step
     if num_samples == 0:

@@ -41,6 +41,7 @@ from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
+from scaletrain.parallel.peer_loss import RankLost, describe_lost, is_peer_failure
 from scaletrain.parallel.placement import (
     RankPlace,
     check_tensor_parallel_within_hosts,
@@ -96,6 +97,10 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
         lock = _lock_run_directory(Path(config.run.dir), topology)
         try:
             return _train_locked(config, topology, places, signals)
+        except RuntimeError as error:
+            if topology.world_size > 1 and is_peer_failure(error):
+                raise RankLost(describe_lost(error, places, config.parallel.timeout_s, topology.rank)) from error
+            raise
         finally:
             lock.release()
     finally:

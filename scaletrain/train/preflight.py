@@ -17,6 +17,7 @@ from scaletrain.config import Config, ConfigError, load_config, resolve_for_worl
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest, load_manifest
 from scaletrain.data.storage import dataset_location
+from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
 from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock
 
@@ -63,11 +64,15 @@ class Preflight:
         ])
 
 
-def preflight(config_path: Path, overrides: list[str], world_size: int) -> Preflight:
-    """Raise ConfigError (or the data's or checkpoint's ValueError) naming what `train` would fail on."""
+def preflight(config_path: Path, overrides: list[str], world_size: int, ranks_per_node: int | None = None
+              ) -> Preflight:
+    """Raise ConfigError (or the data's or checkpoint's ValueError) naming what `train` would fail on.
+    With `ranks_per_node`, also a TP group that the launcher would place across nodes."""
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size}: give the number of ranks the job will start (1 or more)")
     config = resolve_for_world(load_config(config_path, overrides), world_size)
+    if ranks_per_node is not None:
+        check_tensor_parallel_within_hosts(planned_places(world_size, ranks_per_node), config.parallel.tensor)
     manifest = check_data_matches(config)
     run_dir = Path(config.run.dir)
     holder = RunDirectoryLock(run_dir).holder()

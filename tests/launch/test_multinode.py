@@ -7,16 +7,19 @@ the test's own network namespace)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.hosts import Hosts, make_hosts, missing_requirement
-from tests.train.runs import DEMO_CONFIG, REPO, run_scaletrain, tiny_overrides
+from tests.hosts import Host, Hosts, make_hosts, missing_requirement
+from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides, wait_for_step
 from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank
 
 pytestmark = pytest.mark.slow
@@ -42,14 +45,22 @@ def single_rank(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
     return LayoutRuns(run_dir, run_dir)
 
 
-def torchrun_on_hosts(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list[str],
-                      data_dir: Path, expected_exits: tuple[set[int], ...] = ({0}, {0})) -> dict[str, str]:
-    """One torchrun agent per host, RANKS_PER_HOST ranks each, training the tiny GPT into `run_dir`;
-    fails with every host's output unless each agent exits with one of its `expected_exits` within
-    RUN_TIMEOUT_S. Returns each host's output by name."""
+@dataclass
+class Agent:
+    host: Host
+    log: Path
+    process: subprocess.Popen
+
+
+def start_torchrun(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list[str], data_dir: Path,
+                   environment: dict[str, str] | None = None) -> list[Agent]:
+    """One torchrun agent per host, RANKS_PER_HOST ranks each, training the tiny GPT into `run_dir`
+    (each host's output in RUN_DIR/../HOST.log, appended to by a later start)."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true",
-                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                   **(environment or {})}
     arguments = [str(DEMO_CONFIG), *tiny_overrides(data_dir, run_dir), *TRAINING, *overrides]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     agents = []
     for node_rank, host in enumerate(hosts.hosts):
         if rendezvous == "c10d":  # the documented multi-node command, the same on every host
@@ -60,23 +71,37 @@ def torchrun_on_hosts(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: l
                        f"--nproc_per_node={RANKS_PER_HOST}", f"--node_rank={node_rank}",
                        f"--master_addr={hosts[0].name}", "--master_port=29500", "-m", "scaletrain", "train",
                        *arguments]
-        log = (run_dir.parent / f"{host.name}.log").open("w")
-        agents.append((host, log, hosts.popen(host, command, cwd=REPO, env=dict(environment), stdout=log,
-                                              stderr=subprocess.STDOUT)))
-    failures = []
-    for (host, log, agent), expected_exit in zip(agents, expected_exits, strict=True):
+        log = run_dir.parent / f"{host.name}.log"
+        with log.open("a") as output:
+            agents.append(Agent(host, log, hosts.popen(host, command, cwd=REPO, env=dict(environment), stdout=output,
+                                                       stderr=subprocess.STDOUT)))
+    return agents
+
+
+def finish(agents: list[Agent], expected_exits: tuple[set[int], ...], timeout_s: float = RUN_TIMEOUT_S
+           ) -> dict[str, tuple[int, float, str]]:
+    """Wait for every agent; fail with every host's output unless each exits with one of its
+    `expected_exits` within `timeout_s`. Each host's (exit code, seconds waited, output) by name."""
+    started, results, failures = time.monotonic(), {}, []
+    for agent, expected_exit in zip(agents, expected_exits, strict=True):
         try:
-            code = agent.wait(timeout=RUN_TIMEOUT_S)
+            code = agent.process.wait(timeout=max(timeout_s - (time.monotonic() - started), 0.1))
         except subprocess.TimeoutExpired:  # the harness ends what is left
-            code = f"nothing within {RUN_TIMEOUT_S} s"
-        log.close()
+            code = f"nothing within {timeout_s:.0f} s"
+        results[agent.host.name] = (code, time.monotonic() - started, agent.log.read_text())
         if code not in expected_exit:
-            failures.append(f"{host.name} exited {code}")
-    outputs = {host.name: Path(log.name).read_text() for host, log, _ in agents}
+            failures.append(f"{agent.host.name} exited {code}")
     if failures:
-        shown = "\n".join(f"--- {name} ---\n{output[-3000:]}" for name, output in outputs.items())
+        shown = "\n".join(f"--- {name} ---\n{output[-3000:]}" for name, (_, _, output) in results.items())
         raise AssertionError(f"torchrun across hosts: {'; '.join(failures)}, expected {expected_exits}:\n{shown}")
-    return outputs
+    return results
+
+
+def torchrun_on_hosts(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list[str],
+                      data_dir: Path, expected_exits: tuple[set[int], ...] = ({0}, {0})) -> dict[str, str]:
+    """start_torchrun, then finish: each host's output by name."""
+    results = finish(start_torchrun(hosts, rendezvous, run_dir, overrides, data_dir), expected_exits)
+    return {name: output for name, (_, _, output) in results.items()}
 
 
 @pytest.mark.parametrize("rendezvous, layout, overrides", [
@@ -117,6 +142,87 @@ def test_a_tp_group_across_hosts_is_refused_before_anything_is_written(
             or "scaletrain train: error: parallel.tensor=4" in outputs["n2"]), outputs["n2"][-3000:]
     assert "Traceback" not in outputs["n1"] + outputs["n2"]
     assert not run_dir.exists()
+
+
+# Long enough to be cut mid-run on this 2-core box (~0.1 s a step across hosts): a checkpoint every 10
+# steps, the fault after the first; a collective gives up on a silent rank after 10 s.
+FAULT_RUN = ["train.steps=60", "train.eval_every=30", "checkpoint.every=10", "parallel.timeout_s=10"]
+LAYOUT = ["parallel.tensor=2"]  # TP2 inside each host x DP2 across
+
+
+@pytest.fixture(scope="module")
+def single_rank_fault_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("single_rank_fault_run") / "run"
+    run_scaletrain("train", [str(DEMO_CONFIG), *tiny_overrides(small_dataset, run_dir), *TRAINING, *FAULT_RUN])
+    return run_dir
+
+
+def is_rank(argv: list[bytes]) -> bool:
+    """A training rank (or its loader workers) as torchrun starts it: python -u -m scaletrain ...; not the agent."""
+    return argv[1:4] == [b"-u", b"-m", b"scaletrain"]
+
+
+def assert_resumed_like_single_rank(run_dir: Path, reference: Path, output: str) -> None:
+    """Resumed from the checkpoint of step 10, every step logged once, the single-rank losses (1e-4)."""
+    assert f"resuming at step 10 from {run_dir / 'checkpoints' / 'step_00000010'}" in output, output[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records if "loss" in record]
+    assert steps == list(range(1, 61)), "each step once"
+    ours, reference_losses = read_metrics(run_dir)[0], read_metrics(reference)[0]
+    for step, record in reference_losses.items():
+        assert abs(ours[step]["loss"] - record["loss"]) <= 1e-4 * record["loss"], f"step {step}"
+
+
+def test_a_host_cut_off_mid_run_stops_every_rank_within_the_timeout_naming_it(
+    hosts: Hosts, single_rank_fault_run: Path, small_dataset: Path, tmp_path: Path
+) -> None:
+    """n2's link goes down after the checkpoint of step 10. n1's ranks get no answer, give up after
+    parallel.timeout_s and exit 76 with one line naming n2 and its ranks; n2's (cut off from the
+    rendezvous store on n1 too) end within a bound; nothing is left running. The same command, with the
+    link back, resumes from step 10 and trains the single-rank model."""
+    run_dir = tmp_path / "run"
+    agents = start_torchrun(hosts, "c10d", run_dir, [*LAYOUT, *FAULT_RUN], small_dataset)
+    wait_for_step(run_dir, 12, agents[0].process)
+    hosts.set_link(hosts[1], up=False)
+    try:
+        results = finish(agents, ({76}, {1, 76}), timeout_s=120)
+    finally:
+        hosts.set_link(hosts[1], up=True)
+    (n1_exit, n1_seconds, n1_output), (_, n2_seconds, n2_output) = results["n1"], results["n2"]
+    assert n2_seconds <= 60 and ("rank 2 on n2: lost contact with" in n2_output
+                                 or "lost the rendezvous store at n1:29400" in n2_output), n2_output[-3000:]
+    print(f"link down -> n1's agent exited {n1_exit} after {n1_seconds:.1f} s, n2's after {n2_seconds:.1f} s "
+          f"(parallel.timeout_s=10)")
+    assert 10 <= n1_seconds <= 40
+    # gloo's error names n2's address when TCP gives up first, else n2's ranks miss the roll call
+    lost = [line for line in n1_output.splitlines() if "lost contact" in line]
+    assert len(lost) == 1 and lost[0].startswith(
+        "scaletrain train: error: rank 0 on n1: lost contact with n2 (10.77.0.2, ranks 2, 3)"), n1_output[-3000:]
+    assert lost[0].endswith("no answer within parallel.timeout_s=10 s: the host or its link is down, or a rank "
+                            "there hangs. Stopping (exit 76); a restart resumes from the last checkpoint")
+    assert "scaletrain-torchrun: a rank was lost and the others stopped (exit 76" in n1_output
+
+    resumed = finish(start_torchrun(hosts, "c10d", run_dir, [*LAYOUT, *FAULT_RUN], small_dataset), ({0}, {0}))
+    assert_resumed_like_single_rank(run_dir, single_rank_fault_run, resumed["n1"][2])
+
+
+def test_max_restarts_restarts_a_killed_rank_in_the_job_and_resumes_from_the_checkpoint(
+    hosts: Hosts, single_rank_fault_run: Path, small_dataset: Path, tmp_path: Path
+) -> None:
+    """n2's ranks are SIGKILLed after the checkpoint of step 10. n1's ranks see the connection close at
+    once and exit 76 naming n2; with MAX_RESTARTS=1 both agents start their ranks again (a new
+    rendezvous round), which resume from step 10, and the job finishes with the single-rank losses."""
+    run_dir = tmp_path / "run"
+    agents = start_torchrun(hosts, "c10d", run_dir, [*LAYOUT, *FAULT_RUN], small_dataset, {"MAX_RESTARTS": "1"})
+    wait_for_step(run_dir, 12, agents[0].process)
+    killed_at = time.monotonic()
+    assert hosts.kill(hosts[1], is_rank), "no rank found on n2"
+    results = finish(agents, ({0}, {0}))
+    n1_output = results["n1"][2]
+    print(f"kill -> restarted, finished {results['n1'][1]:.1f} s after the kill")
+    assert "lost contact with n2 (10.77.0.2, ranks 2, 3): its connection was closed" in n1_output, n1_output[-3000:]
+    assert time.monotonic() - killed_at < RUN_TIMEOUT_S
+    assert_resumed_like_single_rank(run_dir, single_rank_fault_run, n1_output)
 
 
 def test_each_host_has_its_own_name_and_reaches_only_the_others(tmp_path: Path) -> None:

@@ -4,38 +4,29 @@ stopped, requeues itself and finishes with the losses of an uninterrupted run, b
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from tests.launch.slurm_jobs import (
+    STEPS,
+    TIME_LIMIT,
+    assert_same_losses,
+    checkpoint_steps,
+    overrides,
+    script_log_time,
+    submit_before_a_time_limit_check,
+    submit_training,
+)
 from tests.slurm_cluster import (  # noqa: F401 (slurm_cluster_fixture registers the fixture)
     FINAL_STATES,
     SlurmCluster,
     slurm_cluster_fixture,
 )
-from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides
+from tests.train.runs import DEMO_CONFIG, read_metrics, run_scaletrain
 
 pytestmark = pytest.mark.slow
-
-STEPS = 40
-SCRIPT = REPO / "launch" / "slurm.sbatch"
-# The script header's overrides for a node without GPUs: two ranks, one core each.
-CPU_NODE = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
-# --time=3 with --signal=B:USR1@170: the signal is due once fewer than 170 + 30 s are left, that is at
-# the first time-limit check after the job starts; the 3 minutes leave a busy host time to start the
-# ranks and stop them before the limit itself.
-TIME_LIMIT = ["--time=3", "--signal=B:USR1@170"]
-
-
-def overrides(data_dir: Path, run_dir: Path) -> list[str]:
-    # No periodic checkpoint before the last step: a checkpoint mid-run can only come from the signal.
-    return [*tiny_overrides(data_dir, run_dir), f"train.steps={STEPS}", f"train.eval_every={STEPS // 2}",
-            f"checkpoint.every={STEPS}", "parallel.zero_stage=1"]
 
 
 @pytest.fixture(scope="module")
@@ -43,37 +34,6 @@ def torchrun_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) 
     run_dir = tmp_path_factory.mktemp("torchrun") / "run"
     run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir)], nproc=2)
     return run_dir
-
-
-def submit_training(cluster: SlurmCluster, data_dir: Path, run_dir: Path, log: Path, sbatch_args: list[str]) -> int:
-    """sbatch launch/slurm.sbatch from the repository, with this Python first on PATH for the job."""
-    environment = {"PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}", "OMP_NUM_THREADS": "1",
-                   "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "STOP_REPEAT_S": "1"}
-    return cluster.submit([*CPU_NODE, *sbatch_args, f"--output={log}", str(SCRIPT), str(DEMO_CONFIG),
-                           *overrides(data_dir, run_dir)], cwd=REPO, env=environment)
-
-
-def assert_same_losses(run_dir: Path, reference: Path) -> None:
-    """Every step logged once, each loss and LR and every validation loss equal to the reference's."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in records if "loss" in record] == list(range(1, STEPS + 1)), "each step once"
-    training, validation = read_metrics(run_dir)
-    reference_training, reference_validation = read_metrics(reference)
-    assert sorted(training) == list(range(1, STEPS + 1))
-    for step in training:
-        assert training[step]["loss"] == reference_training[step]["loss"], f"step {step}"
-        assert training[step]["lr"] == reference_training[step]["lr"], f"step {step}"
-    assert validation == reference_validation
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*"))
-
-
-def script_log_time(log: str, event: str) -> float:
-    """When the job script logged `event` (its lines start with a [date time.ms] stamp)."""
-    line = next(line for line in log.splitlines() if "slurm.sbatch" in line and event in line)
-    return datetime.fromisoformat(line[1:line.index("]")]).timestamp()
 
 
 def test_two_ranks_started_by_srun_train_like_torchrun(
@@ -93,21 +53,6 @@ def test_two_ranks_started_by_srun_train_like_torchrun(
     assert "training finished" in text
     assert checkpoint_steps(run_dir) == [STEPS]
     assert_same_losses(run_dir, torchrun_run)
-
-
-def submit_before_a_time_limit_check(cluster: SlurmCluster, submit: Callable[[], int],
-                                     lead_s: tuple[float, float] = (2, 6)) -> int:
-    """Submit when slurmctld's next time-limit check is lead_s seconds away, so the job's signal comes
-    at that check, while the job script starts up, on a fast host as on a slow one."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        checks = cluster.time_limit_checks()
-        if checks:
-            next_check = checks[-1] + 30  # the controller's loop may add up to a second
-            if lead_s[0] <= next_check - time.time() <= lead_s[1]:
-                return submit()
-        time.sleep(0.2)
-    raise AssertionError(f"no time-limit check logged in 90 s\n{cluster.log_tails()}")
 
 
 @pytest.mark.long_job  # a real SLURM job that waits for slurmctld's 30 s time-limit check, then a requeue

@@ -48,6 +48,24 @@ def test_a_world_size_the_layout_cannot_use(small_dataset: Path, tmp_path: Path,
     assert "world size 3 is not divisible by parallel.tensor x parallel.pipeline = 2 x 1" in err
 
 
+def test_a_tp_group_the_launcher_would_put_across_nodes(small_dataset: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """With the ranks per node (launch/slurm.sbatch passes them), TP4 on 2 ranks per node is refused
+    before any rank starts; TP2 on the same nodes passes; a world that is no whole number of nodes too."""
+    base = [*tiny_overrides(small_dataset, tmp_path / "run"), "model.num_heads=4", "--world-size", "4"]
+    exit_code, out, err = check(capsys, *base, "parallel.tensor=2", "--ranks-per-node", "2")
+    assert (exit_code, err) == (0, "") and "layout: world 4 = TP 2 x DP 2 x PP 1" in out
+
+    exit_code, out, err = check(capsys, *base, "parallel.tensor=4", "--ranks-per-node", "2")
+    assert (exit_code, out) == (2, "")
+    assert err == ("scaletrain check: error: parallel.tensor=4 puts TP group ranks 0-3 on hosts node1, node2: a TP "
+                   "group must stay inside a node (it all-reduces every layer); use parallel.tensor <= 2 (the ranks "
+                   "per node), dividing it, or more ranks per node\n")
+
+    exit_code, _, err = check(capsys, *base, "parallel.tensor=2", "--ranks-per-node", "3")
+    assert exit_code == 2 and "--ranks-per-node 3 does not divide --world-size 4" in err
+
+
 def test_missing_data(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     exit_code, _, err = check(capsys, *tiny_overrides(tmp_path / "nowhere", tmp_path / "run"))
 

@@ -1,0 +1,82 @@
+"""SLURM jobs of launch/slurm.sbatch for the tests on one node (test_slurm_train.py) and across the
+namespace hosts (test_slurm_multinode.py): the tiny GPT's overrides, submission, and the checks that a
+job's losses are those of a reference run."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from tests.slurm_cluster import SlurmCluster
+from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, tiny_overrides
+
+STEPS = 40
+SCRIPT = REPO / "launch" / "slurm.sbatch"
+# The script header's overrides for a node without GPUs: two ranks, one core each.
+CPU_NODE = ["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1"]
+# --time=3 with --signal=B:USR1@170: the signal is due once fewer than 170 + 30 s are left, that is at
+# the first time-limit check after the job starts; the 3 minutes leave a busy host time to start the
+# ranks and stop them before the limit itself.
+TIME_LIMIT = ["--time=3", "--signal=B:USR1@170"]
+
+
+def overrides(data_dir: Path, run_dir: Path) -> list[str]:
+    # No periodic checkpoint before the last step: a checkpoint mid-run can only come from the signal.
+    return [*tiny_overrides(data_dir, run_dir), f"train.steps={STEPS}", f"train.eval_every={STEPS // 2}",
+            f"checkpoint.every={STEPS}", "parallel.zero_stage=1"]
+
+
+def submit_training(cluster: SlurmCluster, data_dir: Path, run_dir: Path, log: Path, sbatch_args: list[str],
+                    extra: Sequence[str] = ()) -> int:
+    """sbatch launch/slurm.sbatch from the repository, with this Python first on PATH for the job;
+    `extra` overrides follow the tiny run's."""
+    environment = {"PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}", "OMP_NUM_THREADS": "1",
+                   "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "STOP_REPEAT_S": "1"}
+    return cluster.submit([*CPU_NODE, *sbatch_args, f"--output={log}", str(SCRIPT), str(DEMO_CONFIG),
+                           *overrides(data_dir, run_dir), *extra], cwd=REPO, env=environment)
+
+
+def assert_same_losses(run_dir: Path, reference: Path, tolerance: float = 0.0) -> None:
+    """Every step logged once, each loss and LR and every validation loss equal to the reference's:
+    bit for bit, or within a relative `tolerance` (another layout's sums in another order)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records if "loss" in record] == list(range(1, STEPS + 1)), "each step once"
+    training, validation = read_metrics(run_dir)
+    reference_training, reference_validation = read_metrics(reference)
+    assert sorted(training) == list(range(1, STEPS + 1))
+    for step in training:
+        loss, reference_loss = training[step]["loss"], reference_training[step]["loss"]
+        assert abs(loss - reference_loss) <= tolerance * reference_loss, f"step {step}: {loss} vs {reference_loss}"
+        assert training[step]["lr"] == reference_training[step]["lr"], f"step {step}"
+    assert validation.keys() == reference_validation.keys()
+    for step, value in reference_validation.items():
+        assert abs(validation[step] - value) <= tolerance * value, f"validation at step {step}"
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*"))
+
+
+def script_log_time(log: str, event: str) -> float:
+    """When the job script logged `event` (its lines start with a [date time.ms] stamp)."""
+    line = next(line for line in log.splitlines() if "slurm.sbatch" in line and event in line)
+    return datetime.fromisoformat(line[1:line.index("]")]).timestamp()
+
+
+def submit_before_a_time_limit_check(cluster: SlurmCluster, submit: Callable[[], int],
+                                     lead_s: tuple[float, float] = (2, 6)) -> int:
+    """Submit when slurmctld's next time-limit check is lead_s seconds away, so the job's signal comes
+    at that check, while the job script starts up, on a fast host as on a slow one."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        checks = cluster.time_limit_checks()
+        if checks:
+            next_check = checks[-1] + 30  # the controller's loop may add up to a second
+            if lead_s[0] <= next_check - time.time() <= lead_s[1]:
+                return submit()
+        time.sleep(0.2)
+    raise AssertionError(f"no time-limit check logged in 90 s\n{cluster.log_tails()}")

@@ -1,0 +1,178 @@
+"""launch/slurm.sbatch across hosts (issue 23): a real SLURM cluster of three nodes, one per namespace host
+(tests/hosts.py, tests/slurm_cluster.py's start_slurm_on_hosts), CPU ranks on gloo, the script unchanged.
+
+- a 2-node job, two ranks per node, TP2 inside each node x DP2 across, trains the single-rank model;
+- the same job preempted by its time-limit signal (--signal=B:USR1@N) checkpoints at the step it
+  stopped on both nodes, requeues and finishes bit for bit like the uninterrupted 2-node job;
+- a 2-node job stopped (scancel --batch --signal=USR1) and requeued onto 3 nodes resumes by resharding
+  (TP2 x DP2 -> TP2 x DP3) and trains the single-rank model.
+
+Every process of a job is a fresh interpreter in its node's namespace (a warm fork would run in the test's
+own network namespace), so each job start costs ~15 s of imports on this 2-core box.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hosts import Hosts, make_hosts, missing_requirement
+from tests.launch.slurm_jobs import (
+    STEPS,
+    TIME_LIMIT,
+    assert_same_losses,
+    checkpoint_steps,
+    overrides,
+    submit_before_a_time_limit_check,
+    submit_training,
+)
+from tests.slurm_cluster import FINAL_STATES, SlurmCluster, start_slurm_on_hosts
+from tests.slurm_cluster import missing_requirement as missing_slurm
+from tests.train.runs import DEMO_CONFIG, read_metrics, run_scaletrain
+
+pytestmark = pytest.mark.slow
+
+TWO_NODES = ["--nodes=2", "--ntasks-per-node=2"]
+TENSOR_PARALLEL = ["parallel.tensor=2"]
+# Global batch 12 = micro 2 x DP x grad_accum: 3 on 2 nodes (DP2), 2 on 3 nodes (DP3), 6 on one rank; 12
+# validation sequences are whole evaluation steps (micro x DP) in each layout, so all evaluate the same ones.
+RESIZABLE = ["parallel.tensor=2", "train.micro_batch_size=2", "train.global_batch_size=12", "train.eval_samples=12"]
+JOB_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory):
+    reason = missing_requirement() or missing_slurm()
+    if reason is not None:
+        pytest.skip(reason)
+    with make_hosts(3, tmp_path_factory.mktemp("hosts")) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory):
+    with start_slurm_on_hosts(hosts, tmp_path_factory.mktemp("slurm")) as started:
+        yield started
+
+
+def single_rank(data_dir: Path, run_dir: Path, extra: list[str]) -> Path:
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(data_dir, run_dir), *extra])
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_node_job(cluster: SlurmCluster, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> tuple[Path, str]:
+    """An uninterrupted 2-node TP2 x DP2 job: its run directory and its log."""
+    directory = tmp_path_factory.mktemp("two_nodes")
+    run_dir, log = directory / "run", directory / "job.out"
+    started = time.monotonic()
+    job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, TENSOR_PARALLEL)
+    assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
+    print(f"2-node SLURM job of {STEPS} steps: {time.monotonic() - started:.0f} s from sbatch to COMPLETED")
+    return run_dir, log.read_text()
+
+
+def rank_hosts(log: str) -> dict[int, str]:
+    """Rank -> host from rank 0's start-up lines (srun --label puts the task id first)."""
+    return {int(rank): host for rank, host in
+            re.findall(r"^\s*0: train: rank (\d+) \(local \d\) on (n\d), cpu;", log, flags=re.MULTILINE)}
+
+
+def test_a_two_node_job_tp2_inside_dp2_across_trains_the_single_rank_model(
+    two_node_job: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    run_dir, log = two_node_job
+    reference = single_rank(small_dataset, tmp_path / "single", [])
+    assert_same_losses(run_dir, reference, tolerance=1e-4)
+    assert "4 ranks (2 nodes x 2)" in log and "nodes: n1 n2;" in log
+    assert "world 4 = TP 2 x DP 2 x PP 1" in log, "scaletrain check ran, with the ranks per node"
+    assert rank_hosts(log) == {0: "n1", 1: "n1", 2: "n2", 3: "n2"}, log[-3000:]
+    assert re.search(r"^\s*3: ", log, flags=re.MULTILINE), "every rank's lines carry its rank"
+    assert checkpoint_steps(run_dir) == [STEPS] and "training finished" in log
+
+
+@pytest.mark.long_job  # waits for slurmctld's 30 s time-limit check, then a requeue
+def test_a_preempted_two_node_job_requeues_and_finishes_like_the_uninterrupted_one(
+    cluster: SlurmCluster, two_node_job: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job_id = submit_before_a_time_limit_check(
+        cluster, lambda: submit_training(cluster, small_dataset, run_dir, log, [*TWO_NODES, *TIME_LIMIT],
+                                         TENSOR_PARALLEL))
+    wait_for_requeue(cluster, job_id, log)
+    stopped_at = max(read_metrics(run_dir)[0])
+    assert 1 <= stopped_at < STEPS and checkpoint_steps(run_dir) == [stopped_at]
+    cluster.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=30"])  # finish in the second start
+
+    assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
+    text = log.read_text()
+    assert f"stopped early (signal SIGUSR1) at step {stopped_at}/{STEPS}" in text
+    assert f"resuming at step {stopped_at}" in text and "training finished" in text
+    assert cluster.job_fields(job_id)["Restarts"] == "1"
+    assert_same_losses(run_dir, two_node_job[0])
+
+
+@pytest.mark.long_job  # two starts of a multi-host SLURM job, 4 and 6 fresh ranks
+def test_a_job_requeued_onto_three_nodes_reshards_and_trains_the_single_rank_model(
+    cluster: SlurmCluster, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Stopped the way a user stops a run (scancel --batch --signal=USR1) once it trains on 2 nodes, given a
+    third node while it waits to start again (scontrol update NumNodes=3-3 NumTasks=6), it resumes its TP2 x DP2
+    checkpoint as TP2 x DP3 and ends with the single-rank run's losses."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, RESIZABLE)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (run_dir / "metrics.jsonl").exists():
+        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no step in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    cluster.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
+    wait_for_requeue(cluster, job_id, log)
+    stopped_at = max(read_metrics(run_dir)[0])
+    assert 1 <= stopped_at < STEPS and checkpoint_steps(run_dir) == [stopped_at]
+    cluster.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=3-3", "NumTasks=6"])
+
+    assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "6 ranks (3 nodes x 2)" in text and "world 6 = TP 2 x DP 3 x PP 1" in text
+    assert f"resumes at step {stopped_at} of {STEPS}" in text and "(resharded from TP2xDP2 ZeRO-1)" in text
+    assert rank_hosts(text[text.index("start 2)"):]) == {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3"}
+    assert_same_losses(run_dir, single_rank(small_dataset, tmp_path / "single", RESIZABLE[1:]), tolerance=1e-4)
+
+
+def test_a_two_node_job_whose_ranks_on_one_node_are_killed_requeues_and_finishes_like_the_uninterrupted_one(
+    cluster: SlurmCluster, hosts: Hosts, two_node_job: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    """n2's ranks are SIGKILLed after the checkpoint of step 10 (the OOM killer, a crash): n1's ranks
+    exit 76 naming n2, srun reports the killed ones (128 + 9), the script requeues the job, and the
+    second start resumes from step 10 and ends with the uninterrupted job's losses, bit for bit."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, [*TENSOR_PARALLEL, "checkpoint.every=10"])
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not ((run_dir / "metrics.jsonl").exists() and max(read_metrics(run_dir)[0], default=0) >= 12):
+        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no step 12 in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.02)
+    assert hosts.kill(hosts[1], lambda argv: argv[1:4] == [b"-m", b"scaletrain", b"train"]), "no rank on n2"
+    wait_for_requeue(cluster, job_id, log)
+
+    assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
+    text = log.read_text()
+    assert re.search(r"^\s*0: scaletrain train: error: rank 0 on n1: lost contact with n2 \(10\.77\.0\.2, ranks 2, 3\)",
+                     text, flags=re.MULTILINE), text[-3000:]
+    assert "a rank was lost (srun exit 137" in text and "resuming at step 10" in text
+    assert_same_losses(run_dir, two_node_job[0])
+
+
+def wait_for_requeue(cluster: SlurmCluster, job_id: int, log: Path) -> None:
+    """Until SLURM counts a restart of the job (the script requeued it after the ranks stopped)."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (fields := cluster.job_fields(job_id))["Restarts"] == "0":
+        state = fields["JobState"]
+        assert state not in FINAL_STATES, f"{state} before a requeue:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no requeue in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)

@@ -206,6 +206,10 @@ def write_conf(directory: Path, nodes: Sequence[tuple[str, str]], ports: tuple[i
         "SlurmctldLogFile": directory / "slurmctld.log",
         "SlurmdLogFile": directory / f"slurmd{per_node}.log",
     }
+    if several:
+        # A node that stops answering is DOWN after 10 s, not 300: the job on it ends NODE_FAIL and,
+        # with --requeue, starts again on the other nodes (slurm.conf(5) SlurmdTimeout).
+        settings["SlurmdTimeout"] = 10
     lines = [f"{key}={value}" for key, value in settings.items()]
     lines += [f"NodeName={name} NodeAddr={address} CPUs={os.cpu_count()} "
               f"RealMemory={max(memory_mib // (2 * len(nodes)), 1)} State=UNKNOWN" for name, address in nodes]

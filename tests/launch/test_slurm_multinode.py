@@ -13,7 +13,10 @@ own network namespace), so each job start costs ~15 s of imports on this 2-core 
 
 from __future__ import annotations
 
+import csv
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,9 +32,10 @@ from tests.launch.slurm_jobs import (
     submit_before_a_time_limit_check,
     submit_training,
 )
+from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 from tests.slurm_cluster import FINAL_STATES, SlurmCluster, start_slurm_on_hosts
 from tests.slurm_cluster import missing_requirement as missing_slurm
-from tests.train.runs import DEMO_CONFIG, read_metrics, run_scaletrain
+from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain
 
 pytestmark = pytest.mark.slow
 
@@ -165,6 +169,83 @@ def test_a_two_node_job_whose_ranks_on_one_node_are_killed_requeues_and_finishes
     assert re.search(r"^\s*0: scaletrain train: error: rank 0 on n1: lost contact with n2 \(10\.77\.0\.2, ranks 2, 3\)",
                      text, flags=re.MULTILINE), text[-3000:]
     assert "a rank was lost (srun exit 137" in text and "resuming at step 10" in text
+    assert_same_losses(run_dir, two_node_job[0])
+
+
+@pytest.mark.long_job  # a sweep's SLURM array task that spans two hosts, then its finalize job
+def test_a_sweep_run_spans_two_nodes_as_one_array_task(
+    cluster: SlurmCluster, small_dataset: Path, tmp_path: Path
+) -> None:
+    """slurm.nodes=2: the array task of the sweep's one run is a 2-node job whose run-one starts a rank on
+    each node with srun (DP2 across the hosts); the run is done and trains the single-rank model."""
+    sweep_dir = tmp_path / "sweep"
+    spec = tiny_spec(small_dataset, sweep_dir, budgets=[1.2e10], fit={"bootstrap": 0},
+                     models={"shapes": [TINY_SHAPES[2]]},
+                     slurm={"max_concurrent": 1, "cpus_per_task": 1, "time": "00:20:00", "nodes": 2})
+    spec_path = write_spec(tmp_path / "spec.yaml", spec)
+    environment = {**cluster.env, "PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}",
+                   "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    submitted = subprocess.run(cluster.client([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path),
+                                               "--executor", "slurm"]),
+                               cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    array_job, finalize_job = (int(job) for job in
+                               re.search(r"job array (\d+) .* finalize job (\d+)", submitted.stdout).groups())
+    (script,) = (sweep_dir / "slurm").glob("array-*.sbatch")
+    assert "#SBATCH --nodes=2" in script.read_text() and "--nodes 2" in script.read_text()
+
+    assert cluster.wait(array_job, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}
+    assert cluster.wait(finalize_job, timeout=300) == {0: "FAILED"}  # one run: nothing to fit, results written
+    with (sweep_dir / "results.csv").open() as file:
+        (row,) = list(csv.DictReader(file))
+    assert row["status"] == "done"
+    run_dir = sweep_dir / "runs" / row["name"]
+    log = (run_dir / "train.log").read_text()
+    assert "train: rank 0 (local 0) on n1, cpu" in log and "train: rank 1 (local 0) on n2, cpu" in log, log[-3000:]
+    reference = tmp_path / "single"
+    run_scaletrain("train", [str(run_dir / "run.yaml"), f"run.dir={reference}"])  # the sweep's config of the run
+    ours, expected = read_metrics(run_dir)[0], read_metrics(reference)[0]
+    assert sorted(ours) == sorted(expected)
+    for step, record in expected.items():
+        assert abs(ours[step]["loss"] - record["loss"]) <= 1e-4 * record["loss"], f"step {step}"
+
+
+@pytest.mark.long_job  # waits for SLURM to find a node DOWN (SlurmdTimeout=10 on the test cluster)
+def test_a_node_cut_off_mid_job_is_marked_down_and_the_job_finishes_on_another_node(
+    cluster: SlurmCluster, hosts: Hosts, two_node_job: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    """n2's link goes down after the checkpoint of step 10 (a node gone: power, kernel, network). n1's
+    ranks give up after parallel.timeout_s=10 naming n2; slurmctld marks n2 DOWN and, the job being
+    --requeue, starts it again on n1 and n3, where it resumes from step 10 and ends with the
+    uninterrupted job's losses, bit for bit. Last in this module: n2 stays down until it ends."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES,
+                             [*TENSOR_PARALLEL, "checkpoint.every=10", "parallel.timeout_s=10"])
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not ((run_dir / "metrics.jsonl").exists() and max(read_metrics(run_dir)[0], default=0) >= 12):
+        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no step 12 in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.02)
+    cut_at = time.monotonic()
+    hosts.set_link(hosts[1], up=False)
+    try:
+        while (fields := cluster.job_fields(job_id))["Restarts"] == "0":
+            assert fields["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
+            assert time.monotonic() - cut_at < 120, f"not requeued 120 s after the cut:\n{cluster.log_tails()}"
+            time.sleep(0.2)
+        requeued_after = time.monotonic() - cut_at
+        assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
+        print(f"link down -> n2 DOWN and the job requeued after {requeued_after:.1f} s; "
+              f"finished on n1, n3 {time.monotonic() - cut_at:.1f} s after the cut")
+        assert "n2" in cluster.run(["sinfo", "-h", "-t", "down", "-o", "%N"])
+    finally:
+        hosts.set_link(hosts[1], up=True)
+    text = log.read_text()
+    assert re.search(r"^\s*0: scaletrain train: error: rank 0 on n1: lost contact with n2 \(10\.77\.0\.2, ranks 2, 3\)",
+                     text, flags=re.MULTILINE), text[-3000:]
+    second_start = text[text.index("start 2)"):]
+    assert "nodes: n1 n3;" in second_start and "resuming at step 10" in second_start
+    assert rank_hosts(second_start) == {0: "n1", 1: "n1", 2: "n3", 3: "n3"}
     assert_same_losses(run_dir, two_node_job[0])
 
 

@@ -89,6 +89,7 @@ def test_repeated_data_is_warned(small_dataset: Path, tmp_path: Path) -> None:
         ({"base": "missing.yaml"}, "base='missing.yaml' does not exist"),
         ({"learning_rate": {"lr": -1}}, "learning_rate needs lr > 0"),
         ({"fit": {"params_column": "n"}}, "fit.params_column='n'"),
+        ({"slurm": {"nodes": 0}}, "nodes >= 1"),
     ],
 )
 def test_bad_specs_name_the_culprit(small_dataset: Path, tmp_path: Path, changes: dict, fragment: str | None) -> None:
@@ -190,3 +191,14 @@ def test_shipped_ladder_spec_asks_for_tuning_and_its_grid_plans(
     grid, multipliers = tune_plan(spec, str(spec_path))
     assert len(grid.runs) == 3 * 5 and sorted(set(multipliers.values())) == [(m, 1.0) for m in (0.25, 0.5, 1, 2, 4)]
     assert all(run.steps >= spec.guards.min_steps for run in grid.runs)
+
+
+def test_run_one_across_nodes_needs_a_slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """`sweep run-one --nodes 2` outside a SLURM allocation: one error naming the way, nothing started."""
+    from scaletrain.cli import main
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert main(["sweep", "run-one", str(tmp_path / "run"), "--nodes", "2"]) == 2
+    assert "--nodes 2: a run spans several nodes only inside a SLURM job" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -50,7 +50,10 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
 
     run_one_parser = commands.add_parser("run-one", help="train one run directory of a sweep (SLURM array tasks)")
     run_one_parser.add_argument("run_dir", type=Path, help="a run directory the sweep planned (holds config.yaml)")
-    run_one_parser.add_argument("--nproc", type=int, default=1, help="ranks for the run (torchrun when > 1)")
+    run_one_parser.add_argument("--nproc", type=int, default=1,
+                                help="ranks for the run on each node (torchrun when > 1 on one node)")
+    run_one_parser.add_argument("--nodes", type=int, default=1,
+                                help="nodes of the SLURM job the run spans (srun starts its ranks when > 1)")
     run_one_parser.set_defaults(sweep_handler=_run_one)
 
 
@@ -104,7 +107,7 @@ def _finalize(args: argparse.Namespace) -> str:
 def _run_one(args: argparse.Namespace) -> None:
     from scaletrain.scaling.sweep.executors import run_one
 
-    code = run_one(args.run_dir, args.nproc)
+    code = run_one(args.run_dir, args.nproc, args.nodes)
     if code:
         raise SystemExit(code)
 

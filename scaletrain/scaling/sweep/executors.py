@@ -57,11 +57,15 @@ def materialize(plan: SweepPlan) -> None:
                                         "runs": [run.to_row() for run in plan.runs]})
 
 
-def run_one(run_dir: Path, nproc: int = 1) -> int:
+def run_one(run_dir: Path, nproc: int = 1, nodes: int = 1) -> int:
     """Train (or resume) one run directory; record running/done/failed and the wall time in RUN/status.json.
 
-    With nproc > 1 the run goes through torchrun on this node. Output goes to RUN/train.log.
+    With nproc > 1 the run goes through torchrun on this node; with nodes > 1 (inside a SLURM job of
+    that many nodes) srun starts nproc ranks on each. Output goes to RUN/train.log.
     """
+    if nodes > 1 and "SLURM_JOB_ID" not in os.environ:
+        raise ConfigError(f"--nodes {nodes}: a run spans several nodes only inside a SLURM job of that many "
+                          "(`sweep run --executor slurm` with slurm.nodes); run it with --nodes 1 here")
     status = read_status_file(run_dir)
     attempts = status.get("attempts", 0) + 1
     wall_s = status.get("wall_s") or 0.0
@@ -70,7 +74,7 @@ def run_one(run_dir: Path, nproc: int = 1) -> int:
     write_status_file(run_dir, {"state": "running", "pid": os.getpid(), "host": socket.gethostname(),
                                 "attempts": attempts, "wall_s": wall_s, "slurm_job": slurm_job})
     started = time.monotonic()
-    returncode = _train_process(run_dir, nproc)
+    returncode = _train_process(run_dir, nproc, nodes)
     wall_s += time.monotonic() - started
     done = returncode == 0 and run_status(run_dir).state == "done"
     # the data as the run ends: a corpus re-prepared later must not relabel this run's loss
@@ -81,8 +85,14 @@ def run_one(run_dir: Path, nproc: int = 1) -> int:
     return 0 if done else (returncode or 1)
 
 
-def _train_process(run_dir: Path, nproc: int) -> int:
-    if nproc > 1:
+def _train_process(run_dir: Path, nproc: int, nodes: int = 1) -> int:
+    environment = None
+    if nodes > 1:  # as launch/slurm.sbatch: one srun task per rank, node by node, the first node the master
+        launcher = ["srun", "--kill-on-bad-exit=0", "--wait=120", f"--nodes={nodes}", f"--ntasks-per-node={nproc}",
+                    f"--ntasks={nodes * nproc}", "--distribution=block", sys.executable]
+        environment = {**os.environ, "MASTER_ADDR": _first_node(),
+                       "MASTER_PORT": str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000)}
+    elif nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
         launcher = [sys.executable]
@@ -90,13 +100,20 @@ def _train_process(run_dir: Path, nproc: int) -> int:
     with (run_dir / TRAIN_LOG).open("a") as log:
         log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
         try:
             return process.wait()
         finally:
             if process.poll() is None:  # we were interrupted: do not leave the trainer behind
                 process.terminate()
                 process.wait()
+
+
+def _first_node() -> str:
+    """The first host of this SLURM job (scontrol expands SLURM_JOB_NODELIST's ranges)."""
+    hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
+                           text=True, check=True, timeout=60).stdout.split()
+    return hosts[0]
 
 
 def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOutcome:
@@ -192,17 +209,25 @@ def _submit_arrays(
 
 
 def array_script(plan: SweepPlan, runs: list[PlannedRun], nproc: int, slurm_dir: Path) -> str:
-    """The job array, following launch/slurm.sbatch: one srun task per run, torchrun inside for nproc > 1."""
+    """The job array, following launch/slurm.sbatch. One node per run: one srun task per run, torchrun
+    inside for nproc > 1. Several (slurm.nodes): each task is a multi-node job whose run-one, in the
+    batch script, starts nproc ranks per node with srun."""
     slurm = plan.spec.slurm
+    several = slurm.nodes > 1
+    tasks = [f"--ntasks-per-node={nproc}", f"--cpus-per-task={max(1, slurm.cpus_per_task // nproc)}"] if several else [
+        "--ntasks-per-node=1", f"--cpus-per-task={slurm.cpus_per_task}"]
     options = [
         f"--job-name=sweep-{plan.spec.name}", f"--array=0-{len(runs) - 1}%{slurm.max_concurrent}",
-        "--nodes=1", "--ntasks-per-node=1", f"--cpus-per-task={slurm.cpus_per_task}", f"--time={slurm.time}",
+        f"--nodes={slurm.nodes}", *tasks, f"--time={slurm.time}",
         f"--output={slurm_dir}/%x-%A_%a.out",
         *([f"--gpus-per-node={slurm.gpus_per_task}"] if slurm.gpus_per_task else []),
         *([f"--partition={slurm.partition}"] if slurm.partition else []), *slurm.extra_args,
     ]
     run_dirs = "\n".join(f"  {shlex.quote(str(plan.run_dir(run).resolve()))}" for run in runs)
     threads = max(1, slurm.cpus_per_task // nproc)
+    run_one = (f"{shlex.quote(sys.executable)} -m scaletrain sweep run-one \"${{RUN_DIRS[$SLURM_ARRAY_TASK_ID]}}\" "
+               f"--nproc {nproc}")
+    launch = f"{run_one} --nodes {slurm.nodes}" if several else f"srun --kill-on-bad-exit=1 {run_one}"
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# Written by `scaletrain sweep run --executor slurm` for sweep {plan.spec.name}: one array task per",
@@ -212,8 +237,7 @@ def array_script(plan: SweepPlan, runs: list[PlannedRun], nproc: int, slurm_dir:
         f"cd {shlex.quote(os.getcwd())}",
         f"RUN_DIRS=(\n{run_dirs}\n)",
         f"export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}",
-        f"srun --kill-on-bad-exit=1 {shlex.quote(sys.executable)} -m scaletrain sweep run-one "
-        f"\"${{RUN_DIRS[$SLURM_ARRAY_TASK_ID]}}\" --nproc {nproc}",
+        launch,
         "",
     ])
 

@@ -132,8 +132,11 @@ class SlurmOptions:
     """Resources of one array task (one run) and the array's concurrency throttle (`%max_concurrent`)."""
 
     max_concurrent: int = 4
-    cpus_per_task: int = 2
-    gpus_per_task: int = 0
+    cpus_per_task: int = 2  # CPUs of one run on a node (with nodes > 1, split over its --nproc ranks there)
+    gpus_per_task: int = 0  # GPUs of one run on a node
+    # nodes per run: with more than one, each run is a multi-node job, --nproc ranks on each node started
+    # by srun (one task per rank, as launch/slurm.sbatch does); TP stays inside a node
+    nodes: int = 1
     time: str = "04:00:00"
     partition: str | None = None
     extra_args: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. --account=ml
@@ -340,8 +343,10 @@ def _validate_guards_and_tune(spec: SweepSpec, source: str) -> None:
 
 def _validate_slurm_and_throughput(spec: SweepSpec, source: str) -> None:
     slurm = spec.slurm
-    if slurm.max_concurrent < 1 or slurm.cpus_per_task < 1 or slurm.gpus_per_task < 0:
-        raise ConfigError(f"{source}: slurm needs max_concurrent >= 1, cpus_per_task >= 1, gpus_per_task >= 0")
+    if slurm.max_concurrent < 1 or slurm.cpus_per_task < 1 or slurm.gpus_per_task < 0 or slurm.nodes < 1:
+        raise ConfigError(f"{source}: slurm needs max_concurrent >= 1, cpus_per_task >= 1, gpus_per_task >= 0, "
+                          f"nodes >= 1 (got {slurm.max_concurrent}, {slurm.cpus_per_task}, {slurm.gpus_per_task}, "
+                          f"{slurm.nodes})")
     if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", slurm.time):
         raise ConfigError(
             f"{source}: slurm.time={slurm.time!r}; use SLURM's [days-]hours:minutes:seconds, e.g. 04:00:00"

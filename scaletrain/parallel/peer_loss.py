@@ -3,10 +3,10 @@
 Every other rank learns of it from the collective it is in. A dead process closes its TCP connections,
 so gloo fails at once ("Connection reset by peer", ~2 s on the namespace hosts of the tests); a host
 whose link is down answers nothing, so gloo fails once the process group's timeout passes
-(parallel.timeout_s: "Connection timed out" or "Timed out waiting ... for recv"). Both errors name the
-peer's address, which the ranks' places (gathered at start-up, parallel/placement.py) map to a host and
-the ranks that run there. When the error names no peer (gloo's own "Timed out waiting ... for recv"
-comes before TCP's, and NCCL never does), the ranks take a roll call on the rendezvous store: each that
+(parallel.timeout_s: TCP's "Connection timed out", or gloo's own "Timed out waiting ... for recv" when
+its timeout comes first). gloo's TCP errors name the peer's address, which the ranks' places (gathered
+at start-up, parallel/placement.py) map to a host and the ranks that run there. When the error names no
+peer (gloo's own timeout; NCCL's errors never do), the ranks take a roll call on the rendezvous store: each that
 can writes its rank, waits ROLL_CALL_S, and the ranks that did not answer are named as lost (a rank cut
 off from the store's host cannot answer and names everyone it could not reach).
 

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -269,8 +268,7 @@ def _train(args: argparse.Namespace) -> int:
     except RankLost as error:
         # every surviving rank knows; one line per host (its first local rank) says it
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"scaletrain train: error: rank {os.environ.get('RANK', '?')} on {socket.gethostname()}: {error}",
-                  file=sys.stderr, flush=True)
+            print(f"scaletrain train: error: {error}", file=sys.stderr, flush=True)
         return EXIT_RANK_LOST
     finally:
         destroy_distributed()

@@ -37,7 +37,8 @@ _SILENT = ("timed out", "timeout")
 
 
 class RankLost(RuntimeError):
-    """A collective failed because another rank is gone; the message says who and what is known."""
+    """A collective failed because another rank is gone; the message says which rank noticed, on which
+    host, who is lost and what is known."""
 
 
 def is_peer_failure(error: BaseException) -> bool:

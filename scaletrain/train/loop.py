@@ -99,7 +99,8 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
             return _train_locked(config, topology, places, signals)
         except RuntimeError as error:
             if topology.world_size > 1 and is_peer_failure(error):
-                raise RankLost(describe_lost(error, places, config.parallel.timeout_s, topology.rank)) from error
+                raise RankLost(f"rank {topology.rank} on {places[topology.rank].host}: "
+                               f"{describe_lost(error, places, config.parallel.timeout_s, topology.rank)}") from error
             raise
         finally:
             lock.release()

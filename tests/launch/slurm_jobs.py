@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from tests.slurm_cluster import SlurmCluster
+from tests.slurm_cluster import FINAL_STATES, SlurmCluster
 from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, tiny_overrides
 
 STEPS = 40
@@ -80,3 +80,26 @@ def submit_before_a_time_limit_check(cluster: SlurmCluster, submit: Callable[[],
                 return submit()
         time.sleep(0.2)
     raise AssertionError(f"no time-limit check logged in 90 s\n{cluster.log_tails()}")
+
+
+def wait_for_slurm_step(cluster: SlurmCluster, job_id: int, run_dir: Path, log: Path, step: int,
+                        timeout: float = 600.0) -> None:
+    """Until the job's run has logged training step `step` (or later); fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").exists() and max(read_metrics(run_dir)[0], default=0) >= step):
+        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no step {step} in {timeout:.0f} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.02)
+
+
+def wait_for_requeue(cluster: SlurmCluster, job_id: int, log: Path, timeout: float = 600.0) -> None:
+    """Until SLURM counts a restart of the job (the script, or slurmctld after a node failure, requeued
+    it); fails if the job ends first or `timeout` passes. The state may be RUNNING, or SIGNALING while
+    slurmctld sends a --signal."""
+    deadline = time.monotonic() + timeout
+    while (fields := cluster.job_fields(job_id))["Restarts"] == "0":
+        state = fields["JobState"]
+        assert state not in FINAL_STATES, f"{state} before a requeue:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no requeue in {timeout:.0f} s:\n{log.read_text()[-3000:]}\n" \
+                                            f"{cluster.log_tails()}"
+        time.sleep(0.2)

@@ -31,9 +31,11 @@ from tests.launch.slurm_jobs import (
     overrides,
     submit_before_a_time_limit_check,
     submit_training,
+    wait_for_requeue,
+    wait_for_slurm_step,
 )
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
-from tests.slurm_cluster import FINAL_STATES, SlurmCluster, start_slurm_on_hosts
+from tests.slurm_cluster import SlurmCluster, start_slurm_on_hosts
 from tests.slurm_cluster import missing_requirement as missing_slurm
 from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain
 
@@ -107,7 +109,7 @@ def test_a_preempted_two_node_job_requeues_and_finishes_like_the_uninterrupted_o
     job_id = submit_before_a_time_limit_check(
         cluster, lambda: submit_training(cluster, small_dataset, run_dir, log, [*TWO_NODES, *TIME_LIMIT],
                                          TENSOR_PARALLEL))
-    wait_for_requeue(cluster, job_id, log)
+    wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
     stopped_at = max(read_metrics(run_dir)[0])
     assert 1 <= stopped_at < STEPS and checkpoint_steps(run_dir) == [stopped_at]
     cluster.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=30"])  # finish in the second start
@@ -129,13 +131,9 @@ def test_a_job_requeued_onto_three_nodes_reshards_and_trains_the_single_rank_mod
     checkpoint as TP2 x DP3 and ends with the single-rank run's losses."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, RESIZABLE)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (run_dir / "metrics.jsonl").exists():
-        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no step in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
+    wait_for_slurm_step(cluster, job_id, run_dir, log, 1, JOB_TIMEOUT_S)
     cluster.run(["scancel", "--batch", "--signal=USR1", str(job_id)])
-    wait_for_requeue(cluster, job_id, log)
+    wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
     stopped_at = max(read_metrics(run_dir)[0])
     assert 1 <= stopped_at < STEPS and checkpoint_steps(run_dir) == [stopped_at]
     cluster.run(["scontrol", "update", f"JobId={job_id}", "NumNodes=3-3", "NumTasks=6"])
@@ -156,13 +154,9 @@ def test_a_two_node_job_whose_ranks_on_one_node_are_killed_requeues_and_finishes
     second start resumes from step 10 and ends with the uninterrupted job's losses, bit for bit."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, [*TENSOR_PARALLEL, "checkpoint.every=10"])
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not ((run_dir / "metrics.jsonl").exists() and max(read_metrics(run_dir)[0], default=0) >= 12):
-        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no step 12 in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.02)
+    wait_for_slurm_step(cluster, job_id, run_dir, log, 12, JOB_TIMEOUT_S)
     assert hosts.kill(hosts[1], lambda argv: argv[1:4] == [b"-m", b"scaletrain", b"train"]), "no rank on n2"
-    wait_for_requeue(cluster, job_id, log)
+    wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
 
     assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
     text = log.read_text()
@@ -221,18 +215,11 @@ def test_a_node_cut_off_mid_job_is_marked_down_and_the_job_finishes_on_another_n
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES,
                              [*TENSOR_PARALLEL, "checkpoint.every=10", "parallel.timeout_s=10"])
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not ((run_dir / "metrics.jsonl").exists() and max(read_metrics(run_dir)[0], default=0) >= 12):
-        assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"no step 12 in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.02)
+    wait_for_slurm_step(cluster, job_id, run_dir, log, 12, JOB_TIMEOUT_S)
     cut_at = time.monotonic()
     hosts.set_link(hosts[1], up=False)
     try:
-        while (fields := cluster.job_fields(job_id))["Restarts"] == "0":
-            assert fields["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
-            assert time.monotonic() - cut_at < 120, f"not requeued 120 s after the cut:\n{cluster.log_tails()}"
-            time.sleep(0.2)
+        wait_for_requeue(cluster, job_id, log, timeout=120)
         requeued_after = time.monotonic() - cut_at
         assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
         print(f"link down -> n2 DOWN and the job requeued after {requeued_after:.1f} s; "
@@ -248,12 +235,3 @@ def test_a_node_cut_off_mid_job_is_marked_down_and_the_job_finishes_on_another_n
     assert rank_hosts(second_start) == {0: "n1", 1: "n1", 2: "n3", 3: "n3"}
     assert_same_losses(run_dir, two_node_job[0])
 
-
-def wait_for_requeue(cluster: SlurmCluster, job_id: int, log: Path) -> None:
-    """Until SLURM counts a restart of the job (the script requeued it after the ranks stopped)."""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while (fields := cluster.job_fields(job_id))["Restarts"] == "0":
-        state = fields["JobState"]
-        assert state not in FINAL_STATES, f"{state} before a requeue:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no requeue in {JOB_TIMEOUT_S} s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)

@@ -18,6 +18,7 @@ from tests.launch.slurm_jobs import (
     script_log_time,
     submit_before_a_time_limit_check,
     submit_training,
+    wait_for_requeue,
 )
 from tests.slurm_cluster import (  # noqa: F401 (slurm_cluster_fixture registers the fixture)
     FINAL_STATES,
@@ -67,12 +68,7 @@ def test_time_limit_signal_checkpoints_at_the_step_requeues_and_resumes_exactly(
     job_id = submit_before_a_time_limit_check(
         slurm_cluster, lambda: submit_training(slurm_cluster, small_dataset, run_dir, log, TIME_LIMIT))
 
-    deadline = time.monotonic() + 600
-    while (fields := slurm_cluster.job_fields(job_id))["Restarts"] == "0":
-        state = fields["JobState"]  # RUNNING, also SIGNALING while slurmctld sends the signal
-        assert state not in FINAL_STATES, f"{state} before any requeue:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"no requeue in 600 s:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
+    wait_for_requeue(slurm_cluster, job_id, log)
     first_start = log.read_text()
     stopped_at = max(read_metrics(run_dir)[0])
     assert 1 <= stopped_at < STEPS

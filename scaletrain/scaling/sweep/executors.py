@@ -214,7 +214,8 @@ def array_script(plan: SweepPlan, runs: list[PlannedRun], nproc: int, slurm_dir:
     batch script, starts nproc ranks per node with srun."""
     slurm = plan.spec.slurm
     several = slurm.nodes > 1
-    tasks = [f"--ntasks-per-node={nproc}", f"--cpus-per-task={max(1, slurm.cpus_per_task // nproc)}"] if several else [
+    threads = max(1, slurm.cpus_per_task // nproc)  # each rank's share of the run's CPUs on a node
+    tasks = [f"--ntasks-per-node={nproc}", f"--cpus-per-task={threads}"] if several else [
         "--ntasks-per-node=1", f"--cpus-per-task={slurm.cpus_per_task}"]
     options = [
         f"--job-name=sweep-{plan.spec.name}", f"--array=0-{len(runs) - 1}%{slurm.max_concurrent}",
@@ -224,7 +225,6 @@ def array_script(plan: SweepPlan, runs: list[PlannedRun], nproc: int, slurm_dir:
         *([f"--partition={slurm.partition}"] if slurm.partition else []), *slurm.extra_args,
     ]
     run_dirs = "\n".join(f"  {shlex.quote(str(plan.run_dir(run).resolve()))}" for run in runs)
-    threads = max(1, slurm.cpus_per_task // nproc)
     run_one = (f"{shlex.quote(sys.executable)} -m scaletrain sweep run-one \"${{RUN_DIRS[$SLURM_ARRAY_TASK_ID]}}\" "
                f"--nproc {nproc}")
     launch = f"{run_one} --nodes {slurm.nodes}" if several else f"srun --kill-on-bad-exit=1 {run_one}"

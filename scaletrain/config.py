@@ -247,6 +247,9 @@ class CheckpointConfig:
     keep_last: int = 2  # newest checkpoints kept; older ones are pruned
     # steps that are also checkpointed and never pruned: the branch points of a WSD run's cooldowns
     keep_steps: list[int] = field(default_factory=list)
+    # write in the background: a save stalls training only while its state is copied off (a step's
+    # time or less), and the files of checkpoint k are written while the steps after k train
+    async_save: bool = True
 
 
 @dataclass

@@ -91,7 +91,7 @@ def announce_checkpoint(checkpoint: Path) -> None:
 
 def load_model(config: Config, checkpoint: Path) -> torch.nn.Module:
     model = build_model(config)
-    missing, unexpected = model.load_state_dict(consolidated_state_dict(checkpoint, reference=model), strict=False)
+    missing, unexpected = model.load_state_dict(consolidated_state_dict(checkpoint, expected=model), strict=False)
     # megatron's linear layers keep an empty `_extra_state` entry that checkpoints need not carry.
     missing = [name for name in missing if not name.endswith("_extra_state")]
     if missing or unexpected:

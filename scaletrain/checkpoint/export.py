@@ -14,9 +14,7 @@ from scaletrain.checkpoint.hf_tokenizer import write_hf_tokenizer
 from scaletrain.checkpoint.manager import CheckpointError, first_loadable
 from scaletrain.data.storage import dataset_location
 from scaletrain.generate import announce_checkpoint, run_config
-from scaletrain.model import build_model
 from scaletrain.model.registry import FAMILY_MODULES, get_family
-from scaletrain.parallel.groups import destroy_distributed, init_distributed
 
 
 def export_run(run_dir: Path, out_dir: Path) -> Path:
@@ -27,12 +25,8 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     config = run_config(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
-    init_distributed(config)
-    try:
-        reference = build_model(config)
-        checkpoint, state = first_loadable(run_dir, lambda checkpoint: consolidated_state_dict(checkpoint, reference))
-    finally:
-        destroy_distributed()
+    # The checkpoint's index merges the weights: no model is built, so each weight is held once.
+    checkpoint, state = first_loadable(run_dir, consolidated_state_dict)
     announce_checkpoint(checkpoint)
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)

@@ -1,16 +1,23 @@
-"""Sharded checkpoints through DeepSpeed, published atomically, with keep-last-k and resume.
+"""Layout-free checkpoints, written in the background, published atomically, with keep-last-k and resume.
 
 Layout of RUN_DIR/checkpoints:
-    step_00000100/state/...        DeepSpeed's sharded model + optimizer files (its "tag" dir)
-    step_00000100/rng/rank_*.pt    per-rank RNG states
+    step_00000100/model/...        the training state by parameter name at full shape, each rank
+                                   writing its share (checkpoint/layout_free.py): any layout resumes it
+    step_00000100/rng/rank_*.pt    per-rank RNG states (restored when the layout is the same)
     step_00000100/meta.json        step, consumed samples, layout, every file's size and CRC-32
                                    (checkpoint/integrity.py); written last
     step_00000100/config.yaml      the full run config
     latest                         name of the newest complete checkpoint: a hint for other tools;
                                    scaletrain finds the newest by scanning
     diverged/step_...              checkpoints set aside after a divergence (never resumed from)
-Every rank writes into `.staging-step_...`; after a barrier rank 0 renames it into place, so
-a crash mid-save never leaves a directory that looks complete.
+
+A save copies this rank's share of the state off the training tensors (collective: ZeRO gathers each
+parameter over its data-parallel group) and returns; a background thread writes the files into
+`.staging-step_...`, and once every rank's are in, rank 0 renames it into place, so a crash mid-save
+never leaves a directory that looks complete. One save is in flight at a time: the next save, a
+prune and the end of the run wait for it (`finish_pending_save`), and a failed write is raised there
+on every rank. The background thread agrees with the other ranks over its own gloo group, so it never
+interleaves with the training's collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import os
 import pickle
 import shutil
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,27 +39,18 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from scaletrain.checkpoint import layout_free
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.integrity import FileRecord, check_finite, file_checksum, loaded_state, save_with_checksum
-from scaletrain.checkpoint.safe_load import (
-    CheckedFiles,
-    UnsafeCheckpointError,
-    checked_reads,
-    take_checksums,
-    take_write_failure,
-)
+from scaletrain.checkpoint.safe_load import CheckedFiles, UnsafeCheckpointError
 from scaletrain.config import Config, save_config
 from scaletrain.disk import write_failure
 from scaletrain.parallel.groups import Topology
 
-DEEPSPEED_TAG = "state"
 META_FILE = "meta.json"
 DIVERGED_DIR = "diverged"  # checkpoints set aside after a divergence (set_aside_from)
+FORMAT = 2  # 1: DeepSpeed's own files under state/ (before layout-free checkpoints); not read any more
 T = TypeVar("T")
-
-
-class LayoutMismatchError(CheckpointError):
-    """A checkpoint that cannot be resumed in this run's parallel layout; the message names those that can."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class CheckpointMeta:
     skipped_steps: int = 0  # steps whose update was skipped (non-finite loss or gradients), in all
     consecutive_skipped_steps: int = 0  # of those, how many in a row up to this step
     files: dict[str, FileRecord] = field(default_factory=dict)  # path under the checkpoint -> size, CRC-32
+    format: int = FORMAT
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -73,48 +74,168 @@ def layout_of(config: Config, topology: Topology) -> dict[str, int]:
         "pipeline": topology.pipeline_parallel_size,
         "data": topology.data_parallel_size,
         "zero_stage": config.parallel.zero_stage,
+        "bf16": int(_precision(config, topology) == "bf16"),
     }
+
+
+def _precision(config: Config, topology: Topology) -> str:
+    if config.train.precision != "auto":
+        return config.train.precision
+    return "bf16" if topology.device.type == "cuda" else "fp32"
+
+
+def describe_layout(layout: dict[str, int]) -> str:
+    """`TP2xDP2 ZeRO-1 bf16`; sizes of 1 are left out (a single rank reads `TP1`)."""
+    sizes = [f"{axis}{layout[key]}" for axis, key in (("TP", "tensor"), ("PP", "pipeline"), ("DP", "data"))
+             if layout.get(key, 1) > 1]
+    return f"{'x'.join(sizes) or 'TP1'} ZeRO-{layout['zero_stage']}" + (" bf16" if layout.get("bf16") else "")
+
+
+@dataclass
+class SaveTimes:
+    """Seconds of the newest save: `stall_s` training waited (copying the state off), `write_s` the
+    background write took up to publishing; bytes written by all ranks."""
+
+    stall_s: float = 0.0
+    write_s: float = 0.0
+    bytes: int = 0
+
+
+class _PendingSave:
+    """The background write of one checkpoint: its thread, the error it ended with, and what is to
+    run after it succeeds (a prune, which must count the new checkpoint)."""
+
+    def __init__(self, write: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = False
+        self._after: list[Callable[[], None]] = []
+        self.thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-write", daemon=True)
+        self.thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+            while True:
+                with self._lock:
+                    if not self._after:
+                        self._done = True
+                        return
+                    after = self._after.pop(0)
+                after()
+        except BaseException as error:  # noqa: BLE001 - raised again in the training thread
+            self.error = error
+            with self._lock:
+                self._done = True
+
+    def run_after_write(self, action: Callable[[], None]) -> bool:
+        """Queue `action` behind the write; False when the write has ended (run it yourself then)."""
+        with self._lock:
+            if self._done:
+                return False
+            self._after.append(action)
+            return True
+
+
+_pending: _PendingSave | None = None
+_save_group: Any = None
+last_save = SaveTimes()
+
+
+def finish_pending_save() -> None:
+    """Wait for the checkpoint being written, if any; its failure is raised here (on every rank)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
+
+
+def abandon_pending_save() -> None:
+    """After a failure elsewhere (a lost rank), leave the write behind: its agreement with the other
+    ranks may never come. The staging directory it leaves is removed at the next start."""
+    global _pending
+    _pending = None
+
+
+def _checkpoint_group() -> Any:
+    """A gloo group of the whole world for the background writes' agreement (a collective on the
+    training's group from another thread could interleave with the training's own)."""
+    global _save_group
+    if _save_group is None:
+        _save_group = dist.new_group(backend="gloo")
+    return _save_group
 
 
 def save_checkpoint(
     engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int,
     skipped_steps: int = 0, consecutive_skipped_steps: int = 0,
 ) -> Path:
-    """Write every rank's files into a staging directory, then publish it in one rename. A failed
-    write on any rank (a full disk) removes the staging directory on all and raises one
-    CheckpointError naming the file and the cause; the previous checkpoints stay as they were."""
+    """Copy this rank's share of the state off the training tensors and write it (in the background
+    with checkpoint.async_save) into a staging directory that rank 0 publishes in one rename once all
+    ranks' files are in. A failed write on any rank (a full disk) removes the staging directory and
+    raises one CheckpointError naming the file and the cause, on every rank, here or at the next
+    finish_pending_save; the previous checkpoints stay as they were."""
+    finish_pending_save()
+    started = time.perf_counter()
+    group = _checkpoint_group()
+    collected = layout_free.collect_pieces(engine, topology)
+    rng = _rng_state()
     root = checkpoint_root(Path(config.run.dir))
     name = f"step_{step:08d}"
-    staging, final = root / f".staging-{name}", root / name
+    meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
+            "layout": layout_of(config, topology), "skipped_steps": skipped_steps,
+            "consecutive_skipped_steps": consecutive_skipped_steps}
+    write = partial(_write_and_publish, collected, rng, config, topology, meta, root / f".staging-{name}",
+                    root / name, group, started)
+    if config.checkpoint.async_save:
+        global _pending
+        _pending = _PendingSave(write)
+        last_save.stall_s = time.perf_counter() - started
+    else:
+        write()
+        last_save.stall_s = last_save.write_s
+    return root / name
+
+
+def _write_and_publish(
+    collected: layout_free.RankPieces, rng: dict[str, Any], config: Config, topology: Topology,
+    meta: dict[str, Any], staging: Path, final: Path, group: Any, started: float,
+) -> None:
     failure = None
     if topology.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-        failure = _attempt_write(lambda: (staging / "rng").mkdir(parents=True), staging)
-    _raise_if_any_failed(failure, staging, topology)
-    # DeepSpeed's writes go through the checkpoint engine, which records a failure instead of
-    # raising it between DeepSpeed's barriers (checkpoint/safe_load.py); what else fails is caught
-    # here, which is enough on one rank (on several, the others wait in DeepSpeed's last barrier).
-    failure = _attempt_write(lambda: engine.save_checkpoint(str(staging), tag=DEEPSPEED_TAG, save_latest=False),
-                             staging)
-    failure = take_write_failure(engine) or failure
-    checksums = take_checksums(engine)
-    if failure is None:
-        rng_file = staging / "rng" / f"rank_{topology.rank:05d}.pt"
-        failure = _attempt_write(lambda: checksums.update({str(rng_file): save_with_checksum(_rng_state(), rng_file)}),
-                                 rng_file)
-    checksums = _raise_if_any_failed(failure, staging, topology, checksums)
+        failure = _attempt_write(lambda: [(staging / sub).mkdir(parents=True) for sub in ("rng", "model")], staging)
+    _agree(failure, staging, topology, group)
+    checksums: dict[str, str] = {}
+
+    def save(state: Any, path: Path) -> None:
+        checksums[str(path)] = save_with_checksum(state, path)
+
+    rng_file = staging / "rng" / f"rank_{topology.rank:05d}.pt"
+    failure = _attempt_write(lambda: layout_free.write_rank_file(collected, staging, topology.rank, save),
+                             staging / layout_free.rank_file(topology.rank))
+    failure = failure or _attempt_write(lambda: save(rng, rng_file), rng_file)
+    gathered = _agree(failure, staging, topology, group, (checksums, collected.manifest(), collected.adam_step))
     if topology.rank == 0:
-        meta = {"step": step, "consumed_samples": consumed_samples, "layout": layout_of(config, topology),
-                "skipped_steps": skipped_steps, "consecutive_skipped_steps": consecutive_skipped_steps}
-        failure = _attempt_write(lambda: _publish(staging, final, config, meta, checksums), staging)
-    _raise_if_any_failed(failure, staging, topology)
-    return final
+        merged = _merge_checksums([written for written, _, _ in gathered], staging)
+        index = layout_free.build_index([manifest for _, manifest, _ in gathered], [step for _, _, step in gathered])
+        failure = _attempt_write(lambda: _publish(staging, final, config, meta, merged, index), staging)
+    _agree(failure, staging, topology, group)
+    last_save.write_s = time.perf_counter() - started
+    last_save.bytes = sum(record.size for record in read_meta(final).files.values()) if topology.rank == 0 else 0
 
 
-def _publish(staging: Path, final: Path, config: Config, meta: dict[str, Any], checksums: dict[str, str]) -> None:
-    """Rank 0, once every rank's files are in: config, meta.json (last, with every file's size and
-    CRC-32: the ranks' own from `checksums`, by path under `staging`, the rest hashed here), rename,
+def _publish(
+    staging: Path, final: Path, config: Config, meta: dict[str, Any], checksums: dict[str, str],
+    index: dict[str, Any],
+) -> None:
+    """Rank 0, once every rank's files are in: the index, config, meta.json (last, with every file's size
+    and CRC-32: the ranks' own from `checksums`, by path under `staging`, the rest hashed here), rename,
     `latest`."""
+    (staging / layout_free.INDEX_FILE).write_text(json.dumps(index))
     save_config(config, staging / "config.yaml")
     files = {}
     for path in sorted(staging.rglob("*")):
@@ -136,32 +257,26 @@ def _attempt_write(write: Callable[[], Any], path: Path) -> str | None:
     return None
 
 
-def _raise_if_any_failed(
-    failure: str | None, staging: Path, topology: Topology, checksums: dict[str, str] | None = None
-) -> dict[str, str]:
+def _agree(failure: str | None, staging: Path, topology: Topology, group: Any, payload: Any = None) -> list[Any]:
     """Every rank learns the first rank's failure (a barrier too): all raise it, none waits forever.
-    Without one, returns the CRC-32 of every file the ranks wrote (`checksums`: one gather for both)."""
-    gathered: list[tuple[str | None, dict[str, str]]] = [(None, {})] * topology.world_size
-    dist.all_gather_object(gathered, (failure, checksums or {}))
+    Without one, returns every rank's `payload` (one gather for both)."""
+    gathered: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(gathered, (failure, payload), group=group)
     first = next((message for message, _ in gathered if message), None)
     if first is None:
-        return _merge_checksums([written for _, written in gathered], staging)
+        return [payload for _, payload in gathered]
     if topology.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     raise CheckpointError(f"checkpoint not saved: {first}; the previous checkpoints are intact")
 
 
 def _merge_checksums(per_rank: list[dict[str, str]], staging: Path) -> dict[str, str]:
-    """Each rank's {path as written: CRC-32} as one {path under `staging`: CRC-32}; a file that two
-    ranks wrote with different contents is left out, for rank 0 to hash as it ended up."""
+    """Each rank's {path as written: CRC-32} as one {path under `staging`: CRC-32}."""
     merged: dict[str, str] = {}
-    conflicting = set()
     for written in per_rank:
         for path, crc in written.items():
-            name = os.path.relpath(os.path.abspath(path), os.path.abspath(staging))
-            if merged.setdefault(name, crc) != crc:
-                conflicting.add(name)
-    return {name: crc for name, crc in merged.items() if name not in conflicting}
+            merged[os.path.relpath(os.path.abspath(path), os.path.abspath(staging))] = crc
+    return merged
 
 
 def resume_candidates(config: Config) -> list[Path]:
@@ -344,12 +459,19 @@ def read_meta(path: Path) -> CheckpointMeta:
     try:
         raw = json.loads((path / META_FILE).read_text())
         files = {name: FileRecord.from_json(record) for name, record in dict(raw.get("files", {})).items()}
-        return CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
-                              int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)), files)
+        meta = CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
+                              int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)), files,
+                              int(raw.get("format", 1)))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"
         ) from None
+    if meta.format != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {path} is in format {meta.format} (DeepSpeed's own files, written before scaletrain "
+            f"kept layout-free checkpoints); this version reads format {FORMAT} only. Resume it with the "
+            "scaletrain that wrote it and let that run save once more, or start over (train.resume=never)")
+    return meta
 
 
 def check_files(path: Path, meta: CheckpointMeta) -> None:
@@ -366,31 +488,29 @@ def check_files(path: Path, meta: CheckpointMeta) -> None:
 
 
 def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Config, topology: Topology) -> None:
-    """Load a checkpoint written by this run's layout (`meta` from read_meta, its files checked):
-    DeepSpeed's sharded state through its own loader, then this rank's RNG state, each file checked
-    against its CRC-32 as it is read; then the loaded weights and Adam moments are checked finite (on
-    this rank alone: the caller agrees on a failure over all ranks). Another layout's checkpoint goes
-    through checkpoint/reshard.py instead."""
-    expected = layout_of(config, topology)
-    if meta.layout != expected:
-        raise LayoutMismatchError(
-            f"checkpoint {path} was saved with layout {meta.layout}, this run uses {expected}; "
-            "load it with checkpoint.reshard.load_resharded"
-        )
+    """Load a checkpoint written in any layout (`meta` from read_meta, its files checked) into `engine`:
+    every parameter's master weight, working copy and Adam moments cut for this rank
+    (checkpoint/layout_free.py), each file checked against its CRC-32 as it is read; in the same layout
+    this rank's RNG state too (another layout reseeds it: dropout masks then differ from an
+    uninterrupted run's). Then the loaded weights and moments are checked finite (on this rank alone:
+    the caller agrees on a failure over all ranks)."""
+    target = layout_of(config, topology)
+    same_layout = meta.layout == target
+    if not same_layout and topology.is_logging_rank:
+        print(f"resharding checkpoint {path} from {describe_layout(meta.layout)} to {describe_layout(target)}"
+              + ("; dropout masks will differ from an uninterrupted run's" if config.model.dropout else ""),
+              file=sys.stderr, flush=True)
     files = CheckedFiles(path, meta.files)
-    with checked_reads(engine, files):
-        loaded_path, _ = translate_load_errors(
-            path, DEEPSPEED_TAG, lambda: engine.load_checkpoint(
-                str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-            )
-        )
-    if loaded_path is None:
-        raise CheckpointError(f"checkpoint {path} has no DeepSpeed state under {DEEPSPEED_TAG}/")
-    rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
-    if not rng_file.is_file():
-        raise CheckpointError(f"checkpoint {path} lacks rng/{rng_file.name}; it was not written by this layout")
-    _restore_rng_state(translate_load_errors(path, f"rng/{rng_file.name}", lambda: files.load(rng_file)))
+    translate_load_errors(path, layout_free.STATE_DIR, lambda: layout_free.load_into_engine(engine, path, files,
+                                                                                          topology))
+    if same_layout:
+        rng_file = path / "rng" / f"rank_{topology.rank:05d}.pt"
+        if not rng_file.is_file():
+            raise CheckpointError(f"checkpoint {path} lacks rng/{rng_file.name}")
+        _restore_rng_state(translate_load_errors(path, f"rng/{rng_file.name}", lambda: files.load(rng_file)))
     check_finite(path, loaded_state(engine))
+    engine.global_steps = meta.step
+    engine.global_samples = meta.consumed_samples
 
 
 def translate_load_errors(path: Path, part: str, load: Callable[[], Any]) -> Any:
@@ -427,9 +547,17 @@ def _write_atomically(path: Path, text: str) -> None:
 def prune_checkpoints(run_dir: Path, keep_last: int, keep_steps: list[int]) -> None:
     """Remove all but the newest keep_last checkpoints, and those at checkpoint.keep_steps (branch
     points). The loop calls it once the step after a save has trained with finite loss and gradients,
-    so the checkpoint before a blow-up is never pruned in favour of one holding the blown-up weights.
-    Each is renamed out of the `step_*` namespace first, so a kill mid-removal leaves no directory that
-    looks like a checkpoint (clean_leftovers removes the rest at the next start)."""
+    so the checkpoint before a blow-up is never pruned in favour of one holding the blown-up weights;
+    while that save is still being written, the prune runs once it is published. Each is renamed out
+    of the `step_*` namespace first, so a kill mid-removal leaves no directory that looks like a
+    checkpoint (clean_leftovers removes the rest at the next start)."""
+    prune = partial(_prune_now, run_dir, keep_last, keep_steps)
+    pending = _pending
+    if pending is None or not pending.run_after_write(prune):
+        prune()
+
+
+def _prune_now(run_dir: Path, keep_last: int, keep_steps: list[int]) -> None:
     root = checkpoint_root(run_dir)
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         if int(old.name.removeprefix("step_")) not in keep_steps:

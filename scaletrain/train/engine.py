@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.checkpoint.safe_load import safe_checkpoint_engine
 from scaletrain.config import Config
 from scaletrain.model import build_model
 from scaletrain.notices import OP_BUILT, without_stdout_lines
@@ -112,7 +111,6 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         # their partitions on that path, and the pipeline engine has its own; both keep it.)
         engine.enable_backward_allreduce = False
     _keep_clipping_norm(engine)
-    safe_checkpoint_engine(engine)
     return engine
 
 

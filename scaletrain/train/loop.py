@@ -21,14 +21,14 @@ from scaletrain.checkpoint.manager import (
     DIVERGED_DIR,
     CheckpointError,
     CheckpointMeta,
-    LayoutMismatchError,
+    abandon_pending_save,
     check_files,
     checkpoint_root,
     clean_leftovers,
     complete_checkpoints,
+    finish_pending_save,
     flatten_config,
     latest_checkpoint,
-    layout_of,
     load_checkpoint,
     prune_checkpoints,
     read_meta,
@@ -36,7 +36,6 @@ from scaletrain.checkpoint.manager import (
     save_checkpoint,
     set_aside_from,
 )
-from scaletrain.checkpoint.reshard import load_resharded
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.registry import get_family
@@ -228,6 +227,10 @@ def _run(
                 write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
             if state.stopped_by:
                 break
+        finish_pending_save()  # the last checkpoint is published before the run reports it
+    except BaseException:
+        abandon_pending_save()  # a lost rank may never agree on it; the next start removes its files
+        raise
     finally:
         progress.close()
     if topology.is_logging_rank:
@@ -271,6 +274,7 @@ def _set_aside_blown_up(config: Config, topology: Topology, blown_up_at: int) ->
     hold blown-up weights, so rank 0 moves them to checkpoints/diverged/, and resuming (train.resume=
     auto) starts from the newest one before it. The sentence that tells the user so."""
     run_dir = Path(config.run.dir)
+    finish_pending_save()  # every rank stops here together: the checkpoint in flight is published first
     moved = set_aside_from(run_dir, blown_up_at) if topology.rank == 0 else []
     aside = (f"The update of step {blown_up_at} blew up the weights; checkpoints from it on were moved to "
              f"{checkpoint_root(run_dir) / DIVERGED_DIR} ({', '.join(p.name for p in moved)}). " if moved else "")
@@ -346,8 +350,6 @@ def _restore_or_start(
         error = None
         try:
             meta = _load_any_layout(engine, path, config, topology)
-        except LayoutMismatchError:
-            raise
         except CheckpointError as failure:
             error = failure
         reason = _first_failure(error, topology)
@@ -414,13 +416,10 @@ def _write_run_config(config: Config, run_dir: Path) -> None:
 
 
 def _load_any_layout(engine: Any, path: Path, config: Config, topology: Topology) -> CheckpointMeta:
-    """The checkpoint's own layout loads through DeepSpeed; another layout is resharded."""
+    """Any layout's checkpoint, cut for this run's (checkpoint/layout_free.py)."""
     meta = read_meta(path)
     check_files(path, meta)
-    if meta.layout == layout_of(config, topology):
-        load_checkpoint(engine, path, meta, config, topology)
-    else:
-        load_resharded(engine, path, meta, config, topology)
+    load_checkpoint(engine, path, meta, config, topology)
     return meta
 
 

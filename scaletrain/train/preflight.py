@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.checkpoint.manager import read_meta, resume_candidates
-from scaletrain.checkpoint.reshard import check_reshardable, describe_layout
+from scaletrain.checkpoint.manager import describe_layout, read_meta, resume_candidates
 from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest, load_manifest
@@ -107,12 +106,11 @@ def check_data_matches(config: Config) -> Manifest:
 
 def _check_resume_layout(config: Config, path: Path) -> tuple[int, str | None]:
     """The step of the checkpoint a resume would load, and its layout if it differs from this run's
-    (then it must be one that checkpoint/reshard.py maps, or this raises naming those that can)."""
+    (any layout resumes any other: checkpoint/layout_free.py)."""
     meta = read_meta(path)
     parallel = config.parallel
     layout = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "data": parallel.data,
               "zero_stage": parallel.zero_stage}
-    if meta.layout == layout:
+    if all(meta.layout.get(key) == value for key, value in layout.items()):
         return meta.step, None
-    check_reshardable(path, meta.layout, layout)
     return meta.step, describe_layout(meta.layout)

@@ -36,7 +36,7 @@ def scaletrain(*args: str) -> subprocess.CompletedProcess:
 
 
 def model_states(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:08d}" / "state" / "mp_rank_00_model_states.pt"
+    return run_dir / "checkpoints" / f"step_{step:08d}" / "model" / "rank_00000.pt"
 
 
 def truncate(path: Path) -> None:
@@ -95,7 +95,7 @@ def test_leftovers_of_killed_saves_and_prunes_are_removed_at_start(
     root = run_dir / "checkpoints"
     leftovers = [root / "step_00000002", root / ".pruning-step_00000001", root / ".staging-step_00000012"]
     for path in leftovers:
-        (path / "state").mkdir(parents=True)
+        (path / "model").mkdir(parents=True)
     result = scaletrain("train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.steps=9"))
     assert result.returncode == 0, result.stderr[-2000:]
     for path in leftovers:

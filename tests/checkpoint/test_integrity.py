@@ -34,7 +34,7 @@ from tests.train.runs import (
 )
 
 STEPS, EVERY, DAMAGED, FALLBACK = 12, 4, 8, 4
-MODEL_STATES = "state/mp_rank_00_model_states.pt"
+MODEL_STATES = "model/rank_00000.pt"  # rank 0's share of the layout-free state (checkpoint/layout_free.py)
 EMBEDDING = "embedding.word.weight"
 
 
@@ -57,8 +57,8 @@ class TwoRankCase(NamedTuple):
 
 
 TWO_RANK_CASES = {
-    "zero1_dp2": TwoRankCase(["parallel.zero_stage=1"], "state/zero_pp_rank_1_mp_rank_00_optim_states.pt", 1),
-    "pipeline2": TwoRankCase(["parallel.pipeline=2"], "state/layer_00-model_00-model_states.pt", 0),
+    "zero1_dp2": TwoRankCase(["parallel.zero_stage=1"], "rng/rank_00000.pt", 0),
+    "pipeline2": TwoRankCase(["parallel.pipeline=2"], "model/rank_00001.pt", 1),
 }
 
 
@@ -119,9 +119,9 @@ def rewrite_checksum(checkpoint: Path, name: str) -> None:
     (checkpoint / "meta.json").write_text(json.dumps(meta))
 
 
-def adam_state(zero_optimizer_file: Path) -> dict[str, torch.Tensor]:
-    """Adam's state of the first parameter group in a ZeRO-1/2 optimizer file."""
-    return load_tensors(zero_optimizer_file)["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+def piece_tensor(rank_file: Path, name: str, key: str = "weight") -> torch.Tensor:
+    """The fp32 master weight (or an Adam moment) of parameter `name` in one rank's state file."""
+    return next(piece["tensors"][key] for piece in load_tensors(rank_file)["pieces"] if piece["name"] == name)
 
 
 NAN8 = torch.full((8,), float("nan"))
@@ -133,7 +133,7 @@ def test_nan_over_the_embedding_is_caught_by_its_checksum(small_dataset: Path, s
     run_dir = tmp_path / "run"
     checkpoint = interrupted_copy(straight_run, run_dir)
     file = checkpoint / MODEL_STATES
-    overwrite_tensor_bytes(file, load_tensors(file)["module"][EMBEDDING], NAN8)
+    overwrite_tensor_bytes(file, piece_tensor(file, EMBEDDING), NAN8)
     result = resume(small_dataset, run_dir, 1, "parallel.zero_stage=0")
     assert f"warning: skipping checkpoint {checkpoint}: checkpoint {checkpoint}: {MODEL_STATES} has CRC-32" \
         in result.stderr
@@ -149,9 +149,8 @@ def test_nan_with_a_matching_checksum_is_caught_as_non_finite(
     run_dir = tmp_path / "run"
     checkpoint = interrupted_copy(straight_run, run_dir)
     file = checkpoint / MODEL_STATES
-    states = load_tensors(file)
-    overwrite_tensor_bytes(file, states["module"][EMBEDDING], NAN8)
-    overwrite_tensor_bytes(file, states["optimizer"]["state"][0]["exp_avg_sq"], torch.full((3,), float("inf")))
+    overwrite_tensor_bytes(file, piece_tensor(file, EMBEDDING), NAN8)
+    overwrite_tensor_bytes(file, piece_tensor(file, EMBEDDING, "exp_avg_sq"), torch.full((3,), float("inf")))
     rewrite_checksum(checkpoint, MODEL_STATES)
     result = resume(small_dataset, run_dir, 1, "parallel.zero_stage=0")
     assert f"warning: skipping checkpoint {checkpoint}: checkpoint {checkpoint} holds non-finite values: " \
@@ -165,18 +164,22 @@ def test_a_flipped_bit_on_one_rank_of_two_skips_the_checkpoint_on_both(
     small_dataset: Path, straight_run_two_ranks: tuple[str, Path], tmp_path: Path
 ):
     """One bit flipped in a file that one rank alone reads, the value still finite (only the CRC
-    catches it): rank 1's ZeRO-1 optimizer partition (Adam's exp_avg), or pipeline stage 0's
-    embedding (where stage 1 waits for it in DeepSpeed's broadcast of the tied weights: the
-    mismatch must be raised after that, or both ranks hang). Both ranks take step 4, and the
-    warning gives the failing rank's reason."""
+    catches it): rank 0's RNG state under ZeRO-1 (both ranks read both state files there), or
+    pipeline stage 1's state file (the last block's weights; the tied embedding is stage 0's). Both
+    ranks take step 4, and the warning gives the failing rank's reason."""
     layout, straight = straight_run_two_ranks
     case = TWO_RANK_CASES[layout]
     run_dir = tmp_path / "run"
     checkpoint = interrupted_copy(straight, run_dir)
     file = checkpoint / case.file
-    tensor = load_tensors(file)[EMBEDDING] if layout == "pipeline2" else adam_state(file)["exp_avg"]
-    flipped = tensor[:1].detach().clone().view(torch.int32) ^ 1  # the lowest mantissa bit of one float
-    overwrite_tensor_bytes(file, tensor, flipped.view(torch.float32))
+    if layout == "pipeline2":
+        tensor = piece_tensor(file, "final_norm.weight", "exp_avg")
+        flipped = (tensor[:1].detach().clone().view(torch.int32) ^ 1).view(torch.float32)  # lowest mantissa bit
+    else:
+        tensor = load_tensors(file)["torch"][-64:]  # the end of the CPU generator's state, bytes
+        flipped = tensor.clone()
+        flipped[-1] ^= 1
+    overwrite_tensor_bytes(file, tensor, flipped)
     result = resume(small_dataset, run_dir, 2, *case.overrides)
     # rank 0 prints the reason of the rank that failed, which may be rank 1 alone
     assert f"warning: skipping checkpoint {checkpoint}: checkpoint {checkpoint}: {case.file} has CRC-32" \
@@ -207,7 +210,7 @@ def test_generate_skips_a_checkpoint_with_non_finite_weights(straight_run: Path,
     shutil.copytree(straight_run, run_dir)
     checkpoint = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     file = checkpoint / MODEL_STATES
-    overwrite_tensor_bytes(file, load_tensors(file)["module"][EMBEDDING], NAN8)
+    overwrite_tensor_bytes(file, piece_tensor(file, EMBEDDING), NAN8)
     rewrite_checksum(checkpoint, MODEL_STATES)
     output = subprocess.run([*launcher(1), "generate", str(run_dir), "--max-new-tokens", "4"], cwd=REPO,
                             env=scaletrain_environment(), capture_output=True, text=True, timeout=600)

@@ -1,10 +1,14 @@
-"""A checkpoint resumes in another parallel layout with its Adam state (checkpoint/reshard.py).
+"""A checkpoint resumes in any other parallel layout with its Adam state (checkpoint/layout_free.py).
 
 Each case trains 20 steps straight in the source layout (a checkpoint at step 10), then a new run
 directory resumes that step-10 checkpoint in the target layout; steps 11-20 must match the straight
-run within 1e-4 (relative; only the reduction order differs between layouts). With lr 3e-3, Adam
-moments lost or misplaced in the reshard change those losses by far more than that. The cases
-cover ZeRO-0, -1 and -2 sources, ZeRO-0 and -1 targets, tensor and pipeline splits in both directions.
+run within 1e-4 in fp32 (relative; only the reduction order differs between layouts). With lr 3e-3,
+Adam moments lost or misplaced change those losses by far more than that (1.6e-2 when a bf16 run's
+moments were read as zeros, found while writing this). In bf16 the master weights and moments are
+fp32 but every matmul rounds to 8 significant bits, and two layouts round different partial sums:
+the tolerance is 2^-10 (about 1e-3), a quarter of bf16's unit roundoff 2^-8 at the loss; measured
+differences were below 4e-5. The matrix: fp32 and bf16 x sources ZeRO-0, ZeRO-1, ZeRO-3, PP2 and
+TP2, each into a different layout, plus the earlier TP2xDP2 ZeRO-2 -> PP2xDP2 case.
 """
 
 from __future__ import annotations
@@ -14,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint.manager import LayoutMismatchError
-from scaletrain.checkpoint.reshard import check_reshardable
 from tests.distributed.harness import run_on_ranks
 from tests.train.runs import (
     DEMO_CONFIG,
@@ -29,26 +31,39 @@ from tests.train.runs import (
 
 STEPS = 20
 RESUME_STEP = 10
+BF16_TOLERANCE = 2.0 ** -10
 
-# name -> (processes, overrides)
+# name -> (processes, overrides); a name ending in "@bf16" is the same layout trained in bf16
 LAYOUTS = {
     "tp1_zero0": (1, ["parallel.zero_stage=0"]),
     "tp2": (2, ["parallel.tensor=2"]),
     "dp2_zero1": (2, ["parallel.zero_stage=1"]),
     "dp1_zero0": (1, ["parallel.zero_stage=0"]),
+    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
     "pp2": (2, ["parallel.pipeline=2"]),
     "pp1": (1, []),
     "tp2_dp2_zero2": (4, ["parallel.tensor=2", "parallel.zero_stage=2"]),
     "pp2_dp2": (4, ["parallel.pipeline=2", "parallel.zero_stage=1"]),
 }
-# (source, target)
-CASES = [("tp1_zero0", "tp2"), ("dp2_zero1", "dp1_zero0"), ("pp2", "pp1"), ("tp2_dp2_zero2", "pp2_dp2")]
+# (source, target): every source kind in both precisions, each into another layout
+CASES = [
+    ("tp1_zero0", "tp2"), ("dp2_zero1", "dp1_zero0"), ("pp2", "pp1"), ("tp2_dp2_zero2", "pp2_dp2"),
+    ("dp2_zero3", "tp2"), ("tp2", "dp2_zero3"),
+    ("tp1_zero0@bf16", "dp2_zero3@bf16"), ("dp2_zero1@bf16", "pp2@bf16"), ("dp2_zero3@bf16", "tp2@bf16"),
+    ("pp2@bf16", "dp2_zero1@bf16"), ("tp2@bf16", "tp1_zero0@bf16"),
+]
 
 
-def train_args(data_dir: Path, run_dir: Path, layout: str, *extra: str) -> list[str]:
+def layout(name: str) -> tuple[int, list[str]]:
+    base, _, precision = name.partition("@")
+    processes, overrides = LAYOUTS[base]
+    return processes, [*overrides, f"train.precision={precision or 'fp32'}"]
+
+
+def train_args(data_dir: Path, run_dir: Path, name: str, *extra: str) -> list[str]:
     common = [*tiny_overrides(data_dir, run_dir), f"train.steps={STEPS}", "train.eval_every=0",
               f"checkpoint.every={RESUME_STEP}", "checkpoint.keep_last=2"]
-    return [str(DEMO_CONFIG), *common, *LAYOUTS[layout][1], *extra]
+    return [str(DEMO_CONFIG), *common, *layout(name)[1], *extra]
 
 
 class StraightRuns:
@@ -59,8 +74,8 @@ class StraightRuns:
 
     def __call__(self, layout: str) -> Path:
         if layout not in self.runs:
-            run_dir = self.root / layout
-            run_scaletrain("train", train_args(self.data_dir, run_dir, layout), LAYOUTS[layout][0])
+            run_dir = self.root / layout.replace("@", "_")
+            run_scaletrain("train", train_args(self.data_dir, run_dir, layout), LAYOUTS[layout.partition("@")[0]][0])
             self.runs[layout] = run_dir
         return self.runs[layout]
 
@@ -79,9 +94,9 @@ def resumed_case(
 ) -> tuple[Path, Path, str]:
     """(the straight source-layout run, the run resumed in the target layout, the resume's stderr)."""
     source, target = request.param
-    resumed = tmp_path_factory.mktemp(f"{source}-to-{target}") / "resumed"
+    resumed = tmp_path_factory.mktemp(f"{source}-to-{target}".replace("@", "_")) / "resumed"
     args = train_args(straight_runs.data_dir, resumed, target, f"train.resume={straight_runs.checkpoint(source)}")
-    return straight_runs(source), resumed, run_and_read_stderr(args, LAYOUTS[target][0])
+    return source, straight_runs(source), resumed, run_and_read_stderr(args, layout(target)[0])
 
 
 def run_and_read_stderr(args: list[str], nproc: int, succeed: bool = True) -> str:
@@ -93,41 +108,41 @@ def run_and_read_stderr(args: list[str], nproc: int, succeed: bool = True) -> st
 
 
 @pytest.mark.slow
-def test_resume_in_another_layout_continues_the_run(resumed_case: tuple[Path, Path, str]):
-    straight, resumed, log = resumed_case
+def test_resume_in_another_layout_continues_the_run(resumed_case: tuple[str, Path, Path, str]):
+    source, straight, resumed, log = resumed_case
+    tolerance = BF16_TOLERANCE if source.endswith("@bf16") else 1e-4
     assert "resharding checkpoint" in log
     reference, _ = read_metrics(straight)
     ours, _ = read_metrics(resumed)
     assert sorted(ours) == list(range(RESUME_STEP + 1, STEPS + 1))
     for step in range(RESUME_STEP + 1, STEPS + 1):
         relative = abs(ours[step]["loss"] - reference[step]["loss"]) / reference[step]["loss"]
-        assert relative <= 1e-4, f"step {step}: {ours[step]['loss']} resharded, {reference[step]['loss']} straight"
+        assert relative <= tolerance, f"step {step}: {ours[step]['loss']} resharded, {reference[step]['loss']} straight"
         assert ours[step]["lr"] == reference[step]["lr"]
 
 
-def _layout_free_states(rank: int, world_size: int, checkpoints: list[Path]) -> list[dict]:
-    """In a world of one (the harness's process group): each checkpoint's layout-free state for the
-    plain TP=1 model."""
+def _full_states(rank: int, world_size: int, checkpoints: list[Path]) -> list[dict]:
+    """Each checkpoint's full per-parameter state, merged by the index alone (no model built)."""
+    from scaletrain.checkpoint.layout_free import STATE_KEYS, _full_tensor, _PieceReader, read_index
     from scaletrain.checkpoint.manager import read_meta
-    from scaletrain.checkpoint.reshard import read_layout_free_state
-    from scaletrain.config import load_config
-    from scaletrain.generate import single_process_config
-    from scaletrain.model import build_model
-    from scaletrain.parallel.groups import init_distributed
+    from scaletrain.checkpoint.safe_load import CheckedFiles
 
-    config = single_process_config(load_config(checkpoints[0] / "config.yaml"))
-    init_distributed(config)
-    wanted = dict(build_model(config).named_parameters())
-    states = [read_layout_free_state(path, read_meta(path).layout, wanted) for path in checkpoints]
-    return [{"step": state.optimizer_step, "parameters": state.parameters} for state in states]
+    states = []
+    for path in checkpoints:
+        index = read_index(path)
+        reader = _PieceReader(path, CheckedFiles(path, read_meta(path).files))
+        states.append({"step": index["adam_step"], "parameters": {
+            name: {key: _full_tensor(name, entry, reader, key, path) for key in STATE_KEYS}
+            for name, entry in index["parameters"].items()}})
+    return states
 
 
 @pytest.mark.slow
 def test_adam_state_reads_the_same_from_any_layout(straight_runs: StraightRuns):
-    """The same 10 steps saved as ZeRO-0 torch state (one rank) and as ZeRO-2 flat partitions cut by
-    TP2 x DP2 read back as the same per-parameter Adam state (up to the layouts' rounding)."""
+    """The same 10 steps saved from one rank (ZeRO-0, torch's own state) and from TP2 x DP2 ZeRO-2 (flat
+    partitions cut by tensor rank) hold the same per-parameter Adam state (up to the layouts' rounding)."""
     checkpoints = [straight_runs.checkpoint("tp1_zero0"), straight_runs.checkpoint("tp2_dp2_zero2")]
-    single, sharded = run_on_ranks(_layout_free_states, 1, checkpoints)[0]
+    single, sharded = run_on_ranks(_full_states, 1, checkpoints)[0]
     assert single["step"] == sharded["step"] == RESUME_STEP
     assert single["parameters"].keys() == sharded["parameters"].keys()
     for name, state in single["parameters"].items():
@@ -137,29 +152,3 @@ def test_adam_state_reads_the_same_from_any_layout(straight_runs: StraightRuns):
             scale = reference.abs().max()
             assert scale > 0, f"{name} {key} is all zeros: no optimizer state was read"
             assert (ours - reference).abs().max() <= tolerance * scale, f"{name} {key} differs between layouts"
-
-
-@pytest.mark.slow
-def test_an_unsupported_layout_is_refused_naming_those_that_resume(straight_runs: StraightRuns, tmp_path: Path):
-    args = train_args(straight_runs.data_dir, tmp_path / "zero3", "dp2_zero1", "parallel.zero_stage=3",
-                      f"train.resume={straight_runs.checkpoint('tp1_zero0')}")
-    log = run_and_read_stderr(args, 2, succeed=False)
-    assert "from TP1 ZeRO-0 into DP2 ZeRO-3 is not supported" in log
-    assert "parallel.zero_stage=0, 1 or 2" in log
-
-
-@pytest.mark.parametrize(("source", "target", "hint"), [
-    ({"tensor": 1, "pipeline": 1, "data": 2, "zero_stage": 3}, {"tensor": 2, "pipeline": 1, "data": 1, "zero_stage": 1},
-     "resume it in its own layout (DP2 ZeRO-3"),
-    ({"tensor": 1, "pipeline": 2, "data": 1, "zero_stage": 0}, {"tensor": 1, "pipeline": 1, "data": 2, "zero_stage": 1},
-     "resume it in its own layout PP2 ZeRO-0"),
-])
-def test_unmapped_sources_are_refused(source: dict, target: dict, hint: str):
-    with pytest.raises(LayoutMismatchError, match="is not supported") as refused:
-        check_reshardable(Path("step_00000010"), source, target)
-    assert hint in str(refused.value)
-
-
-def test_mapped_layouts_pass_the_check():
-    source = {"tensor": 2, "pipeline": 1, "data": 2, "zero_stage": 2}
-    check_reshardable(Path("step_00000010"), source, {"tensor": 1, "pipeline": 2, "data": 2, "zero_stage": 0})

@@ -56,7 +56,7 @@ def assert_refused(result: subprocess.CompletedProcess, file: Path, marker: Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["rng/rank_00000.pt", "state/mp_rank_00_model_states.pt"])
+@pytest.mark.parametrize("target", ["rng/rank_00000.pt", "model/rank_00000.pt"])
 def test_resume_refuses_a_crafted_file(target: str, trained: Path, small_dataset: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
@@ -73,7 +73,7 @@ def test_resume_refuses_a_crafted_file(target: str, trained: Path, small_dataset
 def test_generate_and_export_refuse_a_crafted_file(command: str, trained: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
-    file = run_dir / "checkpoints" / "step_00000002" / "state" / "mp_rank_00_model_states.pt"
+    file = run_dir / "checkpoints" / "step_00000002" / "model" / "rank_00000.pt"
     marker = tmp_path / "pwned"
     craft(file, marker)
     args = [str(run_dir), "--max-new-tokens", "2"] if command == "generate" else [str(run_dir), str(tmp_path / "hf")]

@@ -64,8 +64,8 @@ def checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def saved_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in a checkpoint's DeepSpeed files (weights, Adam moments and step counts), by
-    file and key path; DeepSpeed's own counters (global_steps...) are plain ints and left out."""
+    """Every tensor in a checkpoint's state files (weights and Adam moments), by file and key path, and
+    Adam's step count from its index."""
     tensors: dict[str, torch.Tensor] = {}
 
     def collect(value: object, key: str) -> None:
@@ -78,8 +78,9 @@ def saved_tensors(path: Path) -> dict[str, torch.Tensor]:
             for index, item in enumerate(value):
                 collect(item, f"{key}/{index}")
 
-    for file in sorted((path / "state").glob("*.pt")):
+    for file in sorted((path / "model").glob("*.pt")):
         collect(torch.load(file, map_location="cpu", weights_only=False), file.name)
+    tensors["adam_step"] = torch.tensor(json.loads((path / "model" / "index.json").read_text())["adam_step"])
     return tensors
 
 

@@ -170,7 +170,7 @@ def test_resume_auto_falls_back_past_a_broken_newest_checkpoint(
     run_dir = tmp_path / "run"
     run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.exit_after=20")],
                    stopped_early=True)
-    broken = run_dir / "checkpoints" / "step_00000020" / "state" / "mp_rank_00_model_states.pt"
+    broken = run_dir / "checkpoints" / "step_00000020" / "model" / "rank_00000.pt"
     content = broken.read_bytes()
     broken.write_bytes(content[: len(content) // 2] if damage == "truncated" else bytes(len(content)))
     result = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *overrides(small_dataset, run_dir)],

@@ -84,16 +84,17 @@ def test_branch_equals_a_fresh_wsd_run(runs: dict[str, Path]) -> None:
         assert branch_train[step]["loss"] == fresh_train[step]["loss"], step
         assert branch_train[step]["lr"] == fresh_train[step]["lr"], step
     assert branch_val[STEPS] == fresh_val[STEPS]
-    final = f"checkpoints/step_{STEPS:08d}/state/mp_rank_00_model_states.pt"
+    final = f"checkpoints/step_{STEPS:08d}/model/rank_00000.pt"
     fresh_weights, branch_weights = (weights(runs[name] / final) for name in ("fresh", "branch"))
     assert fresh_weights.keys() == branch_weights.keys() and fresh_weights
     assert all(torch.equal(fresh_weights[key], branch_weights[key]) for key in fresh_weights)
     assert load_config(runs["branch"] / "config.yaml").train.branch_from == str(runs["point"])
 
 
-def weights(model_states: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors in DeepSpeed's model-states file (one rank, ZeRO-0: the whole model)."""
-    return {key: value for key, value in load_tensors(model_states)["module"].items() if torch.is_tensor(value)}
+def weights(rank_file: Path) -> dict[str, torch.Tensor]:
+    """The model's weights and Adam moments in rank 0's state file (one rank: the whole model)."""
+    return {f"{piece['name']}/{key}": tensor for piece in load_tensors(rank_file)["pieces"]
+            for key, tensor in piece["tensors"].items()}
 
 
 def test_keep_steps_survive_pruning(runs: dict[str, Path]) -> None:

@@ -1,0 +1,235 @@
+"""The checkpoint's training state in a form that no parallel layout owns.
+
+Under `model/` of a checkpoint:
+    rank_00003.pt   the pieces rank 3 wrote: for each, a parameter's model name, which tensor-parallel
+                    piece it is, and its fp32 master weight, exp_avg and exp_avg_sq at the piece's shape
+    index.json      every parameter: full shape, tensor-parallel split (dim, stride, pieces) and the
+                    file holding each piece; Adam's step count
+
+Every parameter is named as in the plain, unpipelined model (parallel/pipeline.py keeps the names) at
+its full shape over data parallelism and ZeRO; a tensor-parallel weight is kept as its TP pieces with
+the partition attributes that merge them (parallel/sharding.py), so any layout reads any other's: TP,
+PP, DP, ZeRO-0/1/2/3, fp32 and bf16 (the master weights are fp32 in both). This is the idea of
+Megatron-Core's dist_checkpointing and torchtitan's DCP checkpoints (tensors by model name at full
+shape), in a format of our own because a merged QKV or GLU weight (partition_stride > 1) is not a
+contiguous block of the full tensor, which DCP's shard metadata needs.
+
+Writes are spread over the ranks: the ranks that hold the same parameters (a pipeline stage's
+data-parallel ranks at one tensor rank) take turns by parameter, and only tensor rank 0 writes a
+parameter that tensor parallelism does not split; a pipeline's tied copies are written by the first
+stage that holds them. Reading, each rank loads the files that hold its parameters' pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.optimizer_state import (
+    STATE_KEYS,
+    adam_step,
+    link_optimizer_state,
+    prepare_optimizer_state,
+    read_parameter_state,
+    write_parameter_state,
+)
+from scaletrain.checkpoint.safe_load import CheckedFiles
+from scaletrain.parallel.groups import Topology
+from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
+
+STATE_DIR = "model"
+INDEX_FILE = f"{STATE_DIR}/index.json"
+FORMAT_VERSION = 1
+
+
+def rank_file(rank: int) -> str:
+    return f"{STATE_DIR}/rank_{rank:05d}.pt"
+
+
+@dataclass
+class RankPieces:
+    """What one rank holds to write: its pieces (tensors copied off the training state) and their index
+    entries, and Adam's step count."""
+
+    pieces: list[dict[str, Any]] = field(default_factory=list)
+    adam_step: int = 0
+
+    def manifest(self) -> list[dict[str, Any]]:
+        return [{key: value for key, value in piece.items() if key != "tensors"} for piece in self.pieces]
+
+
+def pipeline_to_model_name(name: str) -> str:
+    """`3.blocks.2.mlp.fc.bias` or `tied_modules.embedding.embedding.word.weight` (a PipelineModule's
+    names: layer index or tied key, then the layer's own names, which are the model's; see
+    parallel/pipeline.py) as the plain model's name."""
+    if name.startswith("tied_modules."):
+        return name.removeprefix("tied_modules.").partition(".")[2]
+    return name.partition(".")[2]
+
+
+def local_parameters(module: nn.Module, topology: Topology) -> list[tuple[str, nn.Parameter]]:
+    """This rank's parameters by model name (a pipeline stage's only; tied copies each), sorted."""
+    named = ((name if topology.pipeline_parallel_size == 1 else pipeline_to_model_name(name), parameter)
+             for name, parameter in module.named_parameters())
+    return sorted(named, key=lambda item: item[0])
+
+
+def _first_holders(names: list[str], topology: Topology) -> dict[str, int]:
+    """For each name, the first pipeline stage that holds it (tied copies live on two)."""
+    if topology.pipeline_parallel_size == 1:
+        return dict.fromkeys(names, 0)
+    per_rank: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(per_rank, (topology.pipeline_parallel_rank, names))
+    holders: dict[str, int] = {}
+    for stage, stage_names in per_rank:
+        for name in stage_names:
+            holders[name] = min(stage, holders.get(name, stage))
+    return holders
+
+
+def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
+    """This rank's share of the layout-free state, copied off the training state (so training may go
+    on while it is written). Collective: every rank calls it at the same step."""
+    parameters = local_parameters(engine.module, topology)
+    holders = _first_holders([name for name, _ in parameters], topology)
+    collected = RankPieces(adam_step=adam_step(engine))
+    link_optimizer_state(engine)
+    turn = 0
+    for name, parameter in parameters:
+        if holders[name] != topology.pipeline_parallel_rank:
+            continue  # a tied copy: the first stage holding it writes it
+        split = is_tensor_parallel(parameter) and topology.tensor_parallel_size > 1
+        if not split and topology.tensor_parallel_rank != 0:
+            continue  # the same on every tensor rank: tensor rank 0's data-parallel ranks write it
+        writer = turn % topology.data_parallel_size
+        turn += 1
+        state = read_parameter_state(engine, parameter)  # collective over data parallelism under ZeRO
+        if writer != topology.data_parallel_rank:
+            continue
+        pieces = topology.tensor_parallel_size if split else 1
+        collected.pieces.append({
+            "name": name, "piece": topology.tensor_parallel_rank if split else 0, "pieces": pieces,
+            "dim": parameter.partition_dim if split else None, "stride": parameter.partition_stride if split else 1,
+            "shape": list(state["weight"].shape),
+            "tensors": {key: state[key].detach().to("cpu", torch.float32, copy=True) for key in STATE_KEYS},
+        })
+    return collected
+
+
+def write_rank_file(collected: RankPieces, checkpoint: Path, rank: int, save: Any) -> None:
+    """`save(state, path)` of this rank's pieces (a checksumming torch.save)."""
+    save({"pieces": [{**meta, "tensors": piece["tensors"]} for meta, piece in zip(collected.manifest(),
+                                                                                    collected.pieces, strict=True)]},
+         checkpoint / rank_file(rank))
+
+
+def build_index(manifests: list[list[dict[str, Any]]], steps: list[int]) -> dict[str, Any]:
+    """index.json from every rank's manifest (rank order)."""
+    parameters: dict[str, Any] = {}
+    for rank, manifest in enumerate(manifests):
+        for piece in manifest:
+            entry = parameters.setdefault(piece["name"], {
+                "shape": None, "dim": piece["dim"], "stride": piece["stride"], "files": [None] * piece["pieces"]})
+            entry["files"][piece["piece"]] = rank_file(rank)
+            if piece["piece"] == 0:
+                shape = list(piece["shape"])
+                if piece["dim"] is not None:
+                    shape[piece["dim"]] *= piece["pieces"]
+                entry["shape"] = shape
+    return {"format": FORMAT_VERSION, "adam_step": max(steps) if steps else 0, "parameters": parameters}
+
+
+def load_into_engine(engine: Any, checkpoint: Path, files: CheckedFiles, topology: Topology) -> None:
+    """Set every local parameter's master weight, working copy and Adam moments, and Adam's step, from
+    the layout-free state of `checkpoint`, cut for this rank's layout. No collectives."""
+    index = read_index(checkpoint)
+    prepare_optimizer_state(engine, int(index["adam_step"]))
+    reader = _PieceReader(checkpoint, files)
+    for name, parameter in local_parameters(engine.module, topology):
+        entry = index["parameters"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {checkpoint} has no state for {name}; it holds a different model")
+        write_parameter_state(engine, parameter, _cut_for_rank(name, entry, parameter, reader, topology, checkpoint))
+
+
+def read_index(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / INDEX_FILE
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {checkpoint}: {INDEX_FILE} could not be read ({error}); resume from "
+                              "another checkpoint (train.resume=auto takes the one before)") from None
+    if index.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {checkpoint}: {INDEX_FILE} has format {index.get('format')!r}, this "
+                              f"scaletrain reads format {FORMAT_VERSION}")
+    return index
+
+
+def full_weights(checkpoint: Path, files: CheckedFiles) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full fp32 weight) of every parameter, one at a time: for export and generation, which
+    need no model to merge them (the index says how)."""
+    reader = _PieceReader(checkpoint, files)
+    for name, entry in read_index(checkpoint)["parameters"].items():
+        yield name, _full_tensor(name, entry, reader, "weight", checkpoint)
+
+
+class _PieceReader:
+    """Each rank file loaded once (checked against its CRC-32), its pieces by (name, piece)."""
+
+    def __init__(self, checkpoint: Path, files: CheckedFiles) -> None:
+        self.checkpoint, self.files = checkpoint, files
+        self.loaded: dict[str, dict[tuple[str, int], dict[str, torch.Tensor]]] = {}
+
+    def piece(self, file: str, name: str, index: int) -> dict[str, torch.Tensor]:
+        if file not in self.loaded:
+            content = self.files.load(self.checkpoint / file)
+            self.loaded[file] = {(piece["name"], piece["piece"]): piece["tensors"] for piece in content["pieces"]}
+        try:
+            return self.loaded[file][(name, index)]
+        except KeyError:
+            raise CheckpointError(f"checkpoint {self.checkpoint}: {file} lacks piece {index} of {name}, which "
+                                  f"{INDEX_FILE} places there; the checkpoint is corrupt") from None
+
+
+def _full_tensor(name: str, entry: dict[str, Any], reader: _PieceReader, key: str, checkpoint: Path) -> torch.Tensor:
+    pieces = [reader.piece(file, name, index)[key] for index, file in enumerate(entry["files"])]
+    full = pieces[0] if entry["dim"] is None else merge_shards(pieces, entry["dim"], entry["stride"])
+    if list(full.shape) != entry["shape"]:
+        raise CheckpointError(f"checkpoint {checkpoint}: {name} merges to shape {list(full.shape)}, "
+                              f"{INDEX_FILE} says {entry['shape']}; the checkpoint is corrupt")
+    return full
+
+
+def _cut_for_rank(
+    name: str, entry: dict[str, Any], parameter: nn.Parameter, reader: _PieceReader, topology: Topology,
+    checkpoint: Path,
+) -> dict[str, torch.Tensor]:
+    """This rank's tensor-parallel shard of `name`'s state: its own piece when the checkpoint was cut
+    the same way, else the merged full tensor split again."""
+    split = is_tensor_parallel(parameter) and topology.tensor_parallel_size > 1
+    shape = tuple(getattr(parameter, "ds_shape", parameter.shape))
+    same_cut = (len(entry["files"]) == topology.tensor_parallel_size and split
+                and (entry["dim"], entry["stride"]) == (parameter.partition_dim, parameter.partition_stride))
+    state = {}
+    for key in STATE_KEYS:
+        if same_cut:
+            tensor = reader.piece(entry["files"][topology.tensor_parallel_rank], name,
+                                  topology.tensor_parallel_rank)[key]
+        else:
+            tensor = _full_tensor(name, entry, reader, key, checkpoint)
+            if split:
+                tensor = split_for_rank(tensor, parameter.partition_dim, parameter.partition_stride,
+                                        topology.tensor_parallel_rank, topology.tensor_parallel_size)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {tuple(tensor.shape)} for this rank, "
+                                  f"the model {shape}; it holds a different model")
+        state[key] = tensor
+    return state

@@ -129,6 +129,9 @@ def turn_off_backward_allreduce(engine: Any) -> None:
     engine.enable_backward_allreduce = False
 
 
+IGNORED_PARTITION = "an explicit parallel.pipeline_partition (3,1) would not reach DeepSpeed's PipelineModule"
+
+
 def partition_by_stage_boundaries(pipeline_class: PipelineClass) -> PipelineClass:
     """Class decorator for a `PipelineModule` subclass with a `stage_boundaries()` method: when it
     returns a list (the first layer of each stage, then the number of layers), stage i builds layers
@@ -140,8 +143,8 @@ def partition_by_stage_boundaries(pipeline_class: PipelineClass) -> PipelineClas
     balance stages; none takes explicit sizes such as `parallel.pipeline_partition=3,1`.
     If it goes away: an explicit partition is silently replaced by DeepSpeed's uniform one.
     """
-    deepspeed_partition = internal(pipeline_class, "_partition_layers", "pipeline_partition=3,1 would be ignored")
-    internal(pipeline_class, "_set_bounds", "pipeline_partition=3,1 would be ignored")
+    deepspeed_partition = internal(pipeline_class, "_partition_layers", IGNORED_PARTITION)
+    internal(pipeline_class, "_set_bounds", IGNORED_PARTITION)
 
     def _partition_layers(self: Any, method: str = "uniform") -> None:
         boundaries = self.stage_boundaries()

@@ -26,6 +26,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from scaletrain import upstream
 from scaletrain.batch import Batch
 from scaletrain.config import Config
 from scaletrain.model.family import ModelFamily, PipelineLayer, install
@@ -60,6 +61,7 @@ def run_layer(layer: PipelineLayer, unit: PipelineUnit, activations: tuple | tor
     return layer.run(unit.built(), tuple(activations))
 
 
+@upstream.partition_by_stage_boundaries
 class TransformerPipeline(PipelineModule):
     """DeepSpeed's PipelineModule, plus partitioning by an explicit blocks-per-stage list and the
     family's batch schema (first-stage inputs, last-stage labels)."""
@@ -68,6 +70,7 @@ class TransformerPipeline(PipelineModule):
         layers = family.pipeline_layers(config)
         self._blocks_per_stage = _parse_stage_sizes(config.parallel.pipeline_partition)
         self._block_positions = [index for index, layer in enumerate(layers) if layer.is_block]
+        self._layer_count = len(layers)
         self.batch_schema = family.batch_schema(config)
         partition = config.parallel.pipeline_partition
         super().__init__(
@@ -93,19 +96,17 @@ class TransformerPipeline(PipelineModule):
     def split_batch(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         return self.batch_schema.split(batch)
 
-    def _partition_layers(self, method: str = "uniform") -> None:
+    def stage_boundaries(self) -> list[int] | None:
         """With a blocks-per-stage list, stage i holds that many blocks; the layers before the first
-        block (embedding) join the first stage and those after the last block (head) the last."""
+        block (embedding) join the first stage and those after the last block (head) the last.
+        Without one (None), DeepSpeed's partition method applies."""
         if not self._blocks_per_stage:
-            super()._partition_layers(method)
-            return
+            return None
         boundaries, seen = [0], 0
         for blocks in self._blocks_per_stage[:-1]:
             seen += blocks
             boundaries.append(self._block_positions[seen])
-        self.parts = boundaries + [len(self._layer_specs)]
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        return boundaries + [self._layer_count]
 
 
 def build_pipeline(config: Config, topology: Topology) -> TransformerPipeline:

@@ -22,38 +22,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel, utils
-from megatron.core.tensor_parallel import layers, mappings
+from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from scaletrain import upstream
 from scaletrain.parallel.sharding import is_tensor_parallel
-
-# Where megatron allocates sequence-parallel buffers with device=torch.cuda.current_device():
-# mappings._gather_along_first_dim / _reduce_scatter_along_first_dim (the scatter/gather
-# regions), layers.LinearWithGradAccumulationAndAsyncCommunication.backward (the reduce-scattered
-# input gradient) and utils.GlobalMemoryBuffer.get_tensor (the all-gathered linear input).
-MODULES_ALLOCATING_ON_CURRENT_DEVICE = (mappings, layers, utils)
-
-
-class _CudaOnHost:
-    """`torch.cuda` as seen by a patched megatron module: `current_device()` names the CPU."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def current_device() -> torch.device:
-        return torch.device("cpu")
-
-
-class _TorchOnHost:
-    """`torch` as seen by a patched megatron module: everything is torch's except `cuda`."""
-
-    cuda = _CudaOnHost()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(torch, name)
 
 
 def enable_cpu_sequence_parallel() -> None:
@@ -61,18 +35,13 @@ def enable_cpu_sequence_parallel() -> None:
 
     megatron's SP collectives are `dist.all_gather_into_tensor` and `dist.reduce_scatter_tensor`
     (mappings.py, layers.py), which gloo implements in torch 2.13, so they stay as they are. What
-    fails on CPU is only where their buffers live: megatron allocates them with
-    `device=torch.cuda.current_device()`, which raises without CUDA. In the modules listed in
-    `MODULES_ALLOCATING_ON_CURRENT_DEVICE` the name `torch` is replaced by a view of torch whose
-    `cuda.current_device()` is the CPU, so those buffers are made on the CPU and every line of
-    megatron's forward and backward runs unchanged. Nothing happens on a machine with CUDA, and the
-    patch only turns calls that would raise into CPU allocations.
+    fails on CPU is only where their buffers live: megatron allocates them on
+    `torch.cuda.current_device()`, which raises without CUDA; `upstream.allocate_megatron_buffers_on_cpu`
+    makes them on the CPU, and every line of megatron's forward and backward runs unchanged.
+    Nothing happens on a machine with CUDA.
     """
-    if torch.cuda.is_available():
-        return
-    for module in MODULES_ALLOCATING_ON_CURRENT_DEVICE:
-        if not isinstance(module.torch, _TorchOnHost):
-            module.torch = _TorchOnHost()
+    if not torch.cuda.is_available():
+        upstream.allocate_megatron_buffers_on_cpu()
 
 
 def scatter_to_sequence_parallel(embeddings: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain import upstream
 from scaletrain.config import Config
 from scaletrain.model import build_model
 from scaletrain.notices import OP_BUILT, without_stdout_lines
@@ -109,19 +110,8 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         # Nothing to average: DeepSpeed would still flatten every gradient into buckets, all-reduce
         # them over a group of one and copy them back, each step. (ZeRO-1/2 move gradients into
         # their partitions on that path, and the pipeline engine has its own; both keep it.)
-        engine.enable_backward_allreduce = False
-    _keep_clipping_norm(engine)
+        upstream.turn_off_backward_allreduce(engine)
+    # Without ZeRO or bf16 DeepSpeed clips with the global gradient norm but does not keep it; the
+    # step's `grad_norm` needs it.
+    upstream.keep_clipping_norm(engine)
     return engine
-
-
-def _keep_clipping_norm(engine: Any) -> None:
-    """Without ZeRO or bf16, DeepSpeed clips with the global gradient norm it computes but does not keep
-    it (`clip_fp32_gradients` drops clip_grad_norm_'s return), so `get_global_grad_norm` would say
-    None: keep it, as the ZeRO and bf16 optimizers do, for the step's `grad_norm`."""
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    def clip_and_keep_norm() -> None:
-        engine._global_grad_norm = clip_grad_norm_(
-            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-
-    engine.clip_fp32_gradients = clip_and_keep_norm

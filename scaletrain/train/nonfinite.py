@@ -9,11 +9,12 @@ and none of them looks at the loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from scaletrain import upstream
 from scaletrain.parallel.groups import any_rank
 
 # A run that stopped because it diverged: not a temporary failure (75 asks a job script to requeue,
@@ -28,12 +29,13 @@ class TrainingDiverged(RuntimeError):
 class NonFiniteGuard:
     """Decides before each optimizer step, identically on every rank, whether to skip its update.
 
-    Both DeepSpeed engines (plain and pipeline) take every optimizer step through the engine's
-    `_take_model_step`; the guard runs first there and agrees on one flag over the world group: a
-    non-finite micro-batch loss, or a non-finite gradient norm, on any rank. On a skip DeepSpeed
-    still does its own bookkeeping (gradients cleared, step counted) but the torch optimizer's
-    `step` does nothing, so weights, Adam moments and Adam's step count stay as they were. Steps
-    that ZeRO skips itself (`overflow`, agreed over its groups) count as skipped too.
+    Both DeepSpeed engines (plain and pipeline) take every optimizer step through one engine method
+    (`upstream.replace_model_step`); the guard runs first there and agrees on one flag over the world
+    group: a non-finite micro-batch loss, or a non-finite gradient norm, on any rank. On a skip
+    DeepSpeed still does its own bookkeeping (gradients cleared, step counted) but the torch
+    optimizer's `step` does nothing, so weights, Adam moments and Adam's step count stay as they
+    were. Steps that ZeRO skips itself (`overflow`, agreed over its groups, so `was_step_applied()`
+    is False) count as skipped too.
     """
 
     def __init__(self, engine: Any, device: torch.device) -> None:
@@ -43,14 +45,9 @@ class NonFiniteGuard:
         self._inject = False
         self._skip_update = False
         self.skipped = False  # whether the last step's update was skipped
-        self._take_model_step = engine._take_model_step
-        engine._take_model_step = self._guarded_model_step
-        optimizer = engine.client_optimizer  # the torch optimizer that ZeRO and the engine step
-        self._optimizer_step = optimizer.step
-        optimizer.step = self._guarded_optimizer_step
-        loss_fn = getattr(engine.module, "loss_fn", None)  # the pipeline's last stage computes the loss
-        if loss_fn is not None:
-            engine.module.loss_fn = self._watched(loss_fn)
+        self._take_model_step = upstream.replace_model_step(engine, self._guarded_model_step)
+        self._optimizer_step = upstream.replace_optimizer_step(engine, self._guarded_optimizer_step)
+        upstream.watch_pipeline_loss(engine, self.watch_loss)  # the pipeline's last stage computes the loss
 
     def start_step(self, inject_nonfinite_loss: bool = False) -> None:
         """Forget losses seen since the last step (evaluation's); with inject_nonfinite_loss, this
@@ -66,12 +63,6 @@ class NonFiniteGuard:
         self._nonfinite_loss = self._nonfinite_loss | ~torch.isfinite(loss.detach()).all()
         return loss
 
-    def _watched(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def watched_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return self.watch_loss(loss_fn(*args, **kwargs))
-
-        return watched_loss
-
     def _guarded_model_step(self, *args: Any, **kwargs: Any) -> None:
         local = self._nonfinite_loss | ~torch.isfinite(
             _norm((p.grad for p in self._engine.module.parameters()), self._device))
@@ -79,7 +70,7 @@ class NonFiniteGuard:
         try:
             self._take_model_step(*args, **kwargs)
         finally:
-            self.skipped = self._skip_update or bool(getattr(self._engine.optimizer, "overflow", False))
+            self.skipped = self._skip_update or not self._engine.was_step_applied()
             self._skip_update = False
 
     def _guarded_optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +81,7 @@ class NonFiniteGuard:
 
 def weights_are_finite(module: torch.nn.Module, device: torch.device) -> bool:
     """Whether every rank's weights are finite (under ZeRO-3 a rank holds a partition: `ds_tensor`)."""
-    local = _norm((getattr(p, "ds_tensor", p) for p in module.parameters()), device)
+    local = _norm((upstream.local_partition(p) for p in module.parameters()), device)
     return not any_rank(not bool(torch.isfinite(local)), device)
 
 

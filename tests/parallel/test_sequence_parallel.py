@@ -7,16 +7,14 @@ gradient and a few optimizer steps must agree, with plain torch Adam and under D
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, utils
-from megatron.core.tensor_parallel import layers, mappings
+from megatron.core import parallel_state
 
-from scaletrain.parallel.sequence_parallel import MODULES_ALLOCATING_ON_CURRENT_DEVICE, enable_cpu_sequence_parallel
+from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
 from tests.distributed.harness import gather_full_parameters, run_on_ranks
 from tests.parallel.megatron_stack import StackShape, batch, build_stack
 
@@ -141,23 +139,3 @@ def test_deepspeed_zero_steps_match_tensor_parallel(zero_stage):
         assert rank["sp"]["losses"] == pytest.approx(rank["tp"]["losses"], rel=RELATIVE)
         for name, weight in rank["tp"]["weights"].items():
             assert torch.allclose(rank["sp"]["weights"][name], weight, atol=1e-5), name
-
-
-def test_megatron_internals_that_the_cpu_patch_relies_on():
-    """Fails when a megatron-core upgrade moves the buffers or collectives enable_cpu_sequence_parallel handles."""
-    assert mappings.dist_all_gather_func is dist.all_gather_into_tensor
-    assert mappings.dist_reduce_scatter_func is dist.reduce_scatter_tensor
-    assert layers.dist_all_gather_func is dist.all_gather_into_tensor
-    assert layers.dist_reduce_scatter_func is dist.reduce_scatter_tensor
-    allocating = [
-        mappings._gather_along_first_dim,
-        mappings._reduce_scatter_along_first_dim,
-        layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
-        utils.GlobalMemoryBuffer.get_tensor,
-    ]
-    for function in allocating:
-        assert "device=torch.cuda.current_device()" in inspect.getsource(function), function.__qualname__
-        assert inspect.getmodule(function) in MODULES_ALLOCATING_ON_CURRENT_DEVICE
-    forward = inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication.forward)
-    assert "get_global_memory_buffer().get_tensor" in forward
-    assert "ctx.save_for_backward(input, weight)" in forward  # the un-gathered shard (activations.py)

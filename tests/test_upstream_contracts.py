@@ -1,0 +1,278 @@
+"""One contract test per private DeepSpeed or megatron-core internal that scaletrain/upstream.py uses.
+
+Each fails, naming the internal and the versions it was checked on, when an upgrade removes it,
+changes the call we rely on, or stops calling it (a patch that is never called fails silently: a
+grad_norm that vanishes, a NaN step that is applied). The engines are real DeepSpeed engines, tiny,
+on a gloo world of one: one forked process builds them all once for the module (`observed`) and
+each test reads what its contract saw there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import utils
+from megatron.core.tensor_parallel import layers, mappings
+
+from scaletrain import upstream
+from scaletrain.upstream import CHECKED_ON, MODULES_ALLOCATING_ON_CURRENT_DEVICE
+from tests.distributed.harness import run_on_ranks
+
+ZERO_STAGES = (0, 1, 3)
+MICRO_BATCHES = 2  # per pipeline step
+BASE_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 1 << 62,
+}
+
+
+@pytest.fixture(scope="module")
+def observed() -> dict[str, Any]:
+    return run_on_ranks(_observe, 1)[0]
+
+
+def _observe(rank: int, world_size: int) -> dict[str, Any]:
+    """What each contract saw, by name; a probe that raised (an UpstreamChanged...) leaves its message."""
+    probes: dict[str, Callable[[], Any]] = {
+        **{f"zero{stage}": (lambda stage=stage: _plain_engine(stage)) for stage in ZERO_STAGES},
+        "pipeline": _pipeline_engine,
+        "megatron_buffers": _megatron_buffers,
+    }
+    observations: dict[str, Any] = {}
+    for name, probe in probes.items():
+        try:
+            observations[name] = probe()
+        except Exception as error:  # recorded for the test that reads it; the other probes go on
+            observations[name] = f"{type(error).__name__}: {error}"
+    return observations
+
+
+def _plain_engine(zero_stage: int) -> dict[str, Any]:
+    """Three steps of a tiny engine with our replacements: a normal one, one whose torch optimizer
+    step is dropped (as the non-finite guard does), and one without the backward all-reduce."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    # ZeRO-3 keeps parameters below the persistence threshold whole: partition all of them here
+    zero = {"stage": zero_stage, **({"stage3_param_persistence_threshold": 0} if zero_stage == 3 else {})}
+    config = {**BASE_CONFIG, "gradient_clipping": 1.0, "zero_optimization": zero}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    calls: Counter[str] = Counter()
+    seen: dict[str, Any] = {"gone": {}, "grad_norms": []}
+    drop_update = False
+
+    def model_step(*args: Any, **kwargs: Any) -> None:
+        calls["model_step"] += 1
+        grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+        seen["grad_norms"].append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+                                  if grads else None)
+        deepspeed_model_step(*args, **kwargs)
+
+    def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+        calls["optimizer_step"] += 1
+        return None if drop_update else torch_step(*args, **kwargs)
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        calls["allreduce"] += 1
+        return deepspeed_allreduce(*args, **kwargs)
+
+    deepspeed_model_step = _patch(seen, "model_step", upstream.replace_model_step, engine, model_step)
+    torch_step = _patch(seen, "optimizer_step", upstream.replace_optimizer_step, engine, optimizer_step)
+    if zero_stage == 0:  # the only stage whose clipping drops the norm
+        _patch(seen, "clipping_norm", upstream.keep_clipping_norm, engine)
+    deepspeed_allreduce = engine.allreduce_gradients
+    engine.allreduce_gradients = allreduce_gradients
+    inputs = torch.randn(2, 4)
+
+    def train_step() -> list[torch.Tensor]:
+        engine.backward(engine(inputs).pow(2).mean())
+        engine.step()
+        return [upstream.local_partition(p).detach().clone() for p in engine.module.parameters()]
+
+    before = [upstream.local_partition(p).detach().clone() for p in engine.module.parameters()]
+    after_update = train_step()
+    seen["allreduce_with_default"] = calls["allreduce"]
+    seen["grad_norm"] = engine.get_global_grad_norm()
+    drop_update = True
+    after_dropped = train_step()
+    drop_update = False
+    if zero_stage == 0:  # ZeRO-1/2 move gradients into their partitions on that path
+        _patch(seen, "backward_allreduce", upstream.turn_off_backward_allreduce, engine)
+    allreduce_before = calls["allreduce"]
+    train_step()
+    seen["allreduce_turned_off"] = calls["allreduce"] - allreduce_before
+    seen["calls"] = dict(calls)
+    seen["update_moved_weights"] = any(not torch.equal(a, b) for a, b in zip(before, after_update, strict=True))
+    seen["dropped_update_kept_weights"] = all(
+        torch.equal(a, b) for a, b in zip(after_update, after_dropped, strict=True))
+    seen["sizes"] = [(p.numel(), upstream.local_partition(p).numel()) for p in engine.module.parameters()]
+    return seen
+
+
+def _pipeline_engine() -> dict[str, Any]:
+    """A pipeline of three layers whose stage boundaries say only the first two are built, trained
+    one step of MICRO_BATCHES micro-batches with the loss watched."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    boundaries_asked = []
+    seen: dict[str, Any] = {"gone": {}}
+
+    class FirstTwoLayers(PipelineModule):
+        def stage_boundaries(self) -> list[int]:
+            boundaries_asked.append(True)
+            return [0, 2]
+
+    _patch(seen, "partition", upstream.partition_by_stage_boundaries, FirstTwoLayers)
+    torch.manual_seed(0)
+    module = FirstTwoLayers(layers=[LayerSpec(torch.nn.Linear, 4, 4) for _ in range(3)], num_stages=1,
+                            loss_fn=lambda outputs, labels: (outputs - labels).pow(2).mean(),
+                            partition_method="uniform")
+    seen.update(parts=list(module.parts), built_layers=len(module.forward_funcs),
+                boundaries_asked=len(boundaries_asked))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    config = {**BASE_CONFIG, "gradient_accumulation_steps": MICRO_BATCHES, "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    calls: Counter[str] = Counter()
+
+    def watch(loss: torch.Tensor) -> torch.Tensor:
+        calls["loss"] += 1
+        return loss
+
+    def model_step(*args: Any, **kwargs: Any) -> None:
+        calls["model_step"] += 1
+        deepspeed_model_step(*args, **kwargs)
+
+    _patch(seen, "pipeline_loss", upstream.watch_pipeline_loss, engine, watch)
+    deepspeed_model_step = _patch(seen, "model_step", upstream.replace_model_step, engine, model_step)
+    engine.train_batch(data_iter=iter([(torch.randn(2, 4), torch.randn(2, 4))] * MICRO_BATCHES))
+    seen["calls"] = dict(calls)
+    return seen
+
+
+def _megatron_buffers() -> dict[str, Any]:
+    """The device of a buffer from megatron's global memory buffer after the patch (no CUDA here)."""
+    seen: dict[str, Any] = {"gone": {}}
+    _patch(seen, "megatron_buffers", upstream.allocate_megatron_buffers_on_cpu)
+    seen["device"] = str(utils.GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "contract").device)
+    return seen
+
+
+def _patch(seen: dict[str, Any], contract: str, patch: Callable[..., Any], *args: Any) -> Any:
+    """Apply one of upstream's patches; if its internal is gone, note why under `contract` and go on,
+    so that only that contract's test fails."""
+    try:
+        return patch(*args)
+    except upstream.UpstreamChanged as error:
+        seen["gone"][contract] = str(error)
+        return None
+
+
+def _observation(observed: dict[str, Any], probe: str, internal: str, contract: str | None = None) -> Any:
+    """What `probe` saw; fails at once if it raised, or if the internal behind `contract` is gone."""
+    value = observed[probe]
+    if isinstance(value, str):
+        pytest.fail(_broken(internal, f"the {probe} probe raised {value}"))
+    if contract in value["gone"]:
+        pytest.fail(f"upstream contract broken: {value['gone'][contract]}")
+    return value
+
+
+def _broken(internal: str, problem: str) -> str:
+    return f"upstream contract broken: {internal} (checked on {CHECKED_ON}): {problem}"
+
+
+def test_take_model_step_is_called_once_per_optimizer_step(observed):
+    internal = "DeepSpeedEngine._take_model_step"
+    for probe, steps in [*((f"zero{stage}", 3) for stage in ZERO_STAGES), ("pipeline", 1)]:
+        calls = _observation(observed, probe, internal, "model_step")["calls"].get("model_step", 0)
+        assert calls == steps, _broken(internal, f"{probe}: our replacement ran {calls} times in {steps} steps, "
+                                                 "so the non-finite guard would not see every step")
+
+
+def test_the_client_optimizer_is_what_deepspeed_steps(observed):
+    internal = "DeepSpeedEngine.client_optimizer (its .step)"
+    for stage in ZERO_STAGES:
+        seen = _observation(observed, f"zero{stage}", internal, "optimizer_step")
+        assert seen["calls"].get("optimizer_step", 0) == 3, _broken(
+            internal, f"ZeRO-{stage}: DeepSpeed called the client optimizer's step {seen['calls']} times in 3 steps")
+        assert seen["update_moved_weights"], _broken(internal, f"ZeRO-{stage}: the weights did not move in a step")
+        assert seen["dropped_update_kept_weights"], _broken(
+            internal, f"ZeRO-{stage}: dropping the client optimizer's step did not keep the weights; "
+            "DeepSpeed updates them through something else, so a skipped step would still apply")
+
+
+def test_pipeline_loss_fn_is_looked_up_for_every_micro_batch(observed):
+    internal = "PipelineModule.loss_fn as called by PipelineEngine._exec_forward_pass"
+    calls = _observation(observed, "pipeline", internal, "pipeline_loss")["calls"].get("loss", 0)
+    assert calls == MICRO_BATCHES, _broken(
+        internal, f"the replaced loss_fn saw {calls} of {MICRO_BATCHES} micro-batch losses")
+
+
+def test_clip_fp32_gradients_norm_reaches_get_global_grad_norm(observed):
+    internal = "DeepSpeedEngine.clip_fp32_gradients / _global_grad_norm"
+    seen = _observation(observed, "zero0", internal, "clipping_norm")
+    assert seen["grad_norm"] is not None, _broken(
+        internal, "get_global_grad_norm() is None after a clipped ZeRO-0 fp32 step: grad_norm would vanish")
+    assert float(seen["grad_norm"]) == pytest.approx(seen["grad_norms"][0], rel=1e-5), _broken(
+        internal, f"the kept norm {float(seen['grad_norm'])} is not the gradients' norm {seen['grad_norms'][0]}")
+
+
+def test_enable_backward_allreduce_gates_the_allreduce(observed):
+    internal = "DeepSpeedEngine.enable_backward_allreduce"
+    seen = _observation(observed, "zero0", internal, "backward_allreduce")
+    assert seen["allreduce_with_default"] == 1, _broken(
+        internal, f"ZeRO-0 backward called allreduce_gradients {seen['allreduce_with_default']} times, not once")
+    assert seen["allreduce_turned_off"] == 0, _broken(internal, "setting it False no longer skips allreduce_gradients")
+
+
+def test_partition_layers_override_sets_the_stage_bounds(observed):
+    internal = "PipelineModule._partition_layers / _set_bounds"
+    seen = _observation(observed, "pipeline", internal, "partition")
+    assert seen["boundaries_asked"] == 1, _broken(internal, "PipelineModule.__init__ did not call our partition")
+    assert seen["parts"] == [0, 2], _broken(internal, f"parts is {seen['parts']}, not the boundaries [0, 2]")
+    assert seen["built_layers"] == 2, _broken(internal, f"the stage built {seen['built_layers']} layers, not 2")
+
+
+def test_ds_tensor_is_the_zero3_partition(observed):
+    internal = "ZeRO-3 parameter .ds_tensor"
+    sizes = _observation(observed, "zero3", internal)["sizes"]
+    assert all(placeholder == 0 and local > 0 for placeholder, local in sizes), _broken(
+        internal, f"(parameter, local_partition) sizes {sizes}: local_partition is not this rank's partition, "
+        "so weights_are_finite would check empty placeholders")
+
+
+def test_megatron_allocates_sequence_parallel_buffers_through_its_torch_global(observed):
+    """Fails when a megatron-core upgrade moves the buffers or collectives allocate_megatron_buffers_on_cpu handles."""
+    internal = "megatron.core tensor_parallel.mappings/layers, utils: torch.cuda.current_device()"
+    assert mappings.dist_all_gather_func is dist.all_gather_into_tensor, _broken(internal, "all-gather changed")
+    assert mappings.dist_reduce_scatter_func is dist.reduce_scatter_tensor, _broken(internal, "reduce-scatter changed")
+    assert layers.dist_all_gather_func is dist.all_gather_into_tensor, _broken(internal, "all-gather changed")
+    assert layers.dist_reduce_scatter_func is dist.reduce_scatter_tensor, _broken(internal, "reduce-scatter changed")
+    allocating = [
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+        layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
+        utils.GlobalMemoryBuffer.get_tensor,
+    ]
+    for function in allocating:
+        assert "device=torch.cuda.current_device()" in inspect.getsource(function), _broken(
+            internal, f"{function.__qualname__} no longer allocates on torch.cuda.current_device()")
+        assert inspect.getmodule(function) in MODULES_ALLOCATING_ON_CURRENT_DEVICE, _broken(
+            internal, f"{function.__qualname__} moved out of the patched modules")
+    forward = inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication.forward)
+    assert "get_global_memory_buffer().get_tensor" in forward, _broken(internal, "the linear's input buffer moved")
+    # the un-gathered shard is what backward keeps (scaling/activations.py counts it)
+    assert "ctx.save_for_backward(input, weight)" in forward, _broken(internal, "the linear saves another input")
+    device = _observation(observed, "megatron_buffers", internal, "megatron_buffers")["device"]
+    assert device == "cpu", _broken(internal, f"after the patch a GlobalMemoryBuffer tensor is on {device}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.hf_tokenizer import write_hf_tokenizer
+from scaletrain.checkpoint.hf.tokenizer import write_hf_tokenizer
 from scaletrain.checkpoint.manager import CheckpointError, first_loadable
 from scaletrain.data.storage import dataset_location
 from scaletrain.generate import announce_checkpoint, run_config
@@ -21,7 +21,7 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     """The newest checkpoint of `run_dir` that loads (manager.first_loadable), whatever its layout, as
     a transformers model directory (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM,
     T5ForConditionalGeneration, LlamaForCausalLM) plus our tokenizer files and the Hugging Face ones
-    made from them (hf_tokenizer.py), every file readable by all as the umask allows."""
+    made from them (hf/tokenizer.py), every file readable by all as the umask allows."""
     config = run_config(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")

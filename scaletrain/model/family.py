@@ -52,11 +52,16 @@ class PipelineLayer:
 
 @dataclass(frozen=True)
 class HFAdapter:
-    """Export to / import from a Hugging Face `transformers` model class (checkpoint/hf_*.py)."""
+    """Export to / import from a Hugging Face `transformers` model class; each family's is the
+    `ADAPTER` of its module in checkpoint/hf/, which `ModelFamily.hf` names."""
 
     model_class: str  # e.g. "LlamaForCausalLM", for messages and docs
     export: Callable[[dict[str, torch.Tensor], Config, Any], None]  # (TP=1 state, config, out_dir)
     import_: Callable[[Any], dict[str, torch.Tensor]]  # hf_dir -> TP=1 state in our names
+    # What training put around one text and around a pair, as `tokenizers` templates ($A, $B, special
+    # tokens by name), so the exported tokenizer adds the same (checkpoint/hf/tokenizer.py).
+    text_framing: tuple[str, str]
+    token_types: bool = False  # the model reads token_type_ids (BERT's segments)
 
 
 @dataclass(frozen=True)

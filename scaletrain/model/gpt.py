@@ -198,6 +198,6 @@ FAMILY = ModelFamily(
     batch_schema=lambda config: DECODER_BATCH,
     counts=counts,
     validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf_export:GPT_ADAPTER"),
+    hf=lazy("scaletrain.checkpoint.hf.gpt:ADAPTER"),
     generation="causal",
 )

@@ -2,7 +2,7 @@
 rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied output layer.
 
 Numerics follow Hugging Face's `LlamaForCausalLM` (rotate-half RoPE, fp32 RMS statistics), so
-checkpoint/hf_llama.py maps weights one to one.
+checkpoint/hf/llama.py maps weights one to one.
 """
 
 from __future__ import annotations
@@ -185,6 +185,6 @@ FAMILY = ModelFamily(
     batch_schema=lambda config: DECODER_BATCH,
     counts=counts,
     validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf_llama:LLAMA_ADAPTER"),
+    hf=lazy("scaletrain.checkpoint.hf.llama:ADAPTER"),
     generation="causal",
 )

@@ -1,7 +1,7 @@
 """T5 encoder-decoder (Raffel et al. 2020) with heads, FFN columns and vocabulary split across TP ranks.
 
 Covers original T5 (ReLU FFN, output layer tied to the embedding) and T5 v1.1 (gated-GELU FFN,
-untied output layer). Activations are [sequence, batch, hidden] as in layers.py; checkpoint/hf_t5.py
+untied output layer). Activations are [sequence, batch, hidden] as in layers.py; checkpoint/hf/t5.py
 maps the parameter names onto Hugging Face's `T5ForConditionalGeneration`.
 
 The model is a list of pipeline layers (model/family.py) that `T5` runs on one device and
@@ -43,7 +43,7 @@ from torch import nn
 from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.span_corruption import random_spans_helper
-from scaletrain.model.family import HFAdapter, LayeredModel, ModelFamily, PipelineLayer
+from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import InitMethod, normal_init
 from scaletrain.model.layers import (
     KVCache,
@@ -500,16 +500,6 @@ def validate(config: Config) -> None:
         raise ConfigError(f"parallel.tensor={tensor} must divide the T5 attention size num_heads x head_dim")
 
 
-def _hf_adapter() -> HFAdapter:
-    from scaletrain.checkpoint.hf_t5 import export_t5_hf, import_t5_hf
-
-    return HFAdapter(
-        model_class="T5ForConditionalGeneration",
-        export=lambda state, config, out_dir: export_t5_hf(state, architecture(config), out_dir),
-        import_=import_t5_hf,
-    )
-
-
 FAMILY = ModelFamily(
     name="t5",
     config_class=T5Config,
@@ -523,7 +513,7 @@ FAMILY = ModelFamily(
     ),
     counts=counts,
     validate=validate,
-    hf=_hf_adapter,
+    hf=lazy("scaletrain.checkpoint.hf.t5:ADAPTER"),
     encoder_decoder=True,
     generation="seq2seq",
 )

@@ -10,13 +10,15 @@ import torch
 from megatron.core import parallel_state
 from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, GPT2Config, GPT2LMHeadModel
 
-from scaletrain.checkpoint.hf_export import export_hf, import_hf
+from scaletrain.checkpoint.hf import bert, gpt
 from scaletrain.config import config_from_dict
 from scaletrain.model import build_model
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_bert import TINY, bert_batch, build_bert
 
+# Each family's conversion module (checkpoint/hf/), by family name.
+CONVERSIONS = {"gpt": gpt, "bert": bert}
 # (scaletrain family, HF class to load the export with, BERT options)
 MODELS = {
     "gpt": ("gpt", GPT2LMHeadModel, {}),
@@ -80,13 +82,13 @@ def _export_at(rank: int, tensor_parallel_size: int, out_dir: Path, native_dirs:
         state = gather_full_parameters(model)
         if rank == 0:
             export_dir = out_dir / f"{name}_tp{tensor_parallel_size}"
-            export_hf(state, family, config.model, config.padded_vocab_size, export_dir)
+            CONVERSIONS[family].export_hf(state, config.model, config.padded_vocab_size, export_dir)
         results[name] = {"state": state, "logits": gather_vocab_shards(model(**_inputs(family)))}
         if name == "bert_sentence_order":
             results[name]["sentence_order_logits"] = model.sentence_order_logits(**_inputs(family)).detach()
         if name in native_dirs:
             # An HF-initialised checkpoint, imported and sharded over this run's ranks.
-            _load_full_state(model, import_hf(native_dirs[name], family))
+            _load_full_state(model, CONVERSIONS[family].import_hf(native_dirs[name]))
             results[name]["native_logits"] = gather_vocab_shards(model(**_inputs(family)))
     return results
 
@@ -159,7 +161,7 @@ def test_transformers_computes_our_logits(exported, name: str, tensor_parallel_s
 def test_import_inverts_export(exported, name: str, tensor_parallel_size: int):
     out_dir, _, results = exported
     ours = results[tensor_parallel_size][name]["state"]
-    imported = import_hf(out_dir / f"{name}_tp{tensor_parallel_size}", MODELS[name][0])
+    imported = CONVERSIONS[MODELS[name][0]].import_hf(out_dir / f"{name}_tp{tensor_parallel_size}")
     assert imported.keys() == ours.keys()
     for weight_name, tensor in ours.items():
         assert torch.equal(imported[weight_name], tensor), weight_name
@@ -182,10 +184,10 @@ def test_export_explains_what_it_cannot_write(exported, tmp_path: Path):
     shard = dict(results[1]["gpt"]["state"])
     shard["embedding.word.weight"] = shard["embedding.word.weight"][:256]
     with pytest.raises(ValueError, match="256 rows but vocab_size=512"):
-        export_hf(shard, "gpt", model_config, 512, tmp_path)
+        gpt.export_hf(shard, model_config, 512, tmp_path)
     norm = torch.ones(TINY["model"]["hidden_size"])
     pre_layernorm = {**results[1]["bert"]["state"], "final_norm.weight": norm, "final_norm.bias": 0 * norm}
     with pytest.raises(ValueError, match="pre-LN"):
-        export_hf(pre_layernorm, "bert", model_config, 512, tmp_path)
+        bert.export_hf(pre_layernorm, model_config, 512, tmp_path)
     with pytest.raises(ValueError, match="has weights a gpt model does not"):
-        export_hf(results[1]["bert"]["state"] | results[1]["gpt"]["state"], "gpt", model_config, 512, tmp_path)
+        gpt.export_hf(results[1]["bert"]["state"] | results[1]["gpt"]["state"], model_config, 512, tmp_path)

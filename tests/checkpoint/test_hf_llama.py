@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from scaletrain.checkpoint.hf_llama import LLAMA_CONVERSION
+from scaletrain.checkpoint.hf.llama import export_hf, import_hf
 from scaletrain.config import _read_yaml_with_bases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +136,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     results = {}
     for name, config in VARIANTS.items():
         state = random_state_dict(config)
-        LLAMA_CONVERSION.write(state, config, VOCAB_SIZE, out_root / name)
+        export_hf(state, config, VOCAB_SIZE, out_root / name)
         results[name] = (out_root / name, state)
     return results
 
@@ -147,7 +147,7 @@ def test_hugging_face_loads_every_weight_and_import_inverts_export(exported: dic
     _, loading_info = LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
     assert not loading_info["missing_keys"] and not loading_info["unexpected_keys"]
     assert not loading_info["mismatched_keys"]
-    imported = LLAMA_CONVERSION.read(hf_dir)
+    imported = import_hf(hf_dir)
     assert imported.keys() == state.keys()
     for name, weight in state.items():
         assert imported[name].dtype == torch.float32
@@ -185,7 +185,7 @@ def test_tied_hugging_face_model_imports_as_equal_embedding_and_output(tmp_path:
                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     LlamaForCausalLM(hf_config).save_pretrained(tmp_path)
-    imported = LLAMA_CONVERSION.read(tmp_path)
+    imported = import_hf(tmp_path)
     assert torch.equal(imported["output.weight"], imported["embedding.word.weight"])
     assert imported["output.weight"].data_ptr() != imported["embedding.word.weight"].data_ptr()
 
@@ -214,7 +214,7 @@ BAD_STATES = {
 def test_export_rejects_bad_weights_naming_them(case: str, tmp_path: Path):
     corrupt, message = BAD_STATES[case]
     with pytest.raises(ValueError, match=message):
-        LLAMA_CONVERSION.write(corrupt(random_state_dict(VARIANTS["gqa"])), VARIANTS["gqa"], VOCAB_SIZE, tmp_path)
+        export_hf(corrupt(random_state_dict(VARIANTS["gqa"])), VARIANTS["gqa"], VOCAB_SIZE, tmp_path)
     assert not any(tmp_path.iterdir())
 
 
@@ -234,7 +234,7 @@ def test_import_rejects_variants_our_blocks_do_not_compute(exported: dict, case:
     (tmp_path / "config.json").write_text(json.dumps({**json.loads((hf_dir / "config.json").read_text()), **changes}))
     (tmp_path / "model.safetensors").symlink_to(hf_dir / "model.safetensors")
     with pytest.raises(ValueError, match=f"config.json has {message}"):
-        LLAMA_CONVERSION.read(tmp_path)
+        import_hf(tmp_path)
 
 
 def test_import_names_a_missing_weight_and_a_missing_config(exported: dict, tmp_path: Path):
@@ -245,10 +245,10 @@ def test_import_names_a_missing_weight_and_a_missing_config(exported: dict, tmp_
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="config.json does not exist"):
-        LLAMA_CONVERSION.read(tmp_path)
+        import_hf(tmp_path)
     (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
     with pytest.raises(ValueError, match="has no weight model.layers.1.mlp.up_proj.weight"):
-        LLAMA_CONVERSION.read(tmp_path)
+        import_hf(tmp_path)
 
 
 # Published sizes: the parameter counts of Meta's Hugging Face checkpoints (untied output layer).

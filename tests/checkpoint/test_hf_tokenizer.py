@@ -2,7 +2,7 @@
 and decodes exactly as our `Tokenizer` for every family, and HF's greedy `generate` on an exported GPT
 continues a prompt with our model's tokens.
 
-Without the files hf_tokenizer.py writes, AutoTokenizer loads a GPT export's tokenizer.model as a
+Without the files checkpoint/hf/tokenizer.py writes, AutoTokenizer loads a GPT export's tokenizer.model as a
 GPT2Tokenizer whose ids are not ours and which decodes "▁ROMEO:<0x0A>But▁soft" (issue 21).
 """
 
@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
-from scaletrain.checkpoint.hf_tokenizer import FIRST_LEARNED_ID, write_hf_tokenizer
+from scaletrain.checkpoint.hf.tokenizer import FIRST_LEARNED_ID, write_hf_tokenizer
 from scaletrain.data.tokenizer import SPECIAL_IDS, Tokenizer
 from scaletrain.model.registry import get_family
 from tests.distributed.harness import run_on_ranks

@@ -12,7 +12,7 @@ import torch
 from megatron.core import parallel_state
 from transformers import LlamaForCausalLM
 
-from scaletrain.checkpoint.hf_llama import LLAMA_ADAPTER
+from scaletrain.checkpoint.hf.llama import ADAPTER as LLAMA_ADAPTER
 from scaletrain.config import config_from_dict, validate
 from scaletrain.model import build_model
 from scaletrain.model.layers import KVCache

@@ -17,15 +17,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from scaletrain.data.tokenizer import SPECIAL_IDS
+from scaletrain.checkpoint.hf.conversion import StateDict, weights_only
+from scaletrain.config import Config
+from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
+from scaletrain.model.family import HFAdapter
 from scaletrain.model.t5 import T5Architecture
-
-# Names ending so are megatron's per-layer metadata (always None on our layers), not weights.
-_EXTRA_STATE_SUFFIX = "._extra_state"
+from scaletrain.model.t5 import architecture as model_architecture
 
 
-def export_t5_hf(
-    state_dict: dict[str, torch.Tensor],
+def export_hf(
+    state_dict: StateDict,
     architecture: T5Architecture,
     out_dir: str | Path,
     pad_token_id: int = SPECIAL_IDS["pad"],
@@ -34,7 +35,7 @@ def export_t5_hf(
     """Write the full (TP=1 or merged) weights of a `T5` as a directory `from_pretrained` loads.
     The decoder starts from the pad token, as T5 and our collator do."""
     weight_map = _weight_map(architecture)
-    unknown = sorted(set(_weights_only(state_dict)) - set(weight_map))
+    unknown = sorted(set(weights_only(state_dict)) - set(weight_map))
     missing = sorted(set(weight_map) - set(state_dict))
     if unknown or missing:
         raise ValueError(
@@ -53,7 +54,7 @@ def export_t5_hf(
     return out_dir
 
 
-def import_t5_hf(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict (parameters only) from a `T5ForConditionalGeneration` directory."""
     hf_dir = Path(hf_dir)
     architecture = read_t5_architecture(hf_dir)
@@ -158,11 +159,7 @@ def _hf_config(architecture: T5Architecture, pad_token_id: int, eos_token_id: in
     }
 
 
-def _weights_only(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: tensor for name, tensor in state_dict.items() if not name.endswith(_EXTRA_STATE_SUFFIX)}
-
-
-def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(hf_dir: Path) -> StateDict:
     """One `model.safetensors`, or the shards listed in `model.safetensors.index.json`."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -172,3 +169,16 @@ def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     if not single.is_file():
         raise ValueError(f"{hf_dir} has no model.safetensors (or index); save the HF model with safetensors")
     return load_file(single)
+
+
+def _export(state: StateDict, config: Config, out_dir: Path) -> None:
+    export_hf(state, model_architecture(config), out_dir)
+
+
+ADAPTER = HFAdapter(
+    model_class="T5ForConditionalGeneration",
+    export=_export,
+    import_=import_hf,
+    # data/seq2seq.py and data/span_corruption.py end the encoder's text with an eos.
+    text_framing=(f"$A {EOS}", f"$A {EOS} $B {EOS}"),
+)

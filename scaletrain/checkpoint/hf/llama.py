@@ -4,7 +4,7 @@ Our blocks compute what HF's do with the same matrices: RMSNorm, rotate-half rot
 q/k rows need no permutation), grouped-query attention, SwiGLU, no biases, an untied output layer.
 Only the fusion differs: with num_kv_heads == num_heads our `attention.qkv` is [q; k; v], otherwise
 `attention.query` is q and `attention.key_value` is [k; v]; `mlp.fc` is [gate; up]. As for GPT, the
-HF vocabulary is our padded one (hf_export.py explains why). Import takes plain rotary embeddings
+HF vocabulary is our padded one (conversion.py explains why). Import takes plain rotary embeddings
 only: rope scaling (Llama 3.1's long context) is not in our model, so it is refused, not dropped.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from scaletrain.checkpoint.hf_export import HFConversion, StateDict, _check_all_taken, _fp32, _take
+from scaletrain.checkpoint.hf.conversion import StateDict, check_all_taken, fp32, take, weights_only
 from scaletrain.config import Config, ModelConfig
-from scaletrain.data.tokenizer import SPECIAL_IDS
+from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
 
 FAMILY = "llama"
@@ -50,19 +50,21 @@ class LlamaShape:
                    head_dim, hf_config.intermediate_size)
 
 
-def write_llama_hf(weights: StateDict, config: ModelConfig, vocab_size: int, out_dir: Path) -> None:
+def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + safetensors) from our TP=1 weights, each checked for name and shape first.
     The HF model is built on the meta device and handed our tensors (assign=True), so a 70B export holds its
     weights once and skips a random init; its rotary tables stay on meta, as save_pretrained never writes them."""
-    hf_state = _hf_state(weights, LlamaShape.from_model_config(config, vocab_size))
+    hf_state = _hf_state(weights_only(state), LlamaShape.from_model_config(config, vocab_size))
     with torch.device("meta"):
         model = LlamaForCausalLM(_hf_config(config, vocab_size))
     model.load_state_dict(hf_state, strict=True, assign=True)
     model.save_pretrained(out_dir)
+    return Path(out_dir)
 
 
-def llama_from_hf(hf_dir: Path) -> StateDict:
+def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `LlamaForCausalLM` directory; tied HF embeddings become two equal weights."""
+    hf_dir = Path(hf_dir)
     _check_supported(hf_dir)
     hf_model, loading_info = LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
     missing = sorted(loading_info["missing_keys"])
@@ -70,12 +72,9 @@ def llama_from_hf(hf_dir: Path) -> StateDict:
         raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete LlamaForCausalLM checkpoint")
     hf_state = hf_model.state_dict()
     return {
-        ours: _fp32(torch.cat([hf_state[hf_name] for hf_name in hf_names], dim=0))
+        ours: fp32(torch.cat([hf_state[hf_name] for hf_name in hf_names], dim=0))
         for ours, (hf_names, _) in _weight_layout(LlamaShape.from_hf_config(hf_model.config)).items()
     }
-
-
-LLAMA_CONVERSION = HFConversion(write=write_llama_hf, read=llama_from_hf)
 
 
 def _hf_state(weights: StateDict, shape: LlamaShape) -> StateDict:
@@ -83,7 +82,7 @@ def _hf_state(weights: StateDict, shape: LlamaShape) -> StateDict:
     weights = dict(weights)
     hf_state = {}
     for ours, (hf_names, expected) in _weight_layout(shape).items():
-        tensor = _take(weights, ours, FAMILY)
+        tensor = take(weights, ours, FAMILY)
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"the state dict's {ours} has shape {list(tensor.shape)} but this llama config needs {list(expected)}; "
@@ -91,7 +90,7 @@ def _hf_state(weights: StateDict, shape: LlamaShape) -> StateDict:
             )
         for hf_name, part in zip(hf_names, tensor.chunk(len(hf_names), dim=0), strict=True):
             hf_state[hf_name] = part.detach().to("cpu", torch.float32).contiguous()
-    _check_all_taken(weights, FAMILY)
+    check_all_taken(weights, FAMILY)
     return hf_state
 
 
@@ -160,10 +159,13 @@ def _check_supported(hf_dir: Path) -> None:
 
 
 def _export(state: StateDict, config: Config, out_dir: Path) -> None:
-    weights = {name: tensor for name, tensor in state.items() if not name.endswith("_extra_state")}
-    write_llama_hf(weights, config.model, config.padded_vocab_size, Path(out_dir))
+    export_hf(state, config.model, config.padded_vocab_size, out_dir)
 
 
-LLAMA_ADAPTER = HFAdapter(
-    model_class="LlamaForCausalLM", export=_export, import_=lambda hf_dir: llama_from_hf(Path(hf_dir))
+ADAPTER = HFAdapter(
+    model_class="LlamaForCausalLM",
+    export=_export,
+    import_=import_hf,
+    # data/dataset.py packs documents behind an eos, and `scaletrain generate` prompts so.
+    text_framing=(f"{EOS} $A", f"{EOS} $A {EOS} $B"),
 )

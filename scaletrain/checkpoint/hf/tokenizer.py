@@ -32,9 +32,10 @@ So we write the pipeline ourselves into tokenizer.json, loaded as it is by the g
     the ids after a sentinel as a text of their own, also the dummy prefix after each sentinel (through
     a mark, a Unicode noncharacter, which text must not hold).
 
-Encoding adds what the family's training put around one text, as HF's BERT and T5 tokenizers do:
-an eos before it for causal families (documents follow an eos in the packed stream, and `scaletrain
-generate` prompts so), an eos after it for T5, [CLS] A [SEP] (B [SEP]) for BERT. With
+Encoding adds what the family's training put around one text (its HF adapter's `text_framing`), as
+HF's BERT and T5 tokenizers do: an eos before it for causal families (documents follow an eos in the
+packed stream, and `scaletrain generate` prompts so), an eos after it for T5, [CLS] A [SEP] (B [SEP])
+for BERT. With
 `add_special_tokens=False` the ids are exactly `Tokenizer.encode`'s. `decode(ids)` is `Tokenizer.decode`'s
 text for ids without pad/unk/bos/eos, which HF writes out by name; `skip_special_tokens=True` drops
 those, and the symbols and sentinels with them. tests/checkpoint/test_hf_tokenizer.py checks all this.
@@ -62,20 +63,15 @@ SPACE = "▁"  # sentencepiece's whitespace symbol (U+2581)
 FIRST_LEARNED_ID = len(SPECIAL_IDS) + 256
 # A Unicode noncharacter (never in interchange text) that marks a sentinel inside the decoder.
 SENTINEL_MARK = "\ufdd0"
-# What each kind of family put around one text (and a pair) in training, keyed by ModelFamily.generation.
-FRAMING = {
-    "causal": (f"{EOS} $A", f"{EOS} $A {EOS} $B"),  # data/dataset.py packs documents behind an eos
-    "seq2seq": (f"$A {EOS}", f"$A {EOS} $B {EOS}"),  # data/seq2seq.py, data/span_corruption.py
-    None: ("[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1"),  # data/masking.py, data/sentence_pairs.py
-}
 
 
 def write_hf_tokenizer(tokenizer_model: Path, family: ModelFamily, model_max_length: int, out_dir: Path) -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir` for the
     sentencepiece model `tokenizer_model` (its .layout.json beside it); returns their paths."""
+    adapter = family.hf()
     tokenizer = Tokenizer.load(tokenizer_model)
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
-    backend = backend_tokenizer(processor, tokenizer.num_sentinels, FRAMING[family.generation])
+    backend = backend_tokenizer(processor, tokenizer.num_sentinels, adapter.text_framing)
     special_tokens = _special_tokens(tokenizer.num_sentinels)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -86,7 +82,7 @@ def write_hf_tokenizer(tokenizer_model: Path, family: ModelFamily, model_max_len
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         # GPT-2 adds the embedding of token_type_ids to its input if it is given one; only BERT has types.
-        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"] if family.generation is None
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"] if adapter.token_types
         else ["input_ids", "attention_mask"],
     }
     contents = {TOKENIZER_FILE: backend.to_str(pretty=True), CONFIG_FILE: json.dumps(config, indent=2),

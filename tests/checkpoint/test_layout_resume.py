@@ -110,7 +110,7 @@ def _layout_free_states(rank: int, world_size: int, checkpoints: list[Path]) -> 
     plain TP=1 model."""
     from scaletrain.checkpoint.manager import read_meta
     from scaletrain.checkpoint.reshard import read_layout_free_state
-    from scaletrain.config import load_config
+    from scaletrain.config_loader import load_config
     from scaletrain.generate import single_process_config
     from scaletrain.model import build_model
     from scaletrain.parallel.groups import init_distributed

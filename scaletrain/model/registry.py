@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError, ModelConfig, ModelSections
 
 if TYPE_CHECKING:
     from scaletrain.model.family import ModelFamily
@@ -51,7 +51,7 @@ class _ModelSections(Mapping[str, type[ModelConfig]]):
         return len(FAMILY_MODULES)
 
 
-MODEL_SECTIONS: Mapping[str, type[ModelConfig]] = _ModelSections()
+MODEL_SECTIONS: ModelSections = _ModelSections()
 
 
 def objective_kind(config: Config) -> str:

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from scaletrain.config import load_config, resolve_for_world
+from scaletrain.config import resolve_for_world
+from scaletrain.config_loader import load_config
 from scaletrain.model import build_model
 from scaletrain.model.sampling import sample_tokens
 

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
-from scaletrain.config import Config, load_config, resolve_for_world  # noqa: E402
+from scaletrain.config import Config, resolve_for_world  # noqa: E402
+from scaletrain.config_loader import load_config
 from scaletrain.model import build_model  # noqa: E402
 from scaletrain.parallel.groups import (  # noqa: E402
     Topology,

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletrain import __version__
-from scaletrain.config import Config, ConfigError, ConfigWarning, config_yaml, derived_comment, load_config
+from scaletrain.config import Config, ConfigError, ConfigWarning, config_yaml, derived_comment
+from scaletrain.config_loader import load_config
 from scaletrain.disk import DiskWriteError
-from scaletrain.model.registry import FAMILY_MODULES
+from scaletrain.model.registry import FAMILY_MODULES, MODEL_SECTIONS
 from scaletrain.notices import quiet_cpu_notices, quiet_library_notices
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
@@ -287,7 +288,7 @@ def _config(args: argparse.Namespace) -> None:
     from scaletrain.config_schema import schema_text
 
     if args.keys:
-        print(schema_text(), end="")
+        print(schema_text(MODEL_SECTIONS), end="")
         return
     if args.config is None:
         raise ConfigError("give a YAML config (e.g. scaletrain config configs/gpt_tiny.yaml), or --keys for the schema")

@@ -1,4 +1,13 @@
-"""Typed run configuration: YAML files + dotted CLI overrides, validated in one place."""
+"""Typed run configuration: the schema, YAML files + dotted CLI overrides, and the rules on its own keys.
+
+This module sits below every other package and imports none of them: model/, data/ and parallel/
+import it. What it cannot know is handed to it. Which model families exist and what each family's
+`model:` section holds come from the family registry as a mapping {family name -> ModelConfig
+subclass} (`read_config(..., model_sections)`, model/registry.py MODEL_SECTIONS). The rules that
+are other packages' facts (a family's own keys, the tokenizer's reserved ids, DeepSpeed's pipeline
+rules, the `pipe:` location syntax) live in those packages, and config_loader.py, above them all,
+runs them after `validate_keys`: `scaletrain.config_loader.load_config` is the one way to load a run.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import math
 import types
 import typing
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +67,7 @@ class ModelConfig:
         return self.num_heads
 
 
-def _default_model() -> ModelConfig:
-    from scaletrain.model.registry import get_family
-
-    return get_family("gpt").config_class()
+ModelSections = Mapping[str, type[ModelConfig]]  # family name -> its typed `model:` section
 
 
 @dataclass
@@ -117,16 +124,6 @@ class ObjectiveConfig:
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
     mean_noise_span_length: float = 3.0  # T5 span corruption: mean corrupted span, in tokens
-
-    def resolved_kind(self, family: str) -> str:
-        return family_objectives(family)[0] if self.kind == "auto" else self.kind
-
-
-def family_objectives(family: str) -> tuple[str, ...]:
-    """The objectives a family trains, its default first (the family's spec says)."""
-    from scaletrain.model.registry import get_family
-
-    return get_family(family).objectives
 
 
 @dataclass
@@ -274,7 +271,10 @@ class RunConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=_default_model)
+    """A run. `Config()` has the shared model keys only (the default family, gpt, adds none); a config
+    read from YAML has its family's section class (read_config's model_sections)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -299,33 +299,32 @@ class Config:
 # Loading
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, to_train: bool = True) -> Config:
-    """Read a YAML config (following `base:` includes), apply `a.b=value` overrides, validate.
+def read_config(path: str | Path, overrides: list[str] | tuple[str, ...], model_sections: ModelSections) -> Config:
+    """Read a YAML config (following `base:` includes) and apply `a.b=value` overrides, into typed sections;
+    the `model:` section is read as its family's class from `model_sections`. Not validated: see
+    config_loader.load_config, which reads through here and then runs every package's rules.
 
     An error about a key names where its value came from: the override that set it, else the file.
-    to_train=False for a run's saved config read to use its checkpoints (generate, export, eval): the
-    warning about a warmup cut to fit the run was the training command's to give, not theirs.
     """
     raw = _read_yaml_with_bases(Path(path), seen=())
     set_by: dict[str, str] = {}
     for override in overrides:
         set_by[_apply_override(raw, override)] = override
-    config = _build_dataclass(Config, raw, prefix="", sources=_Sources(str(path), set_by))
-    validate(config)
-    if to_train:
-        _warn_if_warmup_cut(config.train)
-    return config
+    return _build_dataclass(Config, raw, prefix="", reading=_Reading(str(path), model_sections, set_by))
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
-    return _build_dataclass(Config, raw, prefix="", sources=_Sources(source))
+def parse_config(raw: dict[str, Any], model_sections: ModelSections, source: str = "config") -> Config:
+    """A Config from a mapping as YAML would hold it (tests, measurements); not validated, as read_config."""
+    return _build_dataclass(Config, raw, prefix="", reading=_Reading(source, model_sections))
 
 
 @dataclass(frozen=True)
-class _Sources:
-    """Where each key's value came from, for the error that names it: an override, else the file."""
+class _Reading:
+    """What reading a tree needs besides the tree: where each key's value came from, for the error that
+    names it (an override, else the file), and the families' `model:` sections."""
 
     file: str
+    model_sections: ModelSections = field(default_factory=dict)
     overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the override that set it last
 
     def of(self, key: str) -> str:
@@ -410,34 +409,36 @@ def _apply_override(raw: dict[str, Any], override: str) -> str:
     return key
 
 
-def _build_dataclass(cls: type, raw: Any, prefix: str, sources: _Sources) -> Any:
+def _build_dataclass(cls: type, raw: Any, prefix: str, reading: _Reading) -> Any:
     if not isinstance(raw, dict):
         section = prefix.rstrip(".")
-        raise ConfigError(f"{sources.of(section)}: {section or 'top level'} must be a mapping, got {raw!r}")
+        raise ConfigError(f"{reading.of(section)}: {section or 'top level'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise ConfigError(_unknown_key_message(cls, prefix, unknown[0], names, sources))
+        raise ConfigError(_unknown_key_message(cls, prefix, unknown[0], names, reading))
+    if cls is Config:
+        raw = {"model": {}, **raw}  # the model section is its family's class also when the file has none
     values = {}
     for name, value in raw.items():
         hint = hints[name]
         if cls is Config and name == "model":
-            hint = _model_section_class(value, sources)
+            hint = _model_section_class(value, reading)
         nested = _nested_dataclass(hint, value)
         if nested is not None:
-            values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", sources)
+            values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", reading)
         else:
-            values[name] = _coerce(value, hint, f"{prefix}{name}", sources)
+            values[name] = _coerce(value, hint, f"{prefix}{name}", reading)
     return cls(**values)
 
 
-def _unknown_key_message(cls: type, prefix: str, name: str, names: list[str], sources: _Sources) -> str:
+def _unknown_key_message(cls: type, prefix: str, name: str, names: list[str], reading: _Reading) -> str:
     """Names the key and its source, with the closest valid key (difflib), the family that has it, or the list."""
     key, section = f"{prefix}{name}", prefix.rstrip(".") or "the top level"
-    message = f"{sources.of(key)}: unknown key {key}"
+    message = f"{reading.of(key)}: unknown key {key}"
     close = difflib.get_close_matches(name, names, n=1)
-    families = _families_with_key(name) if issubclass(cls, ModelConfig) else []
+    families = _families_with_key(name, reading.model_sections) if issubclass(cls, ModelConfig) else []
     if families:
         return f"{message} (model.family={' or '.join(families)} has it, this config's family does not)"
     elsewhere = _sections_with_key(name) if cls in _section_classes() else []
@@ -461,22 +462,18 @@ def _sections_with_key(name: str) -> list[str]:
             if section.name != "model" and name in {f.name for f in dataclasses.fields(hints[section.name])}]
 
 
-def _families_with_key(name: str) -> list[str]:
-    from scaletrain.model.registry import FAMILY_MODULES, get_family
-
-    return [family for family in FAMILY_MODULES
-            if name in {f.name for f in dataclasses.fields(get_family(family).config_class)}]
+def _families_with_key(name: str, model_sections: ModelSections) -> list[str]:
+    return [family for family, section in model_sections.items()
+            if name in {f.name for f in dataclasses.fields(section)}]
 
 
-def _model_section_class(raw: Any, sources: _Sources) -> type:
+def _model_section_class(raw: Any, reading: _Reading) -> type:
     """The `model:` section's schema is its family's config class (e.g. llama adds num_kv_heads)."""
-    from scaletrain.model.registry import FAMILY_MODULES, get_family
-
-    family = raw.get("family", "gpt") if isinstance(raw, dict) else "gpt"
-    if family not in FAMILY_MODULES:
-        raise ConfigError(f"{sources.of('model.family')}: model.family={family!r} is not supported; use one of "
-                          f"{', '.join(FAMILY_MODULES)}")
-    return get_family(family).config_class
+    family = raw.get("family", ModelConfig.family) if isinstance(raw, dict) else ModelConfig.family
+    if family not in reading.model_sections:
+        raise ConfigError(f"{reading.of('model.family')}: model.family={family!r} is not supported; use one of "
+                          f"{', '.join(reading.model_sections)}")
+    return reading.model_sections[family]
 
 
 def _nested_dataclass(hint: Any, value: Any) -> type | None:
@@ -493,24 +490,24 @@ def build_dataclass(cls: type, raw: Any, prefix: str, source: str) -> Any:
 
     Shared by the run config and other YAML schemas (sweep specs), so both report errors alike.
     """
-    return _build_dataclass(cls, raw, prefix, _Sources(source))
+    return _build_dataclass(cls, raw, prefix, _Reading(source))
 
 
-def _coerce_item(value: Any, hint: Any, key: str, sources: _Sources) -> Any:
+def _coerce_item(value: Any, hint: Any, key: str, reading: _Reading) -> Any:
     if dataclasses.is_dataclass(hint):
-        return _build_dataclass(hint, value, f"{key}.", sources)
+        return _build_dataclass(hint, value, f"{key}.", reading)
     if hint is str and not isinstance(value, (dict, list)):
         return str(value)
-    return _coerce(value, hint, key, sources)
+    return _coerce(value, hint, key, reading)
 
 
-def _coerce(value: Any, hint: Any, key: str, sources: _Sources) -> Any:
+def _coerce(value: Any, hint: Any, key: str, reading: _Reading) -> Any:
     """Check a YAML value against a field's type; ints are accepted where floats are expected."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
-        raise ConfigError(f"{sources.of(key)}: {key} must be set (got null)")
+        raise ConfigError(f"{reading.of(key)}: {key} must be set (got null)")
     for option in options:
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -522,23 +519,26 @@ def _coerce(value: Any, hint: Any, key: str, sources: _Sources) -> Any:
             return value
         if typing.get_origin(option) is list and isinstance(value, list):
             (item_hint,) = typing.get_args(option)
-            return [_coerce_item(item, item_hint, f"{key}[{index}]", sources) for index, item in enumerate(value)]
+            return [_coerce_item(item, item_hint, f"{key}[{index}]", reading) for index, item in enumerate(value)]
         if option is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     expected = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
-    raise ConfigError(f"{sources.of(key)}: {key} must be {expected}, got {value!r}")
+    raise ConfigError(f"{reading.of(key)}: {key} must be {expected}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation: every rule lives here, so a bad config fails at load time with one message.
+# Validation of what config.py itself knows: each key's range and how keys relate. The rules that are
+# other packages' facts are theirs; config_loader.validate runs them after these.
 
-def validate(config: Config) -> None:
+def validate_keys(config: Config) -> None:
+    """The rules that need nothing but the config; the parallel sizes first, since the model's
+    shape rules divide by them."""
+    _validate_parallel(config.parallel)
     _validate_model(config)
-    _validate_objective(config)
-    _validate_parallel(config)
+    _validate_objective(config.objective)
     _validate_train(config)
     _validate_schedule(config.train)
-    _validate_data(config)
+    _validate_data(config.data)
     if config.checkpoint.every < 1 or config.checkpoint.keep_last < 1:
         raise ConfigError("checkpoint.every and checkpoint.keep_last must be >= 1")
     outside = [step for step in config.checkpoint.keep_steps if not 1 <= step <= config.train.steps]
@@ -553,9 +553,7 @@ def validate(config: Config) -> None:
 
 def _validate_model(config: Config) -> None:
     """Rules every family shares (shapes that tensor parallelism splits); the family's own
-    `validate` checks its keys."""
-    from scaletrain.model.registry import get_family
-
+    `validate` checks its keys (model/registry.py validate_for_family)."""
     model, tensor = config.model, config.parallel.tensor
     for key in ("num_layers", "hidden_size", "num_heads", "seq_length"):
         if getattr(model, key) < 1:
@@ -581,28 +579,20 @@ def _validate_model(config: Config) -> None:
         )
     if not 0.0 <= model.dropout < 1.0:
         raise ConfigError(f"model.dropout={model.dropout} must be in [0, 1)")
-    get_family(model.family).validate(config)
 
 
-def _validate_objective(config: Config) -> None:
-    objective, family = config.objective, config.model.family
-    kinds = family_objectives(family)
-    if objective.kind != "auto" and objective.kind not in kinds:
-        raise ConfigError(
-            f"objective.kind={objective.kind!r} does not train a {family}; use auto or {' / '.join(kinds)}"
-        )
+def _validate_objective(objective: ObjectiveConfig) -> None:
+    """The objective's numbers; which kinds a family trains is the registry's (validate_for_family)."""
     if not 0.0 < objective.mask_prob < 1.0 or not 0.0 < objective.noise_density < 1.0:
         raise ConfigError("objective.mask_prob and objective.noise_density must be in (0, 1)")
     if objective.mean_noise_span_length < 1.0:
         raise ConfigError(f"objective.mean_noise_span_length={objective.mean_noise_span_length} must be >= 1")
     if objective.sentence_pairs not in ("none", "nsp", "sop"):
         raise ConfigError(f"objective.sentence_pairs={objective.sentence_pairs!r}; use none, nsp or sop")
-    if objective.sentence_pairs != "none" and objective.resolved_kind(family) != "mlm":
-        raise ConfigError("objective.sentence_pairs (NSP/SOP) goes with BERT's masked LM; set it to none")
 
 
-def _validate_parallel(config: Config) -> None:
-    parallel = config.parallel
+def _validate_parallel(parallel: ParallelConfig) -> None:
+    """The sizes' ranges; what a layout may combine is parallel/layout_rules.py's."""
     for key in ("tensor", "pipeline"):
         if getattr(parallel, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
@@ -613,74 +603,6 @@ def _validate_parallel(config: Config) -> None:
     if not parallel.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s={parallel.timeout_s} must be > 0 (seconds a collective may wait "
                           "for another rank; 1800 by default)")
-    if parallel.pipeline > 1 and parallel.zero_stage > 1:
-        raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
-            "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
-        )
-    kind = config.objective.resolved_kind(config.model.family)
-    if parallel.pipeline > 1 and kind not in _pipeline_objectives(config.model.family):
-        raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline}: pipeline stages are not available for "
-            f"{config.model.family} ({kind}); train it with tensor and data parallelism (parallel.pipeline=1)"
-        )
-    if parallel.pipeline > config.model.num_layers:
-        raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline} exceeds model.num_layers={config.model.num_layers}; "
-            "every stage needs at least one block"
-        )
-    _validate_pipeline_partition(config)
-    if parallel.sequence_parallel:
-        _validate_sequence_parallel(config)
-
-
-def _validate_sequence_parallel(config: Config) -> None:
-    from scaletrain.model.registry import FAMILY_MODULES, get_family
-
-    parallel, model = config.parallel, config.model
-    if not get_family(model.family).sequence_parallel:
-        supported = [name for name in FAMILY_MODULES if get_family(name).sequence_parallel]
-        raise ConfigError(
-            f"parallel.sequence_parallel is not available for {model.family} yet (it is for "
-            f"{', '.join(supported)}); set it to false"
-        )
-    if parallel.tensor < 2:
-        raise ConfigError("parallel.sequence_parallel splits the sequence over tensor-parallel ranks; "
-                          "set parallel.tensor >= 2 or parallel.sequence_parallel=false")
-    if model.seq_length % parallel.tensor:
-        raise ConfigError(f"parallel.tensor={parallel.tensor} must divide model.seq_length={model.seq_length} "
-                          "under sequence parallelism")
-    if model.dropout:
-        raise ConfigError(
-            f"model.dropout={model.dropout} with parallel.sequence_parallel: each TP rank would need its own "
-            "dropout stream (megatron's CUDA RNG tracker), which is not implemented; set model.dropout=0"
-        )
-
-
-def _pipeline_objectives(family: str) -> tuple[str, ...]:
-    from scaletrain.model.registry import get_family
-
-    return get_family(family).pipeline_objectives
-
-
-def _validate_pipeline_partition(config: Config) -> None:
-    partition = config.parallel.pipeline_partition
-    if partition in ("parameters", "uniform", "blocks"):
-        return
-    try:
-        blocks = [int(part) for part in partition.split(",")]
-    except ValueError:
-        blocks = []
-    if (
-        len(blocks) != config.parallel.pipeline
-        or sum(blocks) != config.model.num_layers
-        or min(blocks, default=0) < 1
-    ):
-        raise ConfigError(
-            f"parallel.pipeline_partition={partition!r}; use parameters, uniform, blocks, or "
-            f"{config.parallel.pipeline} comma-separated block counts (each >= 1) summing to "
-            f"model.num_layers={config.model.num_layers}"
-        )
 
 
 def _validate_train(config: Config) -> None:
@@ -773,9 +695,10 @@ def _warmup_key(train: TrainConfig) -> str:
     return f"train.warmup_fraction={train.warmup_fraction} ({train.requested_warmup_steps} steps)"
 
 
-def _warn_if_warmup_cut(train: TrainConfig) -> None:
+def warn_if_warmup_cut(train: TrainConfig) -> None:
     """One warning line when the warmup asked for does not fit the run (a run shortened with
-    train.steps=N): training goes on with the longest warmup that fits instead of stopping."""
+    train.steps=N): training goes on with the longest warmup that fits instead of stopping.
+    For the training command to give, not for a saved config read back (config_loader's to_train)."""
     warmup = train.resolved_warmup_steps
     if warmup == train.requested_warmup_steps:
         return
@@ -786,15 +709,9 @@ def _warn_if_warmup_cut(train: TrainConfig) -> None:
     ), stacklevel=3)
 
 
-def _validate_data(config: Config) -> None:
-    data = config.data
-    # pad, unk, bos, eos, [MASK], [CLS], [SEP], 256 byte-fallback pieces and the sentinels
-    reserved = 7 + 256 + data.num_sentinels
-    if data.vocab_size < reserved + 64:
-        raise ConfigError(
-            f"data.vocab_size={data.vocab_size} leaves too few learned pieces after {reserved} reserved ones "
-            f"(special tokens, byte fallback, {data.num_sentinels} sentinels); use at least {reserved + 64}"
-        )
+def _validate_data(data: DataConfig) -> None:
+    """The data keys' ranges; the vocabulary's room is data/tokenizer.py's rule, a location's syntax
+    data/storage.py's."""
     if not 0.0 <= data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={data.val_fraction} must be in [0, 1)")
     if data.loader_workers < 0 or data.prepare_workers < 1:
@@ -815,10 +732,6 @@ def _validate_data(config: Config) -> None:
     if data.download_retries < 0 or not 0 <= data.download_backoff_s <= 600:
         raise ConfigError(f"data.download_retries={data.download_retries} must be >= 0 and "
                           f"data.download_backoff_s={data.download_backoff_s} in [0, 600]")
-    for key, location in [("data.dir", data.dir)] + [(f"data.blend[{i}].dir", e.dir) for i, e in enumerate(data.blend)]:
-        if location.startswith("pipe:") and "{file}" not in location:
-            raise ConfigError(f"{key}={location!r} is a pipe: command without the {{file}} placeholder for the file "
-                              "name; write e.g. 'pipe:aws s3 cp s3://bucket/dataset/{file} -'")
     if data.tokenizer_train_bytes is not None and data.tokenizer_train_bytes <= 0:
         raise ConfigError(f"data.tokenizer_train_bytes={data.tokenizer_train_bytes} must be positive, "
                           "or null to train the tokenizer on the whole corpus")

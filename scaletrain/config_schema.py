@@ -3,6 +3,7 @@
 A key's meaning is the comment beside its field (and the comment lines just above it) in the
 dataclass that declares it, read from the source: config.py and the families' config classes stay
 the one place a key is described, and a new field shows up here without a second list to update.
+The families' classes are handed in (model/registry.py MODEL_SECTIONS), as to config.read_config.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import Config, ModelConfig
+from scaletrain.config import Config, ModelConfig, ModelSections
 
 
 @dataclass(frozen=True)
@@ -36,20 +37,20 @@ class SchemaKey:
         return f"{self.key}: {self.type}{default}{meaning}"
 
 
-def schema_text() -> str:
+def schema_text(model_sections: ModelSections) -> str:
     header = ("# every key of a run config: KEY: TYPE = DEFAULT  # meaning (the model section is the family's:\n"
               "# the keys every family has, then each family's own, marked with its name)\n")
-    return header + "".join(f"{key.line()}\n" for key in schema_keys())
+    return header + "".join(f"{key.line()}\n" for key in schema_keys(model_sections))
 
 
-def schema_keys() -> list[SchemaKey]:
-    """Every leaf key, in the order of the dataclasses' fields."""
+def schema_keys(model_sections: ModelSections) -> list[SchemaKey]:
+    """Every leaf key, in the order of the dataclasses' fields; the model keys of each family in `model_sections`."""
     hints = typing.get_type_hints(Config)
     keys = []
     for section in dataclasses.fields(Config):
         keys.extend(_keys(hints[section.name], f"{section.name}."))
         if section.name == "model":
-            keys.extend(_family_keys())
+            keys.extend(_family_keys(model_sections))
     return keys
 
 
@@ -70,13 +71,11 @@ def _keys(cls: type, prefix: str, marker: str = "", skip: frozenset[str] = froze
     return keys
 
 
-def _family_keys() -> list[SchemaKey]:
+def _family_keys(model_sections: ModelSections) -> list[SchemaKey]:
     """The keys a family's config class adds to the shared model keys, marked `(family)`."""
-    from scaletrain.model.registry import FAMILY_MODULES, get_family
-
     shared = frozenset(field.name for field in dataclasses.fields(ModelConfig))
-    return [key for family in FAMILY_MODULES
-            for key in _keys(get_family(family).config_class, "model.", f"({family})", shared)]
+    return [key for family, section in model_sections.items()
+            for key in _keys(section, "model.", f"({family})", shared)]
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -10,7 +10,8 @@ import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.manager import CheckpointError, first_loadable, latest_checkpoint, read_meta
-from scaletrain.config import Config, ParallelConfig, load_config, resolve_for_world
+from scaletrain.config import Config, ParallelConfig, resolve_for_world
+from scaletrain.config_loader import load_config
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model import build_model

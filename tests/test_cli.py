@@ -13,7 +13,8 @@ import pytest
 
 from scaletrain import __version__
 from scaletrain.cli import _build_parser, _parse_arguments, main
-from scaletrain.config import Config, load_config
+from scaletrain.config import Config
+from scaletrain.config_loader import load_config
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 from tests.train.runs import REPO, launcher, scaletrain_environment, scaletrain_torchrun
 

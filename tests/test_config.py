@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, load_config, resolve_for_world, save_config
+from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, resolve_for_world, save_config
+from scaletrain.config_loader import load_config
 from scaletrain.train.schedule import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]

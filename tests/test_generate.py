@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from scaletrain.config import config_from_dict, validate
+from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
 from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.sharding import gather_last_dim

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from scaletrain.config import load_config
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.counts import model_counts
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,8 @@
-"""manifest.json: what a prepared dataset holds (tokenizer, shards, index) with checksums; written last."""
+"""manifest.json: what a prepared dataset holds (tokenizer, shards, index) with checksums; written last.
+
+Reading one from wherever a dataset lives (a directory, a URL, a `pipe:` command) is data/storage.py's
+`load_manifest`: storage builds on this module.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from scaletrain.data.errors import DataError
-
-if TYPE_CHECKING:
-    from scaletrain.data.storage import DatasetLocation, ShardCacheSettings
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -91,19 +91,6 @@ def write_manifest(manifest: Manifest, data_dir: Path) -> Path:
     partial.write_text(manifest.to_json())
     os.replace(partial, path)
     return path
-
-
-def load_manifest(location: Path | str | DatasetLocation, *, cache: ShardCacheSettings | None = None) -> Manifest:
-    """Read and check a prepared dataset's manifest: format, tokenizer and index checksums.
-
-    `location` is a local directory, an fsspec URL, a `pipe:` command or a DatasetLocation
-    (data/storage.py); remote files are checked as they enter the cache `cache` (ShardCacheSettings,
-    None for the default). Shards are checked lazily by the reader (size and sha256 on first open,
-    per process), since hashing every shard here would cost a full read of the data.
-    """
-    from scaletrain.data.storage import open_location  # storage builds on this module
-
-    return open_location(location, cache).load_manifest()
 
 
 def parse_manifest(text: str, path: str, data_dir: str) -> Manifest:

@@ -14,8 +14,9 @@ from tqdm import tqdm
 from scaletrain.data.dedup import find_exact_duplicates
 from scaletrain.data.documents import Document, assign_splits, iter_texts, list_documents, resolve_raw_paths
 from scaletrain.data.errors import DataError
-from scaletrain.data.manifest import MANIFEST_NAME, Manifest, SplitInfo, file_sha256, load_manifest, write_manifest
+from scaletrain.data.manifest import MANIFEST_NAME, Manifest, SplitInfo, file_sha256, write_manifest
 from scaletrain.data.shards import SplitShardWriter, token_dtype
+from scaletrain.data.storage import load_manifest
 from scaletrain.data.tokenizer import Tokenizer, read_reusable_model, train_tokenizer, write_tokenizer
 from scaletrain.disk import replace_directory
 

@@ -33,10 +33,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
+from scaletrain.config import ConfigError, DataConfig
 from scaletrain.data.errors import DataError
 from scaletrain.data.manifest import (
     MANIFEST_NAME,
@@ -47,9 +48,6 @@ from scaletrain.data.manifest import (
     verify_file,
 )
 from scaletrain.data.shards import open_shard
-
-if TYPE_CHECKING:
-    from scaletrain.config import DataConfig
 
 PIPE_PREFIX = "pipe:"
 PIPE_FILE_PLACEHOLDER = "{file}"
@@ -81,6 +79,15 @@ class ShardCacheSettings:
                    int(data.cache_limit_gb * (1 << 30)), data.download_retries, data.download_backoff_s)
 
 
+def validate_locations(data: DataConfig) -> None:
+    """Refuse, when a config is loaded, a `pipe:` data.dir or blend entry without the `{file}` placeholder
+    (config_loader.validate runs it; PipeSource refuses one given directly)."""
+    for key, location in [("data.dir", data.dir)] + [(f"data.blend[{i}].dir", e.dir) for i, e in enumerate(data.blend)]:
+        if location.startswith(PIPE_PREFIX) and PIPE_FILE_PLACEHOLDER not in location:
+            raise ConfigError(f"{key}={location!r} is a pipe: command without the {PIPE_FILE_PLACEHOLDER} placeholder "
+                              "for the file name; write e.g. 'pipe:aws s3 cp s3://bucket/dataset/{file} -'")
+
+
 def is_local(location: Path | str) -> bool:
     """A plain path (no scheme, not a pipe command): used in place, without the cache."""
     return isinstance(location, Path) or not (str(location).startswith(PIPE_PREFIX) or "://" in str(location))
@@ -90,6 +97,17 @@ def dataset_location(data: DataConfig, location: str | None = None) -> DatasetLo
     """A dataset the run reads (`location`: one of data.blend's; default: data.dir, or the blend's first,
     which holds the tokenizer all of a blend share), with the cache the config describes."""
     return open_location(location or data.sources()[0].dir, ShardCacheSettings.from_data_config(data))
+
+
+def load_manifest(location: Path | str | DatasetLocation, *, cache: ShardCacheSettings | None = None) -> Manifest:
+    """Read and check a prepared dataset's manifest: format, tokenizer and index checksums.
+
+    `location` is a local directory, an fsspec URL, a `pipe:` command or a DatasetLocation;
+    remote files are checked as they enter the cache `cache` (ShardCacheSettings, None for the
+    default). Shards are checked lazily by the reader (size and sha256 on first open, per process),
+    since hashing every shard here would cost a full read of the data.
+    """
+    return open_location(location, cache).load_manifest()
 
 
 def open_location(location: Path | str | DatasetLocation, cache: ShardCacheSettings | None = None

@@ -25,16 +25,38 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from scaletrain.config import ConfigError, DataConfig
 from scaletrain.data.documents import Document, iter_texts, list_documents
 from scaletrain.data.errors import DataError
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 USER_SYMBOLS = ("[MASK]", "[CLS]", "[SEP]")
 SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3, "mask": 4, "cls": 5, "sep": 6}
+BYTE_PIECES = 256  # sentencepiece's byte-fallback pieces <0x00>..<0xFF>, ids 7-262
+# The fewest learned pieces a config may leave: fewer would encode text mostly as bytes (a floor, not a
+# tuned value; train_tokenizer itself needs one).
+MIN_LEARNED_PIECES = 64
 LAYOUT_SUFFIX = ".layout.json"
 LAYOUT_VERSION = 1
 # sentencepiece drops longer training lines; we cut them instead (bytes, UTF-8 <= 4 per char).
 MAX_TRAINING_LINE_CHARS = 4096
+
+
+def reserved_ids(num_sentinels: int) -> int:
+    """Ids that are not learned pieces: the special ids, the byte pieces and the sentinels."""
+    return len(SPECIAL_IDS) + BYTE_PIECES + num_sentinels
+
+
+def validate_vocab_size(data: DataConfig) -> None:
+    """Refuse, when a config is loaded, a data.vocab_size that leaves too few learned pieces after the
+    reserved ids (config_loader.validate runs it, before `prepare` or training writes anything)."""
+    reserved = reserved_ids(data.num_sentinels)
+    if data.vocab_size < reserved + MIN_LEARNED_PIECES:
+        raise ConfigError(
+            f"data.vocab_size={data.vocab_size} leaves too few learned pieces after {reserved} reserved ones "
+            f"(special tokens, byte fallback, {data.num_sentinels} sentinels); use at least "
+            f"{reserved + MIN_LEARNED_PIECES}"
+        )
 
 
 def train_tokenizer(
@@ -57,7 +79,7 @@ def train_tokenizer(
     model file, and BPE on a few MB takes about a second anyway). Returns the `.model` path.
     """
     num_pieces = vocab_size - num_sentinels
-    minimum = len(SPECIAL_IDS) + 256 + 1
+    minimum = len(SPECIAL_IDS) + BYTE_PIECES + 1
     if num_sentinels < 0 or num_pieces < minimum:
         raise DataError(
             f"vocab_size={vocab_size} with num_sentinels={num_sentinels} leaves {num_pieces} sentencepiece pieces; "

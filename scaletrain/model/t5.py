@@ -481,7 +481,7 @@ def counts(config: Config) -> ModelCounts:
 def target_length(config: Config) -> int:
     """Targets per sample: T5's span-corruption target length (sec. 3.1.4), or the full sequence for prefix LM."""
     objective = config.objective
-    if objective.resolved_kind(config.model.family) == "prefix_lm":
+    if objective.kind == "prefix_lm":  # auto is T5's span corruption (FAMILY.objectives[0])
         return config.model.seq_length
     return random_spans_helper(config.model.seq_length, objective.noise_density, objective.mean_noise_span_length)[1]
 

@@ -12,7 +12,8 @@ import argparse
 import re
 from pathlib import Path
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.activations import ATTENTION_KERNELS
 from scaletrain.scaling.report import format_plan
 from scaletrain.scaling.search import DEFAULT_MAX_MICRO_BATCH, DEFAULT_MEMORY_RESERVE, plan

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from scaletrain.config import Config, ConfigError, validate
+from scaletrain.config import Config, ConfigError
+from scaletrain.config_loader import validate
 from scaletrain.scaling.activations import ActivationSettings
 from scaletrain.scaling.flops import model_flops_per_token
 from scaletrain.scaling.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch

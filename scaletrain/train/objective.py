@@ -17,16 +17,15 @@ from scaletrain.config import Config
 from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
-from scaletrain.data.manifest import load_manifest
 from scaletrain.data.masking import mlm_collator
 from scaletrain.data.objectives import TokenizerInfo, causal_lm_collate, prefix_lm_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
 from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
-from scaletrain.data.storage import dataset_location
+from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.data.tokenizer import Tokenizer
-from scaletrain.model.registry import get_family
+from scaletrain.model.registry import get_family, objective_kind
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def build_objective(config: Config) -> Objective:
         check_same_tokenizer({source.label: load_manifest(dataset_location(config.data, source.dir))
                               for source in sources})
     info = TokenizerInfo.from_tokenizer(Tokenizer.load(dataset_location(config.data).tokenizer_path()))
-    kind = config.objective.resolved_kind(config.model.family)
+    kind = objective_kind(config)
     objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
     if kind == "causal_lm":
         return Objective(kind, causal_lm_collate, config, info, seq_length)

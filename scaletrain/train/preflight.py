@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.checkpoint.manager import describe_layout, read_meta, resume_candidates
-from scaletrain.config import Config, ConfigError, load_config, resolve_for_world
+from scaletrain.config import Config, ConfigError, resolve_for_world
+from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer
-from scaletrain.data.manifest import Manifest, load_manifest
-from scaletrain.data.storage import dataset_location
+from scaletrain.data.manifest import Manifest
+from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
 from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock

@@ -36,7 +36,7 @@ def _our_logits(rank: int, world_size: int, run_dir: Path, inputs: dict) -> torc
     from megatron.core import parallel_state
 
     from scaletrain.checkpoint.manager import latest_checkpoint
-    from scaletrain.config import load_config
+    from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model, single_process_config
 
     parallel_state.initialize_model_parallel()

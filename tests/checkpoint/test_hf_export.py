@@ -11,7 +11,7 @@ from megatron.core import parallel_state
 from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, GPT2Config, GPT2LMHeadModel
 
 from scaletrain.checkpoint.hf import bert, gpt
-from scaletrain.config import config_from_dict
+from scaletrain.config_loader import config_from_dict
 from scaletrain.model import build_model
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks

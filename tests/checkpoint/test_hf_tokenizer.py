@@ -112,7 +112,7 @@ def _greedy_continuation(rank: int, world_size: int, run_dir: Path, prompt_ids: 
     from megatron.core import parallel_state
 
     from scaletrain.checkpoint.manager import latest_checkpoint
-    from scaletrain.config import load_config
+    from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model, single_process_config
     from scaletrain.model.sampling import sample_tokens
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.data.blend import BLEND_PERIOD, BlendedDataset, BlendSchedule
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.errors import DataError

@@ -11,7 +11,8 @@ import pytest
 
 from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.errors import DataError
-from scaletrain.data.manifest import MANIFEST_NAME, load_manifest
+from scaletrain.data.manifest import MANIFEST_NAME
+from scaletrain.data.storage import load_manifest
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.data import prepare
 from scaletrain.data.dedup import find_exact_duplicates, normalise_for_dedup
 from scaletrain.data.documents import iter_texts, list_documents

@@ -12,9 +12,9 @@ import webdataset
 from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.documents import assign_splits, iter_texts, list_documents, resolve_raw_paths
 from scaletrain.data.errors import DataError
-from scaletrain.data.manifest import load_manifest
 from scaletrain.data.prepare import prepare_dataset
 from scaletrain.data.shards import SplitIndex
+from scaletrain.data.storage import load_manifest
 from scaletrain.data.tokenizer import Tokenizer
 from tests.conftest import SMALL_DATASET_SETTINGS
 

@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.errors import DataError
 from scaletrain.data.loader import build_train_loader
-from scaletrain.data.manifest import MANIFEST_NAME, load_manifest
-from scaletrain.data.storage import ShardCacheSettings, open_location, upload_dataset
+from scaletrain.data.manifest import MANIFEST_NAME
+from scaletrain.data.storage import ShardCacheSettings, load_manifest, open_location, upload_dataset
 from scaletrain.data.tokenizer import Tokenizer
 
 SEQ = 128

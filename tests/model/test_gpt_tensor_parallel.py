@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
-from scaletrain.config import config_from_dict, validate
+from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 

@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from transformers import LlamaForCausalLM
 
 from scaletrain.checkpoint.hf.llama import ADAPTER as LLAMA_ADAPTER
-from scaletrain.config import config_from_dict, validate
+from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
 from scaletrain.model.layers import KVCache
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank

@@ -16,7 +16,8 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
-from scaletrain.config import Config, config_from_dict, resolve_for_world, validate
+from scaletrain.config import Config, resolve_for_world
+from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
 from scaletrain.parallel.groups import init_distributed
 from scaletrain.train.engine import build_engine

@@ -24,7 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from scaletrain.batch import IGNORE_INDEX
-from scaletrain.config import Config, load_config
+from scaletrain.config import Config
+from scaletrain.config_loader import load_config
 from scaletrain.model import bert, build_model, t5
 from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import model_flops_per_token

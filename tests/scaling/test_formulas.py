@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import load_config
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.activations import ActivationSettings, block_activations, stage_activations
 from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token
 from scaletrain.scaling.layouts import Layout

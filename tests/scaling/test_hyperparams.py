@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.data.prepare import prepare_dataset
 from scaletrain.scaling.sweep.commands import format_plan
 from scaletrain.scaling.sweep.hyperparams import (

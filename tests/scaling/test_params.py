@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import config_from_dict, load_config
+from scaletrain.config_loader import config_from_dict, load_config
 from scaletrain.scaling.counts import model_counts
 from scaletrain.scaling.params import model_parameters, num_blocks, pipelined, stage_parameters, total_parameters
 from tests.distributed.harness import run_on_ranks

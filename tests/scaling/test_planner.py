@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, load_config, resolve_for_world
+from scaletrain.config import ConfigError, resolve_for_world
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.activations import ActivationSettings
 from scaletrain.scaling.layouts import Layout
 from scaletrain.scaling.memory import MIXED_BF16, peak_memory

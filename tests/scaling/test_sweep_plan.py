@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, load_config
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.counts import model_counts
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec

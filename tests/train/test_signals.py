@@ -176,7 +176,7 @@ def test_scaletrain_torchrun_exit_code_follows_its_ranks(rank_exit: int, launche
 
 LIBRARY_RUN = """
 import os, signal, sys
-from scaletrain.config import load_config
+from scaletrain.config_loader import load_config
 from scaletrain.parallel.groups import destroy_distributed
 from scaletrain.train.loop import train
 from scaletrain.train.stopping import StopSignals

@@ -87,7 +87,7 @@ def test_generate_samples_text(trained_run: Path):
 
 def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_samples: int) -> float:
     from scaletrain.checkpoint.manager import latest_checkpoint
-    from scaletrain.config import load_config
+    from scaletrain.config_loader import load_config
     from scaletrain.data.loader import build_eval_loader
     from scaletrain.generate import load_model, single_process_config
 

@@ -11,7 +11,8 @@ import torch
 
 from scaletrain.checkpoint.manager import CheckpointError, check_branch_point, resume_candidates
 from scaletrain.checkpoint.safe_load import load_tensors
-from scaletrain.config import ConfigError, TrainConfig, load_config
+from scaletrain.config import ConfigError, TrainConfig
+from scaletrain.config_loader import load_config
 from scaletrain.train.schedule import learning_rate
 from tests.train.runs import DEMO_CONFIG, read_metrics, run_scaletrain, tiny_overrides
 

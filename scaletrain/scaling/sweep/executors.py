@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from scaletrain.config import ConfigError, load_config, save_config
+from scaletrain.config import ConfigError, save_config
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RUN_CONFIG_FILE, RUNS_DIR, SWEEP_FILE, TRAIN_LOG
 from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan
 from scaletrain.scaling.sweep.results import read_status_file, run_data_fingerprint, run_status, write_status_file

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import load_config
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep.ladder_plot import write_ladder_plot
 from scaletrain.scaling.sweep.layout import FIT_DIR, RESULTS_FILE
 from scaletrain.scaling.sweep.spec import SweepSpec

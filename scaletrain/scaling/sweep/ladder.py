@@ -16,7 +16,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaletrain.config import Config, ConfigError, cooldown_steps, load_config
+from scaletrain.config import Config, ConfigError, cooldown_steps
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep.layout import RUNS_DIR
 from scaletrain.scaling.sweep.spec import SweepSpec
 

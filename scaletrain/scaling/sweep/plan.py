@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config import Config, ConfigError, load_config
+from scaletrain.config import Config, ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.counts import ModelCounts, model_counts
 from scaletrain.scaling.sweep.hyperparams import (

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config, load_config
+from scaletrain.config import Config
+from scaletrain.config_loader import load_config
 from scaletrain.data.errors import DataError
 from scaletrain.data.manifest import MANIFEST_NAME, SplitInfo, parse_manifest
 from scaletrain.data.storage import dataset_location

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.config import Config, ConfigError, load_config
+from scaletrain.config import Config, ConfigError
+from scaletrain.config_loader import load_config
 from scaletrain.scaling.counts import model_counts
 from scaletrain.scaling.sweep.hyperparams import (
     TUNE_DIR,

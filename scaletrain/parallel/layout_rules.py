@@ -1,0 +1,73 @@
+"""What a parallel layout may combine: DeepSpeed's pipeline engine and megatron's sequence parallelism.
+
+config.py checks each parallel key's range; these rules are the engines' facts, stated here in
+parallel/ beside the code that wraps them (pipeline.py, sequence_parallel.py), and run on every
+config at load time by config_loader.validate. The planner's layout search (scaling/layouts.py)
+offers only layouts that pass them.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config import Config, ConfigError
+
+# DeepSpeed's PipelineEngine refuses ZeRO-2/3: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+# parallelism" (an assert in deepspeed/runtime/pipe/engine.py, DeepSpeed 0.19).
+PIPELINE_ZERO_STAGES = (0, 1)
+# DeepSpeed's own partition methods, and ours: equal transformer-block counts (pipeline.py PipelineBlock).
+PARTITION_METHODS = ("parameters", "uniform", "blocks")
+
+
+def validate_layout(config: Config) -> None:
+    """Pipeline stages and sequence parallelism against ZeRO, the model's depth, sequence and dropout."""
+    parallel = config.parallel
+    if parallel.pipeline > 1 and parallel.zero_stage not in PIPELINE_ZERO_STAGES:
+        raise ConfigError(
+            f"parallel.pipeline={parallel.pipeline} with parallel.zero_stage={parallel.zero_stage}: DeepSpeed "
+            "pipelines support ZeRO-0/1 only; use parallel.zero_stage=1 or parallel.pipeline=1"
+        )
+    if parallel.pipeline > config.model.num_layers:
+        raise ConfigError(
+            f"parallel.pipeline={parallel.pipeline} exceeds model.num_layers={config.model.num_layers}; "
+            "every stage needs at least one block"
+        )
+    _validate_pipeline_partition(config)
+    if parallel.sequence_parallel:
+        _validate_sequence_parallel(config)
+
+
+def _validate_pipeline_partition(config: Config) -> None:
+    """A partition method, or blocks per stage ("5,7": the embedding joins the first stage, the head the last)."""
+    partition = config.parallel.pipeline_partition
+    if partition in PARTITION_METHODS:
+        return
+    try:
+        blocks = [int(part) for part in partition.split(",")]
+    except ValueError:
+        blocks = []
+    if (
+        len(blocks) != config.parallel.pipeline
+        or sum(blocks) != config.model.num_layers
+        or min(blocks, default=0) < 1
+    ):
+        raise ConfigError(
+            f"parallel.pipeline_partition={partition!r}; use parameters, uniform, blocks, or "
+            f"{config.parallel.pipeline} comma-separated block counts (each >= 1) summing to "
+            f"model.num_layers={config.model.num_layers}"
+        )
+
+
+def _validate_sequence_parallel(config: Config) -> None:
+    """Sequence parallelism (sequence_parallel.py) splits the sequence over the tensor-parallel ranks,
+    and has no per-rank dropout stream on CPU."""
+    parallel, model = config.parallel, config.model
+    if parallel.tensor < 2:
+        raise ConfigError("parallel.sequence_parallel splits the sequence over tensor-parallel ranks; "
+                          "set parallel.tensor >= 2 or parallel.sequence_parallel=false")
+    if model.seq_length % parallel.tensor:
+        raise ConfigError(f"parallel.tensor={parallel.tensor} must divide model.seq_length={model.seq_length} "
+                          "under sequence parallelism")
+    if model.dropout:
+        raise ConfigError(
+            f"model.dropout={model.dropout} with parallel.sequence_parallel: each TP rank would need its own "
+            "dropout stream (megatron's CUDA RNG tracker), which is not implemented; set model.dropout=0"
+        )

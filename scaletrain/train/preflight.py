@@ -17,8 +17,8 @@ from scaletrain.config import Config, ConfigError, load_config, resolve_for_worl
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest, load_manifest
 from scaletrain.data.storage import dataset_location
+from scaletrain.model.counts import model_counts
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
-from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.config import Config, ConfigError, load_config
-from scaletrain.scaling.counts import model_counts
+from scaletrain.model.counts import model_counts
 from scaletrain.scaling.sweep.hyperparams import (
     TUNE_DIR,
     BatchSetting,

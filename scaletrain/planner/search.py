@@ -6,12 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError, validate
-from scaletrain.scaling.activations import ActivationSettings
-from scaletrain.scaling.flops import model_flops_per_token
-from scaletrain.scaling.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
-from scaletrain.scaling.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
-from scaletrain.scaling.params import pipelined
-from scaletrain.scaling.step_time import Hardware, StepTime, predict_step_time
+from scaletrain.planner.activations import ActivationSettings
+from scaletrain.planner.flops import model_flops_per_token
+from scaletrain.planner.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
+from scaletrain.planner.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
+from scaletrain.planner.params import pipelined
+from scaletrain.planner.step_time import Hardware, StepTime, predict_step_time
 
 # CUDA context, NCCL buffers, DeepSpeed's buckets and allocator fragmentation are not modelled;
 # keep this fraction of each GPU's memory free for them.

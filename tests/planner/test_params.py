@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config import config_from_dict, load_config
-from scaletrain.scaling.counts import model_counts
-from scaletrain.scaling.params import model_parameters, num_blocks, pipelined, stage_parameters, total_parameters
+from scaletrain.model.counts import model_counts
+from scaletrain.planner.params import model_parameters, num_blocks, pipelined, stage_parameters, total_parameters
 from tests.distributed.harness import run_on_ranks
-from tests.scaling.measure import ACTIVATION_MODEL, PARAMETER_CONFIGS, PIPELINE_MODEL, case_config
+from tests.planner.measure import ACTIVATION_MODEL, PARAMETER_CONFIGS, PIPELINE_MODEL, case_config
 
 REPO = Path(__file__).resolve().parents[2]
 

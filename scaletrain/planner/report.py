@@ -7,11 +7,11 @@ import shlex
 from collections.abc import Sequence
 
 from scaletrain.config import Config
-from scaletrain.scaling.counts import model_counts
-from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
-from scaletrain.scaling.layouts import Layout, layout_settings
-from scaletrain.scaling.params import LayerParameters, model_parameters, stage_layers, stage_parameters
-from scaletrain.scaling.search import Plan, PlannedLayout, runnable_now
+from scaletrain.model.counts import model_counts
+from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
+from scaletrain.planner.layouts import Layout, layout_settings
+from scaletrain.planner.params import LayerParameters, model_parameters, stage_layers, stage_parameters
+from scaletrain.planner.search import Plan, PlannedLayout, runnable_now
 
 GIB = 2**30
 SBATCH_GPUS_PER_NODE = 8  # launch/slurm.sbatch's #SBATCH --gpus-per-node and --ntasks-per-node

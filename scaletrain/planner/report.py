@@ -51,8 +51,6 @@ def _parameters(plan: Plan) -> str:
         f"{counts.embedding_params:,} in embedding tables)",
         f"  {_layer_summary(counted.layers)}",
     ]
-    if not counted.pipelined:
-        lines.append(f"  {counted.family} has no pipeline stages: counted from its whole model, planned at PP=1 only")
     shown = plan.chosen or (plan.feasible[0] if plan.feasible else None)
     if shown is not None:
         layout = shown.layout
@@ -188,10 +186,9 @@ def _table(plan: Plan, top: int) -> str:
         mark = f" [{reasons.index(reason) + 1}]" if reason is not None else ""
         rows.append(_row(rank, planned) + mark)
     notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
-    pp_rule = "" if model_parameters(plan.config).pipelined else " (PP=1 only: no pipeline stages)"
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
-        f"{plan.hardware.gpus_per_node}, PP divides the layers{pp_rule}, TP*PP*DP = {plan.gpus}, "
+        f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*PP*DP = {plan.gpus}, "
         f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
     )

@@ -13,7 +13,7 @@ process group; tensor and pipeline parallelism have no plain counterpart, so onl
 timed there. Batches are random tokens, so the loader is not part of the measurement (the training
 loop reports its own wait for data as `data_wait_fraction` in metrics.jsonl).
 
-MFU = model FLOPs per token (scaletrain.tracking.flops: 6N plus attention, Kaplan et al. 2020 /
+MFU = model FLOPs per token (scaletrain.model.gpt: 6N plus attention, Kaplan et al. 2020 /
 Narayanan et al. 2021) x tokens per step / step time / (peak FLOP/s per device x devices).
 """
 
@@ -35,14 +35,15 @@ from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
 from scaletrain.config import Config, resolve_for_world  # noqa: E402
 from scaletrain.config_loader import load_config
 from scaletrain.model import build_model  # noqa: E402
+from scaletrain.model.counts import model_counts  # noqa: E402
+from scaletrain.model.gpt import model_flops_per_token  # noqa: E402
 from scaletrain.parallel.groups import (  # noqa: E402
     Topology,
     destroy_distributed,
     init_distributed,
     world_size_from_environment,
 )
-from scaletrain.scaling.counts import model_counts  # noqa: E402
-from scaletrain.tracking.flops import device_peak_flops, model_flops_per_token  # noqa: E402
+from scaletrain.tracking.flops import device_peak_flops  # noqa: E402
 from scaletrain.train.engine import build_engine, resolve_precision  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402

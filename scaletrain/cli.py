@@ -21,8 +21,8 @@ from scaletrain.config_loader import load_config
 from scaletrain.disk import DiskWriteError
 from scaletrain.model.registry import FAMILY_MODULES, MODEL_SECTIONS
 from scaletrain.notices import quiet_cpu_notices, quiet_library_notices
+from scaletrain.planner.command import add_plan_arguments, plan_from_args
 from scaletrain.scaling.fit_arguments import add_fit_arguments
-from scaletrain.scaling.planner import add_plan_arguments, plan_from_args
 from scaletrain.scaling.sweep.commands import add_sweep_arguments, sweep_from_args
 
 if TYPE_CHECKING:

@@ -111,7 +111,7 @@ def test_base_include_and_missing_file(tmp_path):
 )
 def test_llama_configs_load_with_their_published_sizes(name, params):
     """The family's own counts from the config files (Touvron et al. 2023; Meta's Llama 3 model cards)."""
-    from scaletrain.scaling.counts import model_counts
+    from scaletrain.model.counts import model_counts
 
     assert model_counts(load_config(REPO / "configs" / f"{name}.yaml")).total_params == params
 

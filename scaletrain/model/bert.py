@@ -13,6 +13,7 @@ from torch import nn
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.masking import masking_budget
+from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.gpt import run_final_norm
 from scaletrain.model.init import normal_init, residual_std
@@ -27,7 +28,6 @@ from scaletrain.model.layers import (
     vocab_parallel_argmax,
 )
 from scaletrain.model.parallel_config import model_parallel_config
-from scaletrain.scaling.counts import ModelCounts, transformer_block_flops
 
 LAYERNORM_POSITIONS = ("post", "pre")
 

@@ -26,7 +26,7 @@ from scaletrain.model.layers import run_in_chunks
 
 if TYPE_CHECKING:
     from scaletrain.config import Config, ModelConfig
-    from scaletrain.scaling.counts import ModelCounts
+    from scaletrain.model.counts import ModelCounts
 
 Activations = tuple[torch.Tensor, ...]
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
@@ -25,8 +26,6 @@ from scaletrain.model.layers import (
 )
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sequence_parallel import mark_sequence_parallel, scatter_to_sequence_parallel
-from scaletrain.scaling.counts import ModelCounts
-from scaletrain.tracking.flops import model_flops_per_token
 
 DECODER_BATCH = BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",))
 
@@ -164,6 +163,18 @@ class DecoderLM(LayeredModel):
 
 def build(config: Config) -> DecoderLM:
     return DecoderLM(pipeline_layers(config), config.train.activation_checkpoint_interval)
+
+
+def model_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
+    """Forward + backward FLOPs per token, without recomputation (model FLOPs, as MFU uses).
+
+    Per layer and token the forward pass does 2 FLOPs per weight, 8h^2 (QKV + output) +
+    4h*ffn (MLP), plus 4hs for attention scores and values; the logits add 2hV. Backward
+    doubles it. With ffn=4h this is Narayanan et al. 2021's 72*l*h^2*(1 + s/6h) + 6hV, and
+    equals PaLM's 6N + 12*l*h*s (Chowdhery et al. 2022, app. B) with N the matmul weights.
+    """
+    per_layer = transformer_block_flops(model.hidden_size, model.ffn_size, model.seq_length)
+    return 3.0 * (model.num_layers * per_layer + 2 * model.hidden_size * vocab_size)
 
 
 def counts(config: Config) -> ModelCounts:

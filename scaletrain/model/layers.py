@@ -69,17 +69,6 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(hidden.dtype)
 
 
-NORMS = ("layernorm", "rmsnorm")
-
-
-def build_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
-    if kind == "rmsnorm":
-        return RMSNorm(hidden_size, eps)
-    if kind == "layernorm":
-        return nn.LayerNorm(hidden_size, eps=eps)
-    raise ValueError(f"norm {kind!r}; use one of {NORMS}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Positions
 

@@ -15,6 +15,7 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.model.counts import ModelCounts
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
 from scaletrain.model.gpt import (
     DECODER_BATCH,
@@ -34,7 +35,6 @@ from scaletrain.model.layers import (
 )
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
-from scaletrain.scaling.counts import ModelCounts
 
 
 @dataclass

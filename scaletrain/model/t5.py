@@ -43,6 +43,7 @@ from torch import nn
 from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.span_corruption import random_spans_helper
+from scaletrain.model.counts import ModelCounts
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import InitMethod, normal_init
 from scaletrain.model.layers import (
@@ -57,7 +58,6 @@ from scaletrain.model.layers import (
 )
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sharding import gather_last_dim
-from scaletrain.scaling.counts import ModelCounts
 
 FFN_ACTIVATIONS = ("relu", "gated-gelu")
 

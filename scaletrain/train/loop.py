@@ -38,6 +38,7 @@ from scaletrain.checkpoint.manager import (
 )
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
+from scaletrain.model.counts import model_counts
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
 from scaletrain.parallel.peer_loss import RankLost, describe_lost, is_peer_failure
@@ -48,7 +49,6 @@ from scaletrain.parallel.placement import (
     hosts_of,
     place_lines,
 )
-from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.durations import format_duration
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger

@@ -17,8 +17,8 @@ from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest
 from scaletrain.data.storage import dataset_location, load_manifest
+from scaletrain.model.counts import model_counts
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
-from scaletrain.scaling.counts import model_counts
 from scaletrain.train.run_lock import RunDirectoryLock
 
 

@@ -1,1 +1,1 @@
-"""Tests of the layout planner: exact parameter counts, memory vs real CPU runs, the 175B question."""
+"""Tests of the scaling science: sweeps (spec, plan, ladder, tuning, runs), law fits, backtests and checks."""

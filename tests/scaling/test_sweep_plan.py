@@ -9,7 +9,7 @@ import pytest
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.scaling.counts import model_counts
+from scaletrain.model.counts import model_counts
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from scaletrain.scaling.sweep.tune import tune_plan

@@ -4,7 +4,6 @@ the sweep's group with the results table, the fitted constants and the plots."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ def fit_and_log(sweep_dir: Path, spec: SweepSpec, rows: list[dict[str, Any]]) ->
     """Fit into SWEEP/fit/ where the finished runs allow it, then log the summary run. A fit that fails
     entirely (no approach or form could run, bad rows) is reported, not raised: the summary run is
     still logged, and the caller exits non-zero (fail_on_fit)."""
-    from scaletrain.scaling.fit_source import fit_sweep_directory
+    from scaletrain.scaling.fit_source import fit_sweep_directory  # on use for speed: scipy and matplotlib
 
     done = sum(row["status"] == "done" for row in rows)
     failure = None
@@ -97,8 +96,3 @@ def flatten_scalars(tree: Any, prefix: str = "") -> dict[str, float]:
     elif isinstance(tree, list) and len(tree) == 2 and all(isinstance(v, (int, float)) for v in tree):
         flat[f"{prefix.rstrip('/')}_low"], flat[f"{prefix.rstrip('/')}_high"] = tree
     return flat
-
-
-def read_fit_json(sweep_dir: Path) -> dict[str, Any] | None:
-    path = sweep_dir / FIT_DIR / "fit.json"
-    return json.loads(path.read_text()) if path.is_file() else None

@@ -3,7 +3,7 @@
 IsoFLOP mode (Hoffmann et al. 2022, sec. 3.2): for each budget C and each model size, a run
 trains D = C / (FLOPs per token) tokens, rounded to whole optimizer steps, so the run's actual
 FLOPs are within half a step of C (the actual value is what gets recorded and fitted). FLOPs
-per token are the project's exact count (scaling/counts.py: 6N plus attention and the LM
+per token are the project's exact count (model/counts.py: 6N plus attention and the LM
 head, not 6N alone), and N is reported with and without embeddings.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.data.storage import dataset_location
-from scaletrain.scaling.counts import ModelCounts, model_counts
+from scaletrain.model.counts import ModelCounts, model_counts
 from scaletrain.scaling.sweep.hyperparams import (
     HyperparameterRules,
     LearningRateSetting,

@@ -22,7 +22,7 @@ import numpy as np
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.scaling.counts import model_counts
+from scaletrain.model.counts import model_counts
 from scaletrain.scaling.sweep.hyperparams import (
     TUNE_DIR,
     BatchSetting,
@@ -182,6 +182,8 @@ def _scaled_rules(spec: SweepSpec, centre: PlannedRun, lr_multiplier: float,
 
 def tune_sweep(spec_path: Path, log: callable = print) -> str:
     """Train the grid's unfinished runs, fit, write SWEEP/tune/tuned.json and the plot; returns the report."""
+    # Imported on use for speed: they load the training loop (torch, DeepSpeed), which planning and
+    # fitting a grid (tune_plan, fit_tuning) do not need.
     from scaletrain.scaling.sweep.executors import run_local
     from scaletrain.scaling.sweep.results import result_row, write_results_csv
 
@@ -231,7 +233,7 @@ def write_tuned(tune_dir: Path, fit: TuningFit, results: list[GridResult], multi
 
 def plot_tuning(results: list[GridResult], fit: TuningFit, path: Path) -> Path:
     """Loss against LR per size (at its best batch), the parabolas, and the fitted law's eta*(N)."""
-    import matplotlib
+    import matplotlib  # imported on use for speed: matplotlib costs seconds
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -27,8 +27,8 @@ from scaletrain.batch import IGNORE_INDEX
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
 from scaletrain.model import bert, build_model, t5
-from scaletrain.scaling.counts import model_counts
-from scaletrain.tracking.flops import model_flops_per_token
+from scaletrain.model.counts import model_counts
+from scaletrain.model.gpt import model_flops_per_token
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs
 from tests.distributed.harness import run_on_ranks

@@ -1,4 +1,7 @@
-"""Exact parameter and training-FLOPs counts of every model family, for scaling laws and MFU.
+"""Exact parameter and training-FLOPs counts of a model, by its family's own `counts` (its spec).
+
+Each family file (gpt.py, bert.py, t5.py, llama.py) counts its own model; this module holds what
+they share and what every count means.
 
 N is reported as Kaplan et al. 2020 (sec. 2.1) and Hoffmann et al. 2022 count it: `total_params`
 (every unique parameter, a tied output layer once; Chinchilla's N) and `non_embedding_params`
@@ -19,7 +22,7 @@ tokens the trainer counts per sample, so tokens x flops_per_token is a run's com
 
 The vocabulary is the padded one (config.padded_vocab_size): the output layer computes logits
 for every padded row, and the word table holds them, so both are counted.
-tests/scaling/test_counts.py checks every family against the real models: parameters one by
+tests/model/test_counts.py checks every family against the real models: parameters one by
 one, FLOPs with torch's FlopCounterMode on a batch from the family's own objective.
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scaletrain.config import Config
+from scaletrain.model.registry import get_family
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,6 @@ class ModelCounts:
 def model_counts(config: Config) -> ModelCounts:
     """Parameters (TP=1 totals) and training FLOPs per token of the model `config` builds: the
     family's own `counts` (its spec)."""
-    from scaletrain.model.registry import get_family
-
     return get_family(config.model.family).counts(config)
 
 

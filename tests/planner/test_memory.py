@@ -18,13 +18,13 @@ from megatron.core import parallel_state
 
 from scaletrain.config import ModelConfig
 from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
-from scaletrain.scaling.activations import ActivationSettings, block_activations, stage_activations
-from scaletrain.scaling.memory import FP32, optimizer_state_bytes
-from scaletrain.scaling.params import stage_parameters
+from scaletrain.planner.activations import ActivationSettings, block_activations, stage_activations
+from scaletrain.planner.memory import FP32, optimizer_state_bytes
+from scaletrain.planner.params import stage_parameters
 from tests.distributed.harness import run_on_ranks
 from tests.parallel.megatron_stack import StackShape, build_stack
 from tests.parallel.megatron_stack import batch as sequence_parallel_batch
-from tests.scaling.measure import MICRO_BATCH, SINGLE_RANK_CASES, TWO_RANK_CASES, _SavedActivations, case_config
+from tests.planner.measure import MICRO_BATCH, SINGLE_RANK_CASES, TWO_RANK_CASES, _SavedActivations, case_config
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config_loader import load_config
-from scaletrain.scaling.activations import ActivationSettings, block_activations, stage_activations
-from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token
-from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.memory import MIXED_BF16, peak_memory, stage_memory, zero_partition_numel
-from scaletrain.scaling.params import stage_parameters
-from scaletrain.scaling.step_time import Hardware, predict_step_time
+from scaletrain.planner.activations import ActivationSettings, block_activations, stage_activations
+from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token
+from scaletrain.planner.layouts import Layout
+from scaletrain.planner.memory import MIXED_BF16, peak_memory, stage_memory, zero_partition_numel
+from scaletrain.planner.params import stage_parameters
+from scaletrain.planner.step_time import Hardware, predict_step_time
 
 REPO = Path(__file__).resolve().parents[2]
 KORTHIKANTI = ActivationSettings(activation_bytes=2, dropout_mask_bytes=1, attention="math")

@@ -7,7 +7,7 @@ Models", sec. 4.1-4.2. Per block and micro-batch, with 16-bit activations and 1-
     s*b*h*(34 + 5*a*s/h) / t               tensor + sequence parallelism,
     2*s*b*h                                full recomputation (only the block input is kept).
 We keep their grouping but count each tensor in its real dtype, which is what lets the formula
-be checked against a CPU fp32 run (tests/scaling/test_memory.py):
+be checked against a CPU fp32 run (tests/planner/test_memory.py):
 - replicated (their 10 bytes): LayerNorm inputs and outputs, 4 tensors of s*b*h, plus the two
   hidden dropout masks when dropout > 0;
 - split by TP (their 24 bytes): the QKV output (3h; the math kernel keeps copies of q, k and v
@@ -34,7 +34,7 @@ column-parallel linears all-gather their input along the sequence, but megatron'
 `LinearWithGradAccumulationAndAsyncCommunication` saves the un-gathered shard (the LayerNorm
 output, already counted) and gathers it again in backward; the gathered copy sits in megatron's
 global buffer, reused by every layer, so it adds nothing per block. The same holds for the tied
-output layer. Measured per rank at TP=2 on a megatron-built block (tests/scaling/test_memory.py).
+output layer. Measured per rank at TP=2 on a megatron-built block (tests/planner/test_memory.py).
 """
 
 from __future__ import annotations

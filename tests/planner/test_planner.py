@@ -10,14 +10,14 @@ import pytest
 
 from scaletrain.config import ConfigError, resolve_for_world
 from scaletrain.config_loader import load_config
-from scaletrain.scaling.activations import ActivationSettings
-from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.memory import MIXED_BF16, peak_memory
-from scaletrain.scaling.params import total_parameters
-from scaletrain.scaling.planner import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
-from scaletrain.scaling.report import format_plan, stage_lines
-from scaletrain.scaling.search import plan
-from scaletrain.scaling.step_time import Hardware
+from scaletrain.planner.activations import ActivationSettings
+from scaletrain.planner.command import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
+from scaletrain.planner.layouts import Layout
+from scaletrain.planner.memory import MIXED_BF16, peak_memory
+from scaletrain.planner.params import total_parameters
+from scaletrain.planner.report import format_plan, stage_lines
+from scaletrain.planner.search import plan
+from scaletrain.planner.step_time import Hardware
 
 REPO = Path(__file__).resolve().parents[2]
 GPT3_175B = REPO / "configs" / "gpt3_175b.yaml"

@@ -34,9 +34,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.config import Config
-from scaletrain.scaling.flops import blocks_forward_flops_per_token, logits_flops_per_token
-from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.params import num_blocks, stage_parameters
+from scaletrain.planner.flops import blocks_forward_flops_per_token, logits_flops_per_token
+from scaletrain.planner.layouts import Layout
+from scaletrain.planner.params import num_blocks, stage_parameters
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_INTRA_NODE_BANDWIDTH = 360e9  # bytes/s per GPU per direction, NVLink

@@ -7,11 +7,11 @@ import shlex
 from collections.abc import Sequence
 
 from scaletrain.config import Config
-from scaletrain.scaling.counts import model_counts
-from scaletrain.scaling.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
-from scaletrain.scaling.layouts import Layout, layout_settings
-from scaletrain.scaling.params import LayerParameters, model_parameters, stage_layers, stage_parameters
-from scaletrain.scaling.search import Plan, PlannedLayout, runnable_now
+from scaletrain.model.counts import model_counts
+from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
+from scaletrain.planner.layouts import Layout, layout_settings
+from scaletrain.planner.params import LayerParameters, model_parameters, stage_layers, stage_parameters
+from scaletrain.planner.search import Plan, PlannedLayout, runnable_now
 
 GIB = 2**30
 SBATCH_GPUS_PER_NODE = 8  # launch/slurm.sbatch's #SBATCH --gpus-per-node and --ntasks-per-node
@@ -51,8 +51,6 @@ def _parameters(plan: Plan) -> str:
         f"{counts.embedding_params:,} in embedding tables)",
         f"  {_layer_summary(counted.layers)}",
     ]
-    if not counted.pipelined:
-        lines.append(f"  {counted.family} has no pipeline stages: counted from its whole model, planned at PP=1 only")
     shown = plan.chosen or (plan.feasible[0] if plan.feasible else None)
     if shown is not None:
         layout = shown.layout
@@ -188,10 +186,9 @@ def _table(plan: Plan, top: int) -> str:
         mark = f" [{reasons.index(reason) + 1}]" if reason is not None else ""
         rows.append(_row(rank, planned) + mark)
     notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
-    pp_rule = "" if model_parameters(plan.config).pipelined else " (PP=1 only: no pipeline stages)"
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
-        f"{plan.hardware.gpus_per_node}, PP divides the layers{pp_rule}, TP*PP*DP = {plan.gpus}, "
+        f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*PP*DP = {plan.gpus}, "
         f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
     )

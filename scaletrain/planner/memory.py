@@ -35,9 +35,9 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.config import Config
-from scaletrain.scaling.activations import ActivationSettings, stage_activations
-from scaletrain.scaling.layouts import Layout
-from scaletrain.scaling.params import ParameterCount, largest_gathered_module, num_blocks, stage_parameters
+from scaletrain.planner.activations import ActivationSettings, stage_activations
+from scaletrain.planner.layouts import Layout
+from scaletrain.planner.params import ParameterCount, largest_gathered_module, num_blocks, stage_parameters
 
 ADAM_MOMENT_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_WEIGHT_BYTES = 4

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.scaling.activations import ATTENTION_KERNELS
-from scaletrain.scaling.report import format_plan
-from scaletrain.scaling.search import DEFAULT_MAX_MICRO_BATCH, DEFAULT_MEMORY_RESERVE, plan
-from scaletrain.scaling.step_time import (
+from scaletrain.planner.activations import ATTENTION_KERNELS
+from scaletrain.planner.report import format_plan
+from scaletrain.planner.search import DEFAULT_MAX_MICRO_BATCH, DEFAULT_MEMORY_RESERVE, plan
+from scaletrain.planner.step_time import (
     DEFAULT_COMPUTE_EFFICIENCY,
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_INTER_NODE_BANDWIDTH,

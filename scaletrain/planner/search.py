@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import validate
-from scaletrain.scaling.activations import ActivationSettings
-from scaletrain.scaling.flops import model_flops_per_token
-from scaletrain.scaling.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
-from scaletrain.scaling.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
-from scaletrain.scaling.params import pipelined
-from scaletrain.scaling.step_time import Hardware, StepTime, predict_step_time
+from scaletrain.planner.activations import ActivationSettings
+from scaletrain.planner.flops import model_flops_per_token
+from scaletrain.planner.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
+from scaletrain.planner.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
+from scaletrain.planner.step_time import Hardware, StepTime, predict_step_time
 
 # CUDA context, NCCL buffers, DeepSpeed's buckets and allocator fragmentation are not modelled;
 # keep this fraction of each GPU's memory free for them.
@@ -76,11 +75,8 @@ def plan(
     global_batch = planning_global_batch(config)
     budget = gpu_memory * (1 - memory_reserve)
     step_flops = model_flops_per_token(config) * global_batch * config.model.seq_length
-    can_pipeline = pipelined(config)
     planned = []
     for layout in enumerate_layouts(config, gpus, hardware.gpus_per_node, max_micro_batch):
-        if layout.pipeline > 1 and not can_pipeline:
-            continue  # the family has no pipeline stages (T5)
         stage, memory = peak_memory(config, layout, layout.micro_batches(global_batch), precision, settings)
         time = predict_step_time(
             config, layout, global_batch, hardware, precision.activation_bytes, precision.grad_bytes

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.distributed.harness import run_on_ranks
-from tests.scaling.measure import measure_single_rank, measure_two_ranks
+from tests.planner.measure import measure_single_rank, measure_two_ranks
 
 
 @pytest.fixture(scope="session")

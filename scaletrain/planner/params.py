@@ -14,8 +14,7 @@ num_blocks / PP per stage; the layers before the first block sit on stage 0, tho
 block on the last stage. A tied layer (`tied_to`, e.g. GPT's output layer sharing the word table)
 adds nothing at PP=1; with PP>1 DeepSpeed's TiedLayerSpec builds a copy of the tied module on the
 last stage (GPT's includes a position table it never uses), which is counted, because it takes
-memory. A family without pipeline layers (T5) is counted from its whole model, built on meta with
-`family.build`, and is planned at PP=1 only.
+memory.
 
 Parameters are split into matrices (dim >= 2) and vectors (dim < 2) because that is how
 train/engine.py groups them for AdamW (decay on matrices only), and DeepSpeed's ZeRO pads and
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scaletrain.config import Config, ConfigError
+from scaletrain.model.registry import get_family
 
 if TYPE_CHECKING:
     from torch import nn
@@ -96,11 +96,10 @@ class LayerParameters:
 
 @dataclass(frozen=True)
 class ModelParameters:
-    """A model's layers in order, and whether the family has pipeline stages."""
+    """A model's pipeline layers in order."""
 
     family: str
     layers: tuple[LayerParameters, ...]
-    pipelined: bool
     num_blocks: int  # transformer blocks (for T5, encoder + decoder)
 
 
@@ -138,11 +137,6 @@ def num_blocks(config: Config) -> int:
     return model_parameters(config).num_blocks
 
 
-def pipelined(config: Config) -> bool:
-    """Whether the family can be cut into pipeline stages (T5 cannot yet)."""
-    return model_parameters(config).pipelined
-
-
 def largest_gathered_module(config: Config, tensor_parallel: int) -> ParameterCount:
     """The largest set of parameters ZeRO-3 gathers at once on one TP rank: a transformer block, or
     one other module's own parameters (e.g. the word table)."""
@@ -158,8 +152,6 @@ def stage_layers(config: Config, pipeline_parallel: int, stage: int) -> list[Lay
     tied to, which a stage builds once, and only if it does not hold that module already (T5's
     decoder embedding next to the encoder's on stage 0 shares it)."""
     model = model_parameters(config)
-    if pipeline_parallel > 1 and not model.pipelined:
-        raise ConfigError(f"{model.family} has no pipeline stages; plan it with PP=1")
     if model.num_blocks % pipeline_parallel:
         raise ConfigError(f"{model.num_blocks} blocks do not split evenly into {pipeline_parallel} stages")
     per_stage = model.num_blocks // pipeline_parallel
@@ -168,7 +160,7 @@ def stage_layers(config: Config, pipeline_parallel: int, stage: int) -> list[Lay
         if layer.is_block:
             layer_stage = block // per_stage
             block += 1
-        elif block == model.num_blocks and model.pipelined:
+        elif block == model.num_blocks:
             layer_stage = pipeline_parallel - 1  # after the last block
         if layer_stage != stage:
             continue
@@ -185,21 +177,10 @@ def _cache_key(config: Config) -> str:
 
 
 def _count_model(config: Config) -> ModelParameters:
-    from scaletrain.model.layers import TransformerBlock
-    from scaletrain.model.registry import get_family
-
     family = get_family(config.model.family)
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=1))
-    try:
-        layers = family.pipeline_layers(config)
-    except ConfigError:  # no pipeline (T5): count the whole model
-        layers = None
+    layers = family.pipeline_layers(config)
     with _meta_build_at_tensor_parallel_1():
-        if layers is None:
-            module = family.build(config)
-            blocks = sum(isinstance(child, TransformerBlock) for child in module.modules())
-            counted = (LayerParameters("", False, None, _tensors(module), _gather_units(module)),)
-            return ModelParameters(family.name, counted, pipelined=False, num_blocks=blocks)
         built: dict[str, nn.Module] = {}
         counted_layers = []
         for layer in layers:
@@ -210,7 +191,7 @@ def _count_model(config: Config) -> ModelParameters:
                 LayerParameters(layer.name, layer.is_block, layer.tied_to, _tensors(module), _gather_units(module))
             )
     blocks = sum(layer.is_block for layer in layers)
-    return ModelParameters(family.name, tuple(counted_layers), pipelined=True, num_blocks=blocks)
+    return ModelParameters(family.name, tuple(counted_layers), num_blocks=blocks)
 
 
 @contextmanager
@@ -247,6 +228,8 @@ def _tensors(module: nn.Module) -> tuple[TensorShape, ...]:
 
 
 def _gather_units(module: nn.Module) -> tuple[tuple[TensorShape, ...], ...]:
+    # Imported here for start-up speed, as torch is in _meta_build_at_tensor_parallel_1: model/layers.py
+    # loads torch and megatron, and `scaletrain --help` imports this module through the planner.
     from scaletrain.model.layers import TransformerBlock
 
     units: list[tuple[TensorShape, ...]] = []

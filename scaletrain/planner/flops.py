@@ -1,4 +1,4 @@
-"""Model and hardware FLOPs per token, from the family's own count (scaling/counts.py `model_counts`).
+"""Model and hardware FLOPs per token, from the family's own count (model/counts.py `model_counts`).
 
 Model FLOPs (what MFU counts) are `model_counts(config).flops_per_token`: each family's exact
 forward + backward matmul FLOPs per token (for GPT, Narayanan et al. 2021's
@@ -13,7 +13,7 @@ a second time, so the hardware does one more forward of the blocks, not of the l
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.scaling.counts import model_counts
+from scaletrain.model.counts import model_counts
 
 
 def model_flops_per_token(config: Config) -> float:

@@ -75,6 +75,10 @@ class ModelFamily:
     hf: Callable[[], HFAdapter] | None = None  # imported on use: transformers is slow to import
     # Extra validation metrics as (numerator, denominator) counts, summed over batches and ranks.
     evaluation_counts: Callable[[nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # The same counts from what a pipeline's last stage holds: the last layer's outputs and the labels
+    # (as `loss` gets them); required with evaluation_counts if the family trains in pipeline stages.
+    pipeline_evaluation_counts: Callable[[Activations, tuple[torch.Tensor, ...]],
+                                         dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
     encoder_decoder: bool = False  # inputs go to an encoder and targets to a decoder (T5)
     generation: str | None = None  # a registered generation (generate.py GENERATIONS); None: cannot generate
     not_generating_reason: str = ""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ from scaletrain.config_loader import load_config
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model import build_model
+from scaletrain.model.family import ModelFamily
 from scaletrain.model.registry import get_family
 from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
@@ -29,18 +32,14 @@ def generate_text(
 ) -> str:
     """`prompt` and its continuation, sampled the way the run's family generates (`ModelFamily.generation`)."""
     config = run_config(run_dir)
-    family = get_family(config.model.family)
-    if family.generation is None:
-        raise NotGeneratingError(f"{run_dir} trained a {family.name} model, which cannot generate: "
-                                 f"{family.not_generating_reason}")
+    generation = generation_of(get_family(config.model.family), run_dir)
     init_distributed(config)
     try:
         checkpoint, model = first_loadable(run_dir, lambda checkpoint: load_model(config, checkpoint))
         announce_checkpoint(checkpoint)
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
-        sample = SAMPLERS[family.generation]
-        new_ids = sample(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
-                         torch.Generator().manual_seed(seed))
+        new_ids = generation.continue_prompt(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
+                                             torch.Generator().manual_seed(seed))
     finally:
         destroy_distributed()
     return prompt + tokenizer.decode([token for token in new_ids if token != tokenizer.eos_id])
@@ -66,7 +65,35 @@ def _continue_seq2seq(
                           start_token=tokenizer.pad_id, stop_token=tokenizer.eos_id)
 
 
-SAMPLERS = {"causal": _continue_causal, "seq2seq": _continue_seq2seq}  # by ModelFamily.generation
+# (model, config, tokenizer, prompt, max_new_tokens, temperature, top_k, generator) -> new token ids
+ContinuePrompt = Callable[
+    [torch.nn.Module, Config, Tokenizer, str, int, float, int | None, torch.Generator], list[int]]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One way a family's model generates, as its spec names it (`ModelFamily.generation`): how a
+    prompt is framed as in training and which sampler (model/sampling.py) continues it."""
+
+    name: str
+    continue_prompt: ContinuePrompt
+
+
+GENERATIONS = {generation.name: generation for generation in (
+    Generation("causal", _continue_causal),  # a decoder-only LM with a KV cache
+    Generation("seq2seq", _continue_seq2seq),  # an encoder reads the prompt, the decoder writes the output
+)}
+
+
+def generation_of(family: ModelFamily, run_dir: Path) -> Generation:
+    """The family's registered generation; NotGeneratingError, saying why, for one that cannot generate."""
+    if family.generation is None:
+        raise NotGeneratingError(f"{run_dir} trained a {family.name} model, which cannot generate: "
+                                 f"{family.not_generating_reason}")
+    if family.generation not in GENERATIONS:
+        raise ValueError(f"model family {family.name} names generation {family.generation!r}, which is not "
+                         f"registered; the known ones are {', '.join(GENERATIONS)} (generate.py GENERATIONS)")
+    return GENERATIONS[family.generation]
 
 
 def run_config(run_dir: Path) -> Config:

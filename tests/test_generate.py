@@ -4,6 +4,7 @@ says so."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import torch
 from megatron.core import parallel_state
 
 from scaletrain.config_loader import config_from_dict, validate
+from scaletrain.generate import GENERATIONS, NotGeneratingError, generation_of
 from scaletrain.model import build_model
+from scaletrain.model.registry import FAMILY_MODULES, get_family
 from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.sharding import gather_last_dim
 from tests.distributed.harness import run_on_ranks
@@ -117,3 +120,18 @@ def test_generate_on_a_bert_run_says_it_cannot(small_dataset: Path, tmp_path: Pa
     assert result.returncode == 2, result.stderr[-3000:]
     assert "trained a bert model, which cannot generate: BERT is a masked LM" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_every_family_generates_through_a_registered_generation(tmp_path: Path):
+    """ModelFamily.generation names an entry of GENERATIONS; a name nobody registered is one error
+    listing the known ones, and a family without generation says why it cannot."""
+    for name in FAMILY_MODULES:
+        family = get_family(name)
+        if family.generation is None:
+            with pytest.raises(NotGeneratingError, match="cannot generate"):
+                generation_of(family, tmp_path)
+        else:
+            assert generation_of(family, tmp_path) is GENERATIONS[family.generation]
+    unknown = dataclasses.replace(get_family("gpt"), generation="beam")
+    with pytest.raises(ValueError, match="'beam', which is not registered; the known ones are causal, seq2seq"):
+        generation_of(unknown, tmp_path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +24,15 @@ import torch
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.errors import DataError
 from scaletrain.data.tokenizer import Tokenizer
+
+
+class Collator(Protocol):
+    """What every objective's collator is: items (each with its global_index) -> a batch of model
+    inputs, and `packed_seq_length`, the seq_length to build its loader with (None: whole documents)."""
+
+    packed_seq_length: int | None
+
+    def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]: ...
 
 
 def causal_lm_collate(items: Sequence[dict]) -> dict[str, torch.Tensor]:
@@ -33,6 +43,16 @@ def causal_lm_collate(items: Sequence[dict]) -> dict[str, torch.Tensor]:
         "labels": samples[:, 1:].contiguous(),
         "global_index": torch.tensor([item["global_index"] for item in items], dtype=torch.long),
     }
+
+
+class CausalLMCollator:
+    """causal_lm_collate for a loader of seq_length tokens per sequence (it reads S + 1)."""
+
+    def __init__(self, seq_length: int) -> None:
+        self.packed_seq_length = seq_length
+
+    def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
+        return causal_lm_collate(items)
 
 
 class NoiseTag(enum.IntEnum):

@@ -225,8 +225,7 @@ class BERT(LayeredModel):
             return outputs[0].transpose(0, 1)
         targets = labels.transpose(0, 1)[labels.transpose(0, 1) != IGNORE_INDEX]
         if masked_accuracy:
-            predictions = vocab_parallel_argmax(outputs[0].detach())
-            return (predictions == targets).sum(), torch.tensor(targets.numel(), device=targets.device)
+            return _masked_accuracy_counts(outputs[0], targets)
         loss = tensor_parallel.vocab_parallel_cross_entropy(outputs[0].float(), targets).sum() / max(targets.numel(), 1)
         if sentence_order_labels is not None:
             loss = loss + F.cross_entropy(outputs[1].float(), sentence_order_labels)
@@ -267,6 +266,20 @@ def build(config: Config) -> BERT:
 def evaluation_counts(model: BERT, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Validation accuracy of the masked tokens (Devlin et al. 2019 report it too)."""
     return {"val_masked_accuracy": model.masked_token_accuracy(**batch)}
+
+
+def pipeline_evaluation_counts(outputs: tuple, labels: tuple) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """evaluation_counts from a pipeline's last stage, which holds the logits of every position
+    [seq, batch, vocab / TP] (its heads see no labels to select with) and the labels [batch, seq]."""
+    targets = labels[0].transpose(0, 1)
+    labelled = targets != IGNORE_INDEX
+    return {"val_masked_accuracy": _masked_accuracy_counts(outputs[0][labelled], targets[labelled])}
+
+
+def _masked_accuracy_counts(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, labelled) of vocab-parallel logits [labelled, vocab / TP] against their targets."""
+    predictions = vocab_parallel_argmax(logits.detach())
+    return (predictions == targets).sum(), torch.tensor(targets.numel(), device=targets.device)
 
 
 def labelled_positions(config: Config) -> int:
@@ -334,6 +347,7 @@ FAMILY = ModelFamily(
     validate=validate,
     hf=lazy("scaletrain.checkpoint.hf.bert:ADAPTER"),
     evaluation_counts=evaluation_counts,
+    pipeline_evaluation_counts=pipeline_evaluation_counts,
     generation=None,
     not_generating_reason="BERT is a masked LM, not a left-to-right generator; fill masks with the exported "
                           "BertForMaskedLM (`scaletrain export`) or train a gpt, llama or t5 run to generate",

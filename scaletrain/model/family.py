@@ -73,15 +73,19 @@ class ModelFamily:
     build: Callable[[Config], nn.Module]  # the model on this process's TP rank
     pipeline_layers: Callable[[Config], list[PipelineLayer]]
     loss: Callable[[Activations, tuple[torch.Tensor, ...]], torch.Tensor]  # last layer's output, labels
-    objectives: tuple[str, ...]  # the first is the default (objective.kind: auto)
+    objectives: tuple[str, ...]  # registered objectives (train/objective.py); the first is the default
     batch_schema: Callable[[Config], BatchSchema]
     counts: Callable[[Config], ModelCounts]  # exact parameters and FLOPs (planner, MFU, sweeps)
     validate: Callable[[Config], None] = lambda config: None
     hf: Callable[[], HFAdapter] | None = None  # imported on use: transformers is slow to import
     # Extra validation metrics as (numerator, denominator) counts, summed over batches and ranks.
     evaluation_counts: Callable[[nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # The same counts from what a pipeline's last stage holds: the last layer's outputs and the labels
+    # (as `loss` gets them); required with evaluation_counts if the family trains in pipeline stages.
+    pipeline_evaluation_counts: Callable[[Activations, tuple[torch.Tensor, ...]],
+                                         dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
     encoder_decoder: bool = False  # inputs go to an encoder and targets to a decoder (T5)
-    generation: str | None = None  # "causal" (KV cache), "seq2seq" (encoder prompt), None: cannot generate
+    generation: str | None = None  # a registered generation (generate.py GENERATIONS); None: cannot generate
     not_generating_reason: str = ""
     pipeline_objectives: tuple[str, ...] = field(default=())  # objectives a pipelined run may train
     sequence_parallel: bool = False  # whether its layers implement parallel.sequence_parallel

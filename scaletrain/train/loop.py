@@ -1,45 +1,32 @@
-"""The training loop: steps, evaluation, logging and checkpoints; parallelism lives elsewhere."""
+"""The training loop: start or resume a run, then step; side concerns are hooks (train/hooks/)."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
-from tqdm import tqdm
 
 from scaletrain.checkpoint.consolidate import load_full_state_dict
 from scaletrain.checkpoint.manager import (
-    DIVERGED_DIR,
     CheckpointError,
     CheckpointMeta,
     abandon_pending_save,
     check_files,
-    checkpoint_root,
     clean_leftovers,
-    complete_checkpoints,
     finish_pending_save,
     flatten_config,
-    latest_checkpoint,
     load_checkpoint,
-    prune_checkpoints,
     read_meta,
     resume_candidates,
-    save_checkpoint,
-    set_aside_from,
 )
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.counts import model_counts
-from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
 from scaletrain.parallel.peer_loss import RankLost, describe_lost, is_peer_failure
 from scaletrain.parallel.placement import (
@@ -49,33 +36,26 @@ from scaletrain.parallel.placement import (
     hosts_of,
     place_lines,
 )
-from scaletrain.tracking.durations import format_duration
-from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
-from scaletrain.train.evaluation import validation_metrics
+from scaletrain.train.hooks import Hooks
+from scaletrain.train.hooks.checkpointing import Checkpointing
+from scaletrain.train.hooks.console import LogLines, ProgressBar
+from scaletrain.train.hooks.divergence import DivergenceStop
+from scaletrain.train.hooks.evaluation import PeriodicEvaluation
+from scaletrain.train.hooks.metrics import StepMetrics
+from scaletrain.train.hooks.speed import SpeedMonitor, TimedBatches
+from scaletrain.train.hooks.summary import RUN_SUMMARY_FILE as RUN_SUMMARY_FILE  # noqa: F401 (sweeps read it here)
+from scaletrain.train.hooks.summary import RunSummary
 from scaletrain.train.jit_ops import clear_stale_build_locks
-from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged, weights_are_finite
+from scaletrain.train.nonfinite import NonFiniteGuard
 from scaletrain.train.objective import Objective, build_objective
 from scaletrain.train.preflight import check_data_matches
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
 from scaletrain.train.schedule import learning_rate
-from scaletrain.train.step import evaluation_metrics, train_step
-from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopConditions, StopSignals, stop_with_launcher
-
-RUN_SUMMARY_FILE = "summary.json"
-
-
-@dataclass
-class TrainState:
-    """Everything that says where a run is; with the engine's state it makes resume exact."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    stopped_by: str | None = None  # why this invocation stopped before the last step (train/stopping.py)
-    resumed_from: str | None = None  # the checkpoint this invocation started from
-    skipped_steps: int = 0  # steps whose update was skipped for a non-finite loss or gradient norm
-    consecutive_skipped_steps: int = 0
+from scaletrain.train.state import TrainState
+from scaletrain.train.step import train_step
+from scaletrain.train.stopping import StopConditions, StopSignals, stop_with_launcher
 
 
 def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState:
@@ -154,77 +134,30 @@ def _run(
     engine: Any, guard: NonFiniteGuard, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger,
     stop_signals: StopSignals,
 ) -> None:
+    """Steps until train.steps or an agreed early stop; every side concern is a hook (train/hooks/)."""
     global_batch = config.global_batch_size(topology.data_parallel_size)
-    tokens_per_step = global_batch * config.model.seq_length
-    flops_per_step = model_counts(config).flops_per_token * tokens_per_step
-    peak_flops = _cluster_peak_flops(config, topology)
     objective = build_objective(config)
     batches = TimedBatches(_device_batches(
         objective.train_loader(topology.data_parallel_rank, topology.data_parallel_size, state.consumed_samples),
         topology.device,
     ))
-    if state.step == 0 and config.train.eval_every:
-        logger.log({"step": 0, **evaluate(engine, objective, topology)})
-    interactive = sys.stderr.isatty()
-    progress = tqdm(
-        total=config.train.steps, initial=state.step, disable=not (topology.is_logging_rank and interactive),
-        desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-    )
+    hooks = _hooks(engine, objective, config, topology, logger, batches)
     stop = StopConditions(config.train, stop_signals)
-    started = time.perf_counter()
-    steps_this_run = 0
-    final_metrics: dict[str, float] = {}
-    prune_due = True  # older checkpoints are pruned after a finite step (a resumed run's first one)
     try:
+        hooks.on_train_start(state)
         while state.step < config.train.steps:
-            step_started = time.perf_counter()
-            batches.take_waited()
-            guard.start_step(inject_nonfinite_loss=state.step + 1 in config.train.inject_nonfinite_loss_at
-                             and topology.data_parallel_rank == 0)
+            hooks.on_step_start(state)
+            guard.start_step(inject_nonfinite_loss=_injects_nonfinite_loss(config, topology, state.step + 1))
             # The LR is a function of the step and the config as written now, so a resume with a
             # changed train.lr, min_lr, steps or warmup follows the new schedule from this step.
             record = train_step(
                 engine, guard, batches, config.train.grad_accum, learning_rate(state.step, config.train))
-            elapsed = time.perf_counter() - step_started
-            state.step += 1
-            state.consumed_samples += global_batch  # a skipped step consumes its batch too (as Megatron's)
-            state.skipped_steps += guard.skipped
-            state.consecutive_skipped_steps = state.consecutive_skipped_steps + 1 if guard.skipped else 0
-            steps_this_run += 1
-            record.update(step=state.step, tokens=state.step * tokens_per_step, step_time_s=elapsed,
-                          tokens_per_s=tokens_per_step / elapsed, skipped_steps=state.skipped_steps,
-                          data_wait_fraction=batches.take_waited() / elapsed)
-            if peak_flops:
-                record["mfu"] = flops_per_step / elapsed / peak_flops
-            logger.log(record)
-            if topology.is_logging_rank and not interactive and _log_line_due(state.step, steps_this_run, config):
-                # SLURM and CI logs: a plain line every log_every steps, no carriage returns
-                print(_log_line(record, config.train.steps, time.perf_counter() - started, steps_this_run),
-                      file=sys.stderr, flush=True)
-            _stop_if_diverged(config, topology, state)
-            if prune_due and not guard.skipped:
-                _prune(config, topology)  # the step after the newest checkpoint trained finitely
-                prune_due = False
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            state.count_step(global_batch, guard.skipped)
+            record.update(step=state.step, skipped_steps=state.skipped_steps)
+            hooks.on_step_end(state, record)
             finished = state.step == config.train.steps
-            # Every run ends with an evaluation, so its final validation loss is always measured
-            # on the same fixed set (scaling-law fits read it).
-            if config.train.eval_every and (state.step % config.train.eval_every == 0 or finished):
-                metrics = evaluate(engine, objective, topology)
-                logger.log({"step": state.step, **metrics})
-                if topology.is_logging_rank:
-                    progress.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-                if finished:
-                    final_metrics = metrics
-            state.stopped_by = None if finished else stop.poll(steps_this_run, topology.device)
-            if (state.step % config.checkpoint.every == 0 or state.step in config.checkpoint.keep_steps
-                    or state.stopped_by or finished):
-                prune_due = _save_finite_checkpoint(engine, config, topology, state) or prune_due
-            if finished and prune_due:
-                _prune(config, topology)
-            if finished and topology.is_logging_rank:
-                write_run_summary(Path(config.run.dir), state, tokens_per_step, flops_per_step, final_metrics)
+            state.stopped_by = None if finished else stop.poll(state.steps_this_run, topology.device)
+            hooks.after_stop_check(state)
             if state.stopped_by:
                 break
         finish_pending_save()  # the last checkpoint is published before the run reports it
@@ -232,108 +165,25 @@ def _run(
         abandon_pending_save()  # a lost rank may never agree on it; the next start removes its files
         raise
     finally:
-        progress.close()
-    if topology.is_logging_rank:
-        _report_end(config, state, tokens_per_step, time.perf_counter() - started, final_metrics)
+        hooks.close()
+    hooks.on_train_end(state)
 
 
-def _stop_if_diverged(config: Config, topology: Topology, state: TrainState) -> None:
-    """Every rank counts the same skips, so every rank stops at the same step."""
-    limit = config.train.max_skipped_steps
-    if state.consecutive_skipped_steps < limit:
-        return
-    first = state.step - state.consecutive_skipped_steps + 1
-    raise TrainingDiverged(
-        f"training diverged: the loss or gradient norm was non-finite at {limit} steps in a row (steps "
-        f"{first}-{state.step}, train.max_skipped_steps={limit}); their updates were skipped and the run "
-        f"stopped at step {state.step}. {_set_aside_blown_up(config, topology, blown_up_at=first - 1)}"
-    )
+def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology, logger: MetricsLogger,
+           batches: TimedBatches) -> Hooks:
+    """In the order each point calls them: a step's record gets its speed fields before it is logged
+    and printed; a diverged run stops before anything is pruned; the summary follows the last checkpoint."""
+    speed, progress = SpeedMonitor(config, topology, batches), ProgressBar(config, topology)
+    evaluation = PeriodicEvaluation(engine, objective, config, topology, logger, progress)
+    return Hooks([speed, StepMetrics(logger), LogLines(config, topology), DivergenceStop(config, topology),
+                  Checkpointing(engine, config, topology), progress, evaluation,
+                  RunSummary(config, topology, speed, evaluation)])
 
 
-def _save_finite_checkpoint(engine: Any, config: Config, topology: Topology, state: TrainState) -> bool:
-    """A checkpoint, unless any rank's weights are non-finite: then the run stops. One written during
-    a streak of skipped steps holds the weights from before the streak (skips change nothing); if the
-    streak ends the run, it is set aside with them (_set_aside_blown_up). Returns whether one was written."""
-    if not weights_are_finite(engine.module, topology.device):
-        raise TrainingDiverged(
-            f"training diverged: the weights are non-finite after step {state.step}; no checkpoint was "
-            f"saved. {_set_aside_blown_up(config, topology, blown_up_at=state.step)}"
-        )
-    save_checkpoint(engine, config, topology, state.step, state.consumed_samples, state.skipped_steps,
-                    state.consecutive_skipped_steps)
-    return True
-
-
-def _prune(config: Config, topology: Topology) -> None:
-    if topology.rank == 0:
-        prune_checkpoints(Path(config.run.dir), config.checkpoint.keep_last, config.checkpoint.keep_steps)
-
-
-def _set_aside_blown_up(config: Config, topology: Topology, blown_up_at: int) -> str:
-    """After a divergence whose bad update was step `blown_up_at`: the checkpoints from that step on
-    hold blown-up weights, so rank 0 moves them to checkpoints/diverged/, and resuming (train.resume=
-    auto) starts from the newest one before it. The sentence that tells the user so."""
-    run_dir = Path(config.run.dir)
-    finish_pending_save()  # every rank stops here together: the checkpoint in flight is published first
-    moved = set_aside_from(run_dir, blown_up_at) if topology.rank == 0 else []
-    aside = (f"The update of step {blown_up_at} blew up the weights; checkpoints from it on were moved to "
-             f"{checkpoint_root(run_dir) / DIVERGED_DIR} ({', '.join(p.name for p in moved)}). " if moved else "")
-    good = [path for path in complete_checkpoints(run_dir) if int(path.name.removeprefix("step_")) < blown_up_at]
-    if not good:
-        return (f"{aside}No checkpoint was saved before step {blown_up_at}: lower train.lr (or raise "
-                "train.warmup_steps) and run the same command again; it starts over.")
-    return (f"{aside}The last good checkpoint is {good[-1]}: lower train.lr (or raise train.warmup_steps) and "
-            f"run the same command again to resume from it (train.resume=auto).")
-
-
-def _log_line_due(step: int, steps_this_run: int, config: Config) -> bool:
-    """Every train.log_every steps (Megatron's --log-interval), and the first step of an invocation (it
-    shows the run is training and how fast) and the last one (the run's final loss)."""
-    return step % config.train.log_every == 0 or steps_this_run == 1 or step == config.train.steps
-
-
-def _log_line(record: dict[str, float], total_steps: int, elapsed_s: float, steps_this_run: int) -> str:
-    """The plain progress line; the ETA is this invocation's mean step time so far (evaluations and
-    checkpoints included, as the steps left will have them) times the steps left."""
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
-    if "grad_norm" in record:
-        parts.append(f"grad_norm {record['grad_norm']:.3f}")
-    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
-    eta_s = elapsed_s / steps_this_run * (total_steps - record["step"])
-    parts.extend([f"elapsed {format_duration(elapsed_s)}", f"eta {format_duration(eta_s)}"])
-    return "train: " + ", ".join(parts)
-
-
-def _report_end(
-    config: Config, state: TrainState, tokens_per_step: int, wall_s: float, final_metrics: dict[str, float]
-) -> None:
-    latest = latest_checkpoint(Path(config.run.dir))
-    if state.stopped_by:
-        print(f"stopped early ({state.stopped_by}) at step {state.step}/{config.train.steps} after {wall_s:.0f} s; "
-              f"checkpoint {latest}; run the same command again to resume (exit code {EXIT_STOPPED_EARLY})",
-              file=sys.stderr)
-        return
-    val = ", ".join(f"{key} {value:.4f}" for key, value in final_metrics.items()) or "no evaluation (eval_every=0)"
-    print(f"finished: {state.step} steps, {state.step * tokens_per_step:,} tokens, {wall_s:.0f} s in this "
-          f"invocation; final {val}; checkpoint {latest}", file=sys.stderr)
-
-
-def write_run_summary(
-    run_dir: Path, state: TrainState, tokens_per_step: int, flops_per_step: float, metrics: dict[str, float]
-) -> None:
-    """RUN_DIR/summary.json, written once a run has trained all its steps: what sweeps and scripts
-    read to tell a finished run and its final validation metrics (written atomically)."""
-    summary = {"step": state.step, "consumed_samples": state.consumed_samples,
-               "tokens": state.step * tokens_per_step, "flops": state.step * flops_per_step, **metrics}
-    staging = run_dir / f".{RUN_SUMMARY_FILE}.tmp"
-    staging.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(staging, run_dir / RUN_SUMMARY_FILE)
-
-
-def evaluate(engine: Any, objective: Objective, topology: Topology) -> dict[str, float]:
-    """The engine's validation metrics (train/evaluation.py: which sequences, a blend's weighting)."""
-    family = get_family(objective.config.model.family)
-    return validation_metrics(lambda batches: evaluation_metrics(engine, batches, family), objective, topology)
+def _injects_nonfinite_loss(config: Config, topology: Topology, step: int) -> bool:
+    """Fault injection for tests and drills (train.inject_nonfinite_loss_at): one data-parallel rank's
+    loss is made non-finite at these steps, which every rank must then skip together."""
+    return step in config.train.inject_nonfinite_loss_at and topology.data_parallel_rank == 0
 
 
 def _restore_or_start(
@@ -428,30 +278,6 @@ def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, tor
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
-class TimedBatches:
-    """The training batches, counting the wall time a step spends waiting for the next one: the
-    loader (its workers, tokenization-free packed reads, collation) is off the critical path when
-    `data_wait_fraction` in metrics.jsonl stays near 0."""
-
-    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]) -> None:
-        self._batches = batches
-        self.waited_s = 0.0
-
-    def __iter__(self) -> TimedBatches:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        started = time.perf_counter()
-        try:
-            return next(self._batches)
-        finally:
-            self.waited_s += time.perf_counter() - started
-
-    def take_waited(self) -> float:
-        waited, self.waited_s = self.waited_s, 0.0
-        return waited
-
-
 def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
     """N, D and C of the whole run (Kaplan et al. 2020 notation) and the layout's derived sizes,
     for the tracker's run config."""
@@ -472,10 +298,3 @@ def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state
             f"ZeRO-{config.parallel.zero_stage}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
             f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")
-
-
-def _cluster_peak_flops(config: Config, topology: Topology) -> float | None:
-    name = torch.cuda.get_device_name() if topology.device.type == "cuda" else "cpu"
-    peak = device_peak_flops(name, config.tracking.peak_tflops)
-    return peak * topology.world_size if peak else None
-

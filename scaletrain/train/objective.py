@@ -1,7 +1,8 @@
 """The training objective of a run: which collator turns sequences into batches, and the loaders.
 
 GPT learns next tokens (or a prefix LM), BERT masked tokens (optionally with NSP/SOP sentence
-pairs), T5 corrupted spans. Every collator draws its noise from (seed, global index), so the
+pairs), T5 corrupted spans: each objective is one registered `TrainingObjective` (OBJECTIVES below)
+that a family's spec names and the trainer looks up. Every collator draws its noise from (seed, global index), so the
 loaders below stay resumable from `consumed_samples` alone.
 """
 
@@ -13,25 +14,28 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, Dataset
 
-from scaletrain.config import Config
+from scaletrain.config import Config, ConfigError
 from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
 from scaletrain.data.masking import mlm_collator
-from scaletrain.data.objectives import TokenizerInfo, causal_lm_collate, prefix_lm_collator
+from scaletrain.data.objectives import CausalLMCollator, Collator, TokenizerInfo, prefix_lm_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
 from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
 from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.model.family import ModelFamily
 from scaletrain.model.registry import get_family, objective_kind
 
 
 @dataclass(frozen=True)
 class Objective:
+    """A run's objective: the registered one it trains (`kind`, its name), its collator and its loaders."""
+
     kind: str
-    collate: Callable
+    collate: Collator
     config: Config
     tokenizer_info: TokenizerInfo
     # Tokens the loader cuts per sample (S + 1 are read): the collator decides, e.g. T5 reads more
@@ -95,28 +99,67 @@ class ValidationSet:
 
 
 def build_objective(config: Config) -> Objective:
+    """The run's objective: the registered one its config names (objective.kind, or the family's
+    default), with the tokenizer facts its collator needs."""
     sources = config.data.sources()
     if len(sources) > 1:
         check_same_tokenizer({source.label: load_manifest(dataset_location(config.data, source.dir))
                               for source in sources})
     info = TokenizerInfo.from_tokenizer(Tokenizer.load(dataset_location(config.data).tokenizer_path()))
     kind = objective_kind(config)
-    objective, seed, seq_length = config.objective, config.train.seed, config.model.seq_length
-    if kind == "causal_lm":
-        return Objective(kind, causal_lm_collate, config, info, seq_length)
-    if kind == "prefix_lm" and get_family(config.model.family).encoder_decoder:
-        collate: Callable = EncoderDecoderPrefixLMCollator(info, seed, seq_length)
-    elif kind == "prefix_lm":
-        collate = prefix_lm_collator(seed, seq_length)
-    elif kind == "mlm":
-        collate = mlm_collator(
-            info, seed, seq_length, sentence_pairs=objective.sentence_pairs != "none",
-            whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
-            mask_prob=objective.mask_prob,
-        )
-    else:
-        collate = t5_span_corruption_collator(
-            info, seed, seq_length, objective.noise_density, objective.mean_noise_span_length
-        )
+    collate = training_objective(kind).collator(config, info, get_family(config.model.family))
     # sentence-pair MLM reads whole documents (packed_seq_length None) and cuts pairs itself
-    return Objective(kind, collate, config, info, collate.packed_seq_length or seq_length)
+    return Objective(kind, collate, config, info, collate.packed_seq_length or config.model.seq_length)
+
+
+@dataclass(frozen=True)
+class TrainingObjective:
+    """One objective, as a family's spec names it (`ModelFamily.objectives`): how its collator is
+    built from the config. Adding an objective is a collator in data/ and one entry in OBJECTIVES."""
+
+    name: str
+    # (config, tokenizer facts, family) -> the collator; every collator exposes packed_seq_length
+    collator: Callable[[Config, TokenizerInfo, ModelFamily], Collator]
+
+
+def _causal_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
+    return CausalLMCollator(config.model.seq_length)
+
+
+def _prefix_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
+    """A decoder-only model attends the prefix bidirectionally (data/objectives.py); an encoder-decoder
+    reads it with its encoder and predicts the rest with its decoder (data/seq2seq.py)."""
+    if family.encoder_decoder:
+        return EncoderDecoderPrefixLMCollator(info, config.train.seed, config.model.seq_length)
+    return prefix_lm_collator(config.train.seed, config.model.seq_length)
+
+
+def _masked_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
+    objective = config.objective
+    return mlm_collator(
+        info, config.train.seed, config.model.seq_length, sentence_pairs=objective.sentence_pairs != "none",
+        whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
+        mask_prob=objective.mask_prob,
+    )
+
+
+def _span_corruption(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
+    objective = config.objective
+    return t5_span_corruption_collator(info, config.train.seed, config.model.seq_length, objective.noise_density,
+                                       objective.mean_noise_span_length)
+
+
+OBJECTIVES = {objective.name: objective for objective in (
+    TrainingObjective("causal_lm", _causal_lm),
+    TrainingObjective("prefix_lm", _prefix_lm),
+    TrainingObjective("mlm", _masked_lm),
+    TrainingObjective("span_corruption", _span_corruption),
+)}
+
+
+def training_objective(name: str) -> TrainingObjective:
+    """The registered objective `name`; a family spec naming another is a bug in that spec."""
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective {name!r} is not a registered training objective; the known ones are "
+                          f"{', '.join(OBJECTIVES)} (train/objective.py OBJECTIVES)")
+    return OBJECTIVES[name]

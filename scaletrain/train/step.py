@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,11 +41,10 @@ def train_step(
 def evaluation_metrics(
     engine: Any, batches: list[dict[str, torch.Tensor]], family: ModelFamily
 ) -> dict[str, float]:
-    """An engine's validation metrics over this rank's micro-batches (model_evaluation_metrics);
-    a pipeline reports the loss alone, the only number its last stage returns."""
+    """An engine's validation metrics over this rank's micro-batches (model_evaluation_metrics, or
+    pipeline_evaluation_metrics): val_loss and the family's own, the same in every layout."""
     if is_pipeline(engine):
-        loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
-        return {"val_loss": data_parallel_mean(loss.detach().float())}
+        return pipeline_evaluation_metrics(engine, batches, family)
     engine.eval()
     metrics = model_evaluation_metrics(engine, engine.module, batches, family)
     engine.train()
@@ -63,12 +63,73 @@ def model_evaluation_metrics(
         losses = [forward(**model_inputs(batch)).float() for batch in batches]
         metrics = {"val_loss": data_parallel_mean(torch.stack(losses).mean())}
         if family.evaluation_counts is not None:
-            per_batch = [family.evaluation_counts(module, model_inputs(batch)) for batch in batches]
-            for name in per_batch[0] if per_batch else ():
-                counts = torch.stack([torch.stack(counts[name]) for counts in per_batch]).sum(dim=0).double()
-                dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-                metrics[name] = float(counts[0] / counts[1])
+            counts = _summed([family.evaluation_counts(module, model_inputs(batch)) for batch in batches])
+            metrics.update(_data_parallel_ratios(counts))
     return metrics
+
+
+def pipeline_evaluation_metrics(
+    engine: Any, batches: list[dict[str, torch.Tensor]], family: ModelFamily
+) -> dict[str, float]:
+    """The pipeline's validation loss (DeepSpeed's eval_batch), plus the family's own metrics: only the
+    last stage holds the model's outputs, so it counts them from what its loss function receives
+    (`family.pipeline_evaluation_counts`) and sends the counts to the other stages."""
+    per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    with _counting_last_stage_outputs(engine.module, family, per_batch):
+        loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
+    metrics = {"val_loss": data_parallel_mean(loss.detach().float())}
+    if family.pipeline_evaluation_counts is not None:
+        metrics.update(_data_parallel_ratios(_from_last_stage(_summed(per_batch), loss.device)))
+    return metrics
+
+
+@contextlib.contextmanager
+def _counting_last_stage_outputs(
+    pipeline: Any, family: ModelFamily, per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+) -> Iterator[None]:
+    """While it lasts, the pipeline's loss function (called by DeepSpeed on the last stage with each
+    micro-batch's outputs and labels) also appends the family's counts of them to `per_batch`."""
+    if family.pipeline_evaluation_counts is None:
+        yield
+        return
+    loss_fn = pipeline.loss_fn
+
+    def counting_loss(outputs: Any, labels: Any) -> torch.Tensor:
+        per_batch.append(family.pipeline_evaluation_counts(_as_tuple(outputs), _as_tuple(labels)))
+        return loss_fn(outputs, labels)
+
+    pipeline.loss_fn = counting_loss
+    try:
+        yield
+    finally:
+        pipeline.loss_fn = loss_fn
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _summed(per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Each metric's (numerator, denominator) summed over this rank's micro-batches."""
+    return {name: torch.stack([torch.stack(counts[name]) for counts in per_batch]).sum(dim=0).double()
+            for name in (per_batch[0] if per_batch else ())}
+
+
+def _from_last_stage(counts: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The last pipeline stage's counts on every stage of its pipeline (the others have none)."""
+    message = [{name: value.tolist() for name, value in counts.items()}]
+    dist.broadcast_object_list(message, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return {name: torch.tensor(value, dtype=torch.float64, device=device) for name, value in message[0].items()}
+
+
+def _data_parallel_ratios(counts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """numerator / denominator of each metric, both summed over data-parallel ranks."""
+    ratios = {}
+    for name, value in counts.items():
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        ratios[name] = float(value[0] / value[1])
+    return ratios
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

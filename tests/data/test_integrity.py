@@ -77,11 +77,11 @@ def test_missing_files_are_clear_errors(dataset_copy: Path, tmp_path: Path) -> N
 
 
 def test_a_loader_worker_error_reaches_the_user_as_its_one_line_message(dataset_copy: Path) -> None:
-    from scaletrain.data.loader import build_train_loader
+    from tests.data.loaders import train_loader
 
     for shard in dataset_copy.glob("train-*.tar"):
         os.truncate(shard, shard.stat().st_size - 1024)
-    loader = build_train_loader(dataset_copy, seq_length=64, seed=0, micro_batch_size=2, data_parallel_rank=0,
+    loader = train_loader(dataset_copy, seq_length=64, seed=0, micro_batch_size=2, data_parallel_rank=0,
                                 data_parallel_size=1, consumed_samples=0, num_workers=1)
     with pytest.raises(DataError) as error:
         next(iter(loader))

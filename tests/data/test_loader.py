@@ -14,11 +14,11 @@ from torch.utils.data import get_worker_info
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.documents import iter_texts, list_documents, resolve_raw_paths
 from scaletrain.data.errors import DataError
-from scaletrain.data.loader import build_eval_loader, build_train_loader
 from scaletrain.data.objectives import causal_lm_collate
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
 from scaletrain.data.shards import SplitIndex
 from scaletrain.data.tokenizer import Tokenizer
+from tests.data.loaders import train_loader
 
 SEQ = 128
 
@@ -56,7 +56,7 @@ def test_one_epoch_over_two_ranks_with_two_workers_each_is_exact(small_dataset: 
     served: list[tuple[int, int]] = []
     workers = set()
     for rank in range(ranks):
-        loader = build_train_loader(small_dataset, SEQ, 11, micro_batch, rank, ranks, 0, 2, collate_with_worker_id)
+        loader = train_loader(small_dataset, SEQ, 11, micro_batch, rank, ranks, 0, 2, collate_with_worker_id)
         for batch in itertools.islice(loader, steps):
             served += zip(batch["global_index"].tolist(), batch["sample_id"].tolist(), strict=True)
             workers.add(int(batch["worker"]))
@@ -70,7 +70,7 @@ def test_layouts_with_the_same_global_batch_consume_the_same_sequences(small_dat
     consumed, steps = 32, 5
 
     def per_step(dp: int, grad_accum: int) -> list[set[int]]:
-        loaders = [iter(build_train_loader(small_dataset, SEQ, 5, 4, rank, dp, consumed, 0, collate_with_worker_id))
+        loaders = [iter(train_loader(small_dataset, SEQ, 5, 4, rank, dp, consumed, 0, collate_with_worker_id))
                    for rank in range(dp)]
         return [{s for loader in loaders for _ in range(grad_accum) for s in next(loader)["sample_id"].tolist()}
                 for _ in range(steps)]
@@ -86,7 +86,7 @@ def test_restart_from_consumed_samples_yields_exactly_the_rest(small_dataset: Pa
     start = (num_samples // stride - 8) * stride  # the run crosses into the second epoch
 
     def run(consumed: int, batches: int) -> list[torch.Tensor]:
-        loader = build_train_loader(small_dataset, SEQ, 3, 2, 1, 2, consumed, 2, causal_lm_collate)
+        loader = train_loader(small_dataset, SEQ, 3, 2, 1, 2, consumed, 2, causal_lm_collate)
         return [batch["tokens"] for batch in itertools.islice(loader, batches)]
 
     uninterrupted = run(start, 30)
@@ -117,15 +117,7 @@ def test_sampler_slices_global_batches_like_megatron() -> None:
         DistributedPretrainingSampler(2, 3, 3, 0)
 
 
-def test_eval_loader_is_fixed_order_sliced_by_rank(small_dataset: Path) -> None:
-    available = len(PackedSequenceDataset(small_dataset, "val", SEQ))
-    rank_batches = [list(build_eval_loader(small_dataset, SEQ, 2, rank, 2, num_samples=11,
-                                           collate_fn=collate_with_worker_id)) for rank in range(2)]
-    order = [s for step in zip(*rank_batches, strict=True) for batch in step for s in batch["sample_id"].tolist()]
-    assert order == list(range(8))  # 11 rounded down to whole global micro-batches of 2 x 2
-    assert len(list(build_eval_loader(small_dataset, SEQ, 1, 0, 1))) == available
-    with pytest.raises(DataError, match=f"the val split has {available}"):
-        build_eval_loader(small_dataset, SEQ, 2, 0, 2, num_samples=available + 1)
+def test_a_split_shorter_than_one_sequence_says_so(small_dataset: Path) -> None:
     with pytest.raises(DataError, match="fewer than seq_length"):
         PackedSequenceDataset(small_dataset, "val", 10**7)
 

@@ -14,7 +14,6 @@ import torch
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.errors import DataError
-from scaletrain.data.loader import build_train_loader
 from scaletrain.data.masking import (
     MaskingConfig,
     choose_unit_spans,
@@ -27,6 +26,7 @@ from scaletrain.data.masking import (
 from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
 from scaletrain.data.sampler import GlobalSampleOrder
 from scaletrain.data.tokenizer import Tokenizer
+from tests.data.loaders import train_loader
 
 SEQ = 128
 NUM_SEQUENCES = 400
@@ -107,7 +107,7 @@ def test_masks_follow_seed_and_global_index_and_survive_loader_workers(small_dat
         torch.testing.assert_close(originals(other), originals(first))
         assert ((other["labels"] != IGNORE_INDEX) != (first["labels"] != IGNORE_INDEX)).any(dim=1).all()
     # Two DataLoader workers (pickled collator, seed 0 order as in packed_items) build the same batches.
-    loader = build_train_loader(small_dataset, collator.packed_seq_length, 0, 4, 0, 1, 0, 2, collator)
+    loader = train_loader(small_dataset, collator.packed_seq_length, 0, 4, 0, 1, 0, 2, collator)
     for step, batch in enumerate(itertools.islice(loader, 2)):
         expected = collator(items[4 * step:4 * step + 4])
         for key in expected:

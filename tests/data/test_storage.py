@@ -27,10 +27,10 @@ from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.errors import DataError
-from scaletrain.data.loader import build_train_loader
 from scaletrain.data.manifest import MANIFEST_NAME
 from scaletrain.data.storage import ShardCacheSettings, load_manifest, open_location, upload_dataset
 from scaletrain.data.tokenizer import Tokenizer
+from tests.data.loaders import train_loader
 
 SEQ = 128
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def assert_same_samples(local: PackedSequenceDataset, remote: PackedSequenceData
 
 def one_epoch_with_two_workers(location: Path | str, cache: ShardCacheSettings | None = None) -> torch.Tensor:
     num_samples = len(PackedSequenceDataset(location, "train", SEQ, cache=cache))
-    loader = build_train_loader(location, SEQ, seed=3, micro_batch_size=8, data_parallel_rank=0, data_parallel_size=1,
+    loader = train_loader(location, SEQ, seed=3, micro_batch_size=8, data_parallel_rank=0, data_parallel_size=1,
                                 consumed_samples=0, num_workers=2, cache=cache)
     return torch.cat([batch["tokens"] for batch in itertools.islice(loader, -(-num_samples // 8))])
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from scaletrain.config import Config, TrainConfig
-from scaletrain.train.loop import _log_line, _log_line_due
+from scaletrain.train.hooks.console import log_line as _log_line
+from scaletrain.train.hooks.console import log_line_due as _log_line_due
 
 
 def test_the_line_has_elapsed_time_and_an_eta_from_the_mean_step_time():

@@ -55,8 +55,8 @@ def assert_checkpointed_at_the_last_step(run_dir: Path, log: str) -> None:
 
 WORKER_SCRIPT = """
 import sys
-from scaletrain.data.loader import build_train_loader
-batches = iter(build_train_loader(sys.argv[1], 32, 0, 4, 0, 1, 0, num_workers=1))
+from tests.data.loaders import train_loader
+batches = iter(train_loader(sys.argv[1], 32, 0, 4, 0, 1, 0, num_workers=1))
 next(batches)
 print("ready", flush=True)
 sys.stdin.readline()  # the test signals the loader worker meanwhile

@@ -88,8 +88,8 @@ def test_generate_samples_text(trained_run: Path):
 def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_samples: int) -> float:
     from scaletrain.checkpoint.manager import latest_checkpoint
     from scaletrain.config_loader import load_config
-    from scaletrain.data.loader import build_eval_loader
     from scaletrain.generate import load_model, single_process_config
+    from scaletrain.train.objective import build_objective
 
     checkpoint = latest_checkpoint(run_dir)
     config = single_process_config(load_config(checkpoint / "config.yaml"))
@@ -97,7 +97,8 @@ def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_sampl
 
     parallel_state.initialize_model_parallel()
     model = load_model(config, checkpoint)
-    loader = build_eval_loader(Path(config.data.dir), config.model.seq_length, 4, 0, 1, eval_samples)
+    objective = build_objective(config)
+    loader = objective.eval_loader(objective.validation_sets[0], 0, 1, eval_samples)
     with torch.no_grad():
         losses = [model(batch["tokens"], batch["labels"]) for batch in loader]
     return torch.stack(losses).mean().item()

@@ -1,0 +1,73 @@
+"""The training loop's side concerns as named hooks, called at fixed points of every step.
+
+The loop (train/loop.py) trains steps and decides whether to stop; everything else a step does
+(speed and MFU, metrics, console and log lines, divergence, evaluation, checkpoints, the run
+summary) is a `Hook` here, each in its own module, called in the order the loop lists them
+(OLMo-core's trainer callbacks, allenai/OLMo-core `olmo_core/train/callbacks/`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaletrain.train.state import TrainState
+
+
+class Hook:
+    """One side concern of the loop; each point is a no-op unless the hook needs it.
+
+    Per invocation: on_train_start, then per step on_step_start, on_step_end (the step's record is
+    complete) and after_stop_check (the loop has set state.stopped_by: whether the run stops after
+    this step), then on_train_end if the loop ended normally; close always, an exception too.
+    """
+
+    def on_train_start(self, state: TrainState) -> None:
+        """Before the first step of this invocation (a resumed run's too)."""
+
+    def on_step_start(self, state: TrainState) -> None:
+        """Before a step's micro-batches are read."""
+
+    def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
+        """After a step: state counts it; `record` is its metrics, which hooks listed earlier extend."""
+
+    def after_stop_check(self, state: TrainState) -> None:
+        """After the loop has agreed on every rank whether the run stops after this step."""
+
+    def on_train_end(self, state: TrainState) -> None:
+        """After the last step of this invocation, when the loop ended without an exception."""
+
+    def close(self) -> None:
+        """However the loop ended."""
+
+
+class Hooks(Hook):
+    """Several hooks as one: each point calls them in the order given (the loop's `_hooks` says why
+    that order)."""
+
+    def __init__(self, hooks: list[Hook]) -> None:
+        self._hooks = hooks
+
+    def on_train_start(self, state: TrainState) -> None:
+        for hook in self._hooks:
+            hook.on_train_start(state)
+
+    def on_step_start(self, state: TrainState) -> None:
+        for hook in self._hooks:
+            hook.on_step_start(state)
+
+    def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
+        for hook in self._hooks:
+            hook.on_step_end(state, record)
+
+    def after_stop_check(self, state: TrainState) -> None:
+        for hook in self._hooks:
+            hook.after_stop_check(state)
+
+    def on_train_end(self, state: TrainState) -> None:
+        for hook in self._hooks:
+            hook.on_train_end(state)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.close()

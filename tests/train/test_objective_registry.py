@@ -1,0 +1,42 @@
+"""Objectives are registered units that family specs name: every name a family lists is registered,
+and one that is not is a single error listing the known ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.config import ConfigError, config_from_dict
+from scaletrain.data.masking import MaskedLMCollator
+from scaletrain.data.objectives import CausalLMCollator, PrefixLMCollator, TokenizerInfo
+from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
+from scaletrain.data.span_corruption import SpanCorruptionCollator
+from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.model.registry import FAMILY_MODULES, get_family
+from scaletrain.train.objective import OBJECTIVES, training_objective
+
+
+def test_every_objective_a_family_names_is_registered():
+    for name in FAMILY_MODULES:
+        for objective in get_family(name).objectives + get_family(name).pipeline_objectives:
+            assert training_objective(objective) is OBJECTIVES[objective]
+
+
+def test_an_unregistered_objective_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="'ul2' is not a registered training objective; the known ones are "
+                                          "causal_lm, prefix_lm, mlm, span_corruption"):
+        training_objective("ul2")
+
+
+@pytest.mark.parametrize(("family", "kind", "collator_class"), [
+    ("gpt", "causal_lm", CausalLMCollator),
+    ("gpt", "prefix_lm", PrefixLMCollator),
+    ("t5", "prefix_lm", EncoderDecoderPrefixLMCollator),
+    ("t5", "span_corruption", SpanCorruptionCollator),
+    ("bert", "mlm", MaskedLMCollator),
+])
+def test_each_objective_builds_its_collator(small_dataset, family: str, kind: str, collator_class: type):
+    config = config_from_dict({"model": {"family": family, "seq_length": 32}, "objective": {"kind": kind},
+                               "data": {"vocab_size": 1024, "num_sentinels": 16}})
+    info = TokenizerInfo.from_tokenizer(Tokenizer.load(small_dataset / "tokenizer.model"))
+    collator = training_objective(kind).collator(config, info, get_family(family))
+    assert isinstance(collator, collator_class)

@@ -24,9 +24,10 @@ from scaletrain.checkpoint.manager import (
     read_meta,
     translate_load_errors,
 )
+from scaletrain.checkpoint.run_config import announce_checkpoint, run_config, single_process_config
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.generate import announce_checkpoint, load_model, run_config, single_process_config
+from scaletrain.generate import load_model
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
 from scaletrain.train.evaluation import evaluation_samples, validation_metrics

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +9,9 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, first_loadable, latest_checkpoint, read_meta
-from scaletrain.config import Config, ParallelConfig, resolve_for_world
-from scaletrain.config_loader import load_config
+from scaletrain.checkpoint.manager import CheckpointError, first_loadable
+from scaletrain.checkpoint.run_config import announce_checkpoint, run_config
+from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model import build_model
@@ -94,27 +92,6 @@ def generation_of(family: ModelFamily, run_dir: Path) -> Generation:
         raise ValueError(f"model family {family.name} names generation {family.generation!r}, which is not "
                          f"registered; the known ones are {', '.join(GENERATIONS)} (generate.py GENERATIONS)")
     return GENERATIONS[family.generation]
-
-
-def run_config(run_dir: Path) -> Config:
-    """The run's model in one process, from its newest complete checkpoint's config (a run's
-    checkpoints share one model; which of them loads is first_loadable's choice)."""
-    newest = latest_checkpoint(run_dir)
-    if newest is None:
-        raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
-    return single_process_config(load_config(newest / "config.yaml", to_train=False))
-
-
-def single_process_config(config: Config) -> Config:
-    """The run's model in one process: TP=PP=DP=1, whatever layout trained it."""
-    single = dataclasses.replace(config, parallel=ParallelConfig(tensor=1, pipeline=1, data=None, zero_stage=0))
-    return resolve_for_world(single, world_size=1)
-
-
-def announce_checkpoint(checkpoint: Path) -> None:
-    """One line on stderr naming the checkpoint a command read and its step: the newest one that loads
-    may not be the newest one written (first_loadable skips broken ones), and stdout stays the output."""
-    print(f"using checkpoint {checkpoint} (step {read_meta(checkpoint).step})", file=sys.stderr, flush=True)
 
 
 def load_model(config: Config, checkpoint: Path) -> torch.nn.Module:

@@ -93,11 +93,6 @@ def describe(cycle: list[str], edges: dict[tuple[str, str], list[str]]) -> str:
     return " -> ".join(cycle) + "\n" + "\n".join(steps)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "cycles other branches are removing: config -> model.registry (helper 'config'); "
-    "model.t5 -> checkpoint.hf_t5 (helper 'hf'); model <-> parallel (parallel.pipeline imports "
-    "model.family while model/*.py import parallel.sequence_parallel/sharding) and checkpoint.export <-> "
-    "generate: both in files the planner branch does not own"))
 def test_packages_import_each_other_without_a_cycle():
     edges = package_imports()
     found = cycles(edges)

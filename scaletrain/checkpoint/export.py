@@ -12,8 +12,8 @@ import torch
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.hf.tokenizer import write_hf_tokenizer
 from scaletrain.checkpoint.manager import CheckpointError, first_loadable
+from scaletrain.checkpoint.run_config import announce_checkpoint, run_config
 from scaletrain.data.storage import dataset_location
-from scaletrain.generate import announce_checkpoint, run_config
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 
 

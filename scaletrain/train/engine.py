@@ -67,7 +67,7 @@ def build_training_model(config: Config, topology: Topology) -> nn.Module:
     if topology.pipeline_parallel_size > 1:
         import deepspeed
 
-        from scaletrain.parallel.pipeline import build_pipeline
+        from scaletrain.train.pipeline import build_pipeline
 
         # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
         with without_stdout_lines(OP_BUILT):  # its comm layer loads DeepSpeed's CPU op

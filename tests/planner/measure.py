@@ -144,7 +144,7 @@ class _SavedActivations:
 
 
 def _pipeline_stage_parameters(world_size: int) -> dict[str, int]:
-    from scaletrain.parallel.pipeline import build_pipeline
+    from scaletrain.train.pipeline import build_pipeline
 
     config = case_config(PIPELINE_MODEL, {"pipeline": 2, "pipeline_partition": "blocks"}, {}, world_size)
     _reset_model_parallel()

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import torch
 
 from scaletrain.config import Config
+from scaletrain.model.counts import model_counts
 from scaletrain.parallel.groups import Topology
-from scaletrain.scaling.counts import model_counts
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.train.hooks import Hook
 from scaletrain.train.state import TrainState
@@ -41,7 +41,7 @@ class TimedBatches:
 
 class SpeedMonitor(Hook):
     """Adds tokens, step_time_s, tokens_per_s, data_wait_fraction and (where the device's peak is
-    known) mfu to each step's record: model FLOPs per step (scaling/counts.py) over the step's wall
+    known) mfu to each step's record: model FLOPs per step (model/counts.py) over the step's wall
     time and the cluster's peak."""
 
     def __init__(self, config: Config, topology: Topology, batches: TimedBatches) -> None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
 from scaletrain.config import Config, resolve_for_world  # noqa: E402
-from scaletrain.config_loader import load_config
+from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.model import build_model  # noqa: E402
 from scaletrain.model.counts import model_counts  # noqa: E402
 from scaletrain.model.gpt import model_flops_per_token  # noqa: E402

@@ -13,7 +13,8 @@ The checkpoint package's uses (reaching Adam's state in DeepSpeed's optimizer wr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -307,3 +308,26 @@ def link_fragments_to_optimizer_state(optimizer: Any) -> None:
     if link is not None:
         optimizer._hp_optimizer_states_linked = False
         link()
+
+
+# --- The planner: megatron's tensor-parallel rank without torch.distributed (planner/params.py) ---
+
+
+@contextmanager
+def tensor_parallel_rank_override(rank: int, world_size: int) -> Iterator[None]:
+    """megatron's parallel_state answering TP rank `rank` of `world_size` while the block runs, as it
+    does when its public set_tensor_model_parallel_rank/world_size overrides are set; what was set
+    before (`_MPU_TENSOR_MODEL_PARALLEL_RANK` / `_WORLD_SIZE`, usually None) comes back after. No public
+    getter returns the override itself (get_tensor_model_parallel_rank falls through to the process
+    group, which the planner does not have). Checked on megatron-core 0.16.1 (core/parallel_state.py)."""
+    from megatron.core import parallel_state
+
+    saved = (internal(parallel_state, "_MPU_TENSOR_MODEL_PARALLEL_RANK", "the planner could not restore the TP rank"),
+             internal(parallel_state, "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "the planner could not restore it"))
+    parallel_state.set_tensor_model_parallel_rank(rank)
+    parallel_state.set_tensor_model_parallel_world_size(world_size)
+    try:
+        yield
+    finally:
+        parallel_state.set_tensor_model_parallel_rank(saved[0])
+        parallel_state.set_tensor_model_parallel_world_size(saved[1])

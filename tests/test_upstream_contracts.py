@@ -369,3 +369,20 @@ def test_written_adam_state_and_working_weights_read_back(observed):
         for name, roundtrip in state["roundtrip"].items():
             assert roundtrip["state"], _broken(internal, f"{kind}: {name}'s written state does not read back")
             assert roundtrip["working"], _broken(internal, f"{kind}: {name}'s working weight was not set")
+
+
+def test_megatron_tensor_parallel_rank_can_be_overridden_and_restored():
+    """The planner builds models on the meta device as TP rank 0 of 1 without torch.distributed."""
+    from megatron.core import parallel_state
+
+    internal = "parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK / _WORLD_SIZE"
+    before = (parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE)
+    try:
+        with upstream.tensor_parallel_rank_override(3, 4):
+            seen = (parallel_state.get_tensor_model_parallel_rank(),
+                    parallel_state.get_tensor_model_parallel_world_size())
+    except upstream.UpstreamChanged as error:
+        pytest.fail(f"upstream contract broken: {error}")
+    assert seen == (3, 4), _broken(internal, f"the override answered {seen}, not (3, 4)")
+    after = (parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE)
+    assert after == before, _broken(internal, f"not restored: {after} after, {before} before")

@@ -5,15 +5,14 @@ Sizes (manager.check_files) catch a truncated or missing file, not bytes changed
 flipped on a disk or in transit, a file overwritten at its own size. Such a file unpickles fine, and
 a NaN in it used to train on into a divergence that blamed the run. So:
 - Saving: each rank's files stream through `ChecksumWriter`, which updates the CRC as torch.save
-  writes (no second read); rank 0 hashes what it did not write that way (config.yaml, DeepSpeed's
-  zero_to_fp32.py) and records every file's size and CRC in meta.json (`FileRecord`).
+  writes (no second read); rank 0 hashes what it did not write that way (config.yaml, the index)
+  and records every file's size and CRC in meta.json (`FileRecord`).
 - Loading: a rank reads each file it needs once, checks its CRC and unpickles those same bytes
-  (`read_checked`, then safe_load.load_tensors); then the state it loaded is checked finite
-  (`loaded_state`, `check_finite`): a checksum vouches for the bytes, not that they are weights a
-  run should resume (a NaN patched in with meta.json rewritten to match, a tool that wrote NaN).
-  Both checks are local to the rank, with no collective: the training loop agrees on a failure over
-  all ranks (any_rank) afterwards. Inside DeepSpeed's loader a mismatch is held until its load is
-  over (safe_load.checked_reads), so the other ranks are not left waiting in its collectives.
+  (`read_checked`, then safe_load.load_tensors); then the state it cut for itself is checked finite
+  (`check_finite`, in layout_free.load_into_engine) before any of it is loaded: a checksum vouches
+  for the bytes, not that they are weights a run should resume (a NaN patched in with meta.json
+  rewritten to match, a tool that wrote NaN). Both checks are local to the rank, with no
+  collective: the training loop agrees on a failure over all ranks (any_rank) afterwards.
 
 Why CRC-32 (zlib): over 256 MiB on the 2-core dev box, crc32 hashed 3.8 GB/s, sha1 1.7, sha256 1.6
 (SHA-NI), blake2b 0.86 and md5 0.70. A CRC-32 catches every single flipped bit and every burst of
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -129,29 +128,6 @@ def content_mismatch(
         return None
     return CheckpointError(f"checkpoint {checkpoint}: {name} {found}; resume from another checkpoint "
                            f"(train.resume=auto takes the one before) or delete {checkpoint}")
-
-
-def loaded_state(engine: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's part of what a resume loads into a DeepSpeed engine, by name: the model's weights
-    (under ZeRO-3 this rank's partition, `ds_tensor`), then for each parameter of the torch optimizer
-    that DeepSpeed steps (`client_optimizer`) Adam's moments. Under ZeRO-1/2/3 (and DeepSpeed's bf16
-    optimizer) that optimizer's parameters are flat fp32 master partitions, one per parameter group
-    (the weights the next step starts from): they are named by group and checked as well."""
-    names = {}
-    for name, parameter in engine.module.named_parameters():
-        names[id(parameter)] = name
-        yield f"weight {name}", getattr(parameter, "ds_tensor", parameter)
-    optimizer = engine.client_optimizer
-    for group_index, group in enumerate(optimizer.param_groups):
-        for index, parameter in enumerate(group["params"]):
-            label = names.get(id(parameter))
-            if label is None:
-                label = f"fp32 master weights of parameter group {group_index}" + (f" (#{index})" if index else "")
-                yield label, parameter
-            for key in ADAM_MOMENTS:
-                moment = optimizer.state.get(parameter, {}).get(key)
-                if moment is not None:
-                    yield f"Adam {key} of {label}", moment
 
 
 def check_finite(checkpoint: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

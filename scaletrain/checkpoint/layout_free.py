@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.integrity import check_finite
 from scaletrain.checkpoint.optimizer_state import (
     STATE_KEYS,
     adam_step,
@@ -149,15 +150,23 @@ def build_index(manifests: list[list[dict[str, Any]]], steps: list[int]) -> dict
 
 def load_into_engine(engine: Any, checkpoint: Path, files: CheckedFiles, topology: Topology) -> None:
     """Set every local parameter's master weight, working copy and Adam moments, and Adam's step, from
-    the layout-free state of `checkpoint`, cut for this rank's layout. No collectives."""
+    the layout-free state of `checkpoint`, cut for this rank's layout and checked finite (locally: the
+    caller agrees on a failure over all ranks). No collectives."""
     index = read_index(checkpoint)
-    prepare_optimizer_state(engine, int(index["adam_step"]))
     reader = _PieceReader(checkpoint, files)
+    cut = {}
     for name, parameter in local_parameters(engine.module, topology):
         entry = index["parameters"].get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint {checkpoint} has no state for {name}; it holds a different model")
-        write_parameter_state(engine, parameter, _cut_for_rank(name, entry, parameter, reader, topology, checkpoint))
+        cut[name] = (parameter, _cut_for_rank(name, entry, parameter, reader, topology, checkpoint))
+    # A checksum vouches for the bytes, not that they are weights to resume (integrity.py): nothing is
+    # written into the engine before all of this rank's state is known finite.
+    check_finite(checkpoint, [(f"weight {name}" if key == "weight" else f"Adam {key} of {name}", tensor)
+                              for name, (_, state) in cut.items() for key, tensor in state.items()])
+    prepare_optimizer_state(engine, int(index["adam_step"]))
+    for parameter, state in cut.values():
+        write_parameter_state(engine, parameter, state)
 
 
 def read_index(checkpoint: Path) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import yaml
 
 from scaletrain.checkpoint import layout_free
 from scaletrain.checkpoint.errors import CheckpointError
-from scaletrain.checkpoint.integrity import FileRecord, check_finite, file_checksum, loaded_state, save_with_checksum
+from scaletrain.checkpoint.integrity import FileRecord, file_checksum, save_with_checksum
 from scaletrain.checkpoint.safe_load import CheckedFiles, UnsafeCheckpointError
 from scaletrain.config import Config, save_config
 from scaletrain.disk import write_failure
@@ -492,8 +492,8 @@ def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Confi
     every parameter's master weight, working copy and Adam moments cut for this rank
     (checkpoint/layout_free.py), each file checked against its CRC-32 as it is read; in the same layout
     this rank's RNG state too (another layout reseeds it: dropout masks then differ from an
-    uninterrupted run's). Then the loaded weights and moments are checked finite (on this rank alone:
-    the caller agrees on a failure over all ranks)."""
+    uninterrupted run's). The weights and moments are checked finite before any is loaded (on this
+    rank alone: the caller agrees on a failure over all ranks)."""
     target = layout_of(config, topology)
     same_layout = meta.layout == target
     if not same_layout and topology.is_logging_rank:
@@ -508,7 +508,6 @@ def load_checkpoint(engine: Any, path: Path, meta: CheckpointMeta, config: Confi
         if not rng_file.is_file():
             raise CheckpointError(f"checkpoint {path} lacks rng/{rng_file.name}")
         _restore_rng_state(translate_load_errors(path, f"rng/{rng_file.name}", lambda: files.load(rng_file)))
-    check_finite(path, loaded_state(engine))
     engine.global_steps = meta.step
     engine.global_samples = meta.consumed_samples
 

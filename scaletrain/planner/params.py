@@ -200,22 +200,17 @@ def _meta_build_at_tensor_parallel_1() -> Iterator[None]:
 
     Some layers ask megatron's parallel_state for the TP rank at construction (T5's relative-position
     table); the planner runs without torch.distributed, where that asserts. megatron's
-    set_tensor_model_parallel_rank/world_size overrides answer instead, and are restored after.
+    set_tensor_model_parallel_rank/world_size overrides answer instead, and are restored after
+    (scaletrain/upstream.py reads what they were).
 
     torch and megatron are imported here, not at the top: `scaletrain --help` imports this module
     through the planner and must not wait for them."""
     import torch
-    from megatron.core import parallel_state
 
-    saved = (parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE)
-    parallel_state.set_tensor_model_parallel_rank(0)
-    parallel_state.set_tensor_model_parallel_world_size(1)
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        parallel_state.set_tensor_model_parallel_rank(saved[0])
-        parallel_state.set_tensor_model_parallel_world_size(saved[1])
+    from scaletrain import upstream  # imports megatron-core
+
+    with upstream.tensor_parallel_rank_override(0, 1), torch.device("meta"):
+        yield
 
 
 def _shape(parameter: nn.Parameter) -> TensorShape:

@@ -87,8 +87,9 @@ def test_generate_samples_text(trained_run: Path):
 
 def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_samples: int) -> float:
     from scaletrain.checkpoint.manager import latest_checkpoint
+    from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
-    from scaletrain.generate import load_model, single_process_config
+    from scaletrain.generate import load_model
     from scaletrain.train.objective import build_objective
 
     checkpoint = latest_checkpoint(run_dir)

@@ -27,6 +27,22 @@ def test_gpt_throughput_times_scaletrain_and_the_plain_reference(small_dataset: 
     assert re.search(r"step time ratio scaletrain / plain PyTorch: [\d.]+", result.stdout), result.stdout
 
 
+@pytest.mark.slow
+def test_checkpoint_save_reports_stall_write_and_size_with_and_without_async(small_dataset: Path):
+    for async_save in ("true", "false"):
+        result = subprocess.run(
+            [sys.executable, "benchmarks/checkpoint_save.py", "configs/gpt_tiny.yaml", f"data.dir={small_dataset}",
+             "data.vocab_size=1024", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+             "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=8",
+             f"checkpoint.async_save={async_save}", "--saves", "2", "--every", "2"],
+            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        mode = "async" if async_save == "true" else "synchronous"
+        assert re.search(rf"{mode} save: step \d+ ms; per save: call \d+ ms, stall -?\d+ ms, write \d+ ms, "
+                         r"size [\d.]+ MiB", result.stdout), result.stdout
+
+
 def test_generation_speed_times_both_decoders():
     result = subprocess.run(
         [sys.executable, "benchmarks/generation_speed.py", "--tokens", "4", "--seq-length", "16"],

@@ -160,9 +160,11 @@ def abandon_pending_save() -> None:
     _pending = None
 
 
-def _checkpoint_group() -> Any:
+def checkpoint_group() -> Any:
     """A gloo group of the whole world for the background writes' agreement (a collective on the
-    training's group from another thread could interleave with the training's own)."""
+    training's group from another thread could interleave with the training's own). Collective the
+    first time: the loop makes it at the start, while the rendezvous store is surely there (torchrun's
+    agent hosts it; ranks whose launcher was killed still checkpoint on their way out)."""
     global _save_group
     if _save_group is None:
         _save_group = dist.new_group(backend="gloo")
@@ -180,7 +182,7 @@ def save_checkpoint(
     finish_pending_save; the previous checkpoints stay as they were."""
     finish_pending_save()
     started = time.perf_counter()
-    group = _checkpoint_group()
+    group = checkpoint_group()
     collected = layout_free.collect_pieces(engine, topology)
     rng = _rng_state()
     root = checkpoint_root(Path(config.run.dir))
@@ -469,8 +471,8 @@ def read_meta(path: Path) -> CheckpointMeta:
     if meta.format != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} is in format {meta.format} (DeepSpeed's own files, written before scaletrain "
-            f"kept layout-free checkpoints); this version reads format {FORMAT} only. Resume it with the "
-            "scaletrain that wrote it and let that run save once more, or start over (train.resume=never)")
+            f"kept layout-free checkpoints); this version reads format {FORMAT} only: finish that run "
+            "with the scaletrain that wrote it, or start over here (train.resume=never or a new run.dir)")
     return meta
 
 

@@ -104,13 +104,17 @@ def test_a_checkpoint_of_another_layout(small_dataset: Path, tmp_path: Path, cap
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000010"
     checkpoint.mkdir(parents=True)
     layout = {"tensor": 1, "pipeline": 1, "data": 2, "zero_stage": 1}
-    (checkpoint / "meta.json").write_text(json.dumps({"step": 10, "consumed_samples": 80, "layout": layout}))
+    meta = {"format": 2, "step": 10, "consumed_samples": 80, "layout": layout}
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
     overrides = [*tiny_overrides(small_dataset, tmp_path / "run"), "parallel.zero_stage=1"]
 
     exit_code, out, _ = check(capsys, *overrides, "--world-size", "2")
     assert exit_code == 0 and f"resumes at step 10 of 300 from {checkpoint}" in out
     exit_code, out, _ = check(capsys, *overrides, "--world-size", "1")
     assert exit_code == 0 and f"resumes at step 10 of 300 from {checkpoint} (resharded from DP2 ZeRO-1)" in out
-    exit_code, _, err = check(capsys, *overrides, "parallel.zero_stage=3", "--world-size", "1")
+    exit_code, out, _ = check(capsys, *overrides, "parallel.zero_stage=3", "--world-size", "2")
+    assert exit_code == 0 and f"resumes at step 10 of 300 from {checkpoint} (resharded from DP2 ZeRO-1)" in out
+    (checkpoint / "meta.json").write_text(json.dumps({**meta, "format": 1}))  # DeepSpeed's own files
+    exit_code, _, err = check(capsys, *overrides, "--world-size", "2")
     assert exit_code == 2
-    assert f"resharding checkpoint {checkpoint} from DP2 ZeRO-1 into TP1 ZeRO-3 is not supported" in err
+    assert f"checkpoint {checkpoint} is in format 1" in err and "finish that run with the scaletrain that wrote it" in err

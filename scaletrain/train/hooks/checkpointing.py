@@ -12,6 +12,7 @@ from typing import Any
 
 from scaletrain.checkpoint.manager import (
     DIVERGED_DIR,
+    checkpoint_group,
     checkpoint_root,
     complete_checkpoints,
     finish_pending_save,
@@ -33,6 +34,7 @@ class Checkpointing(Hook):
     def __init__(self, engine: Any, config: Config, topology: Topology) -> None:
         self._engine, self._config, self._topology = engine, config, topology
         self._prune_due = True
+        checkpoint_group()  # now, not at the first save: that may come after the rendezvous store is gone
 
     def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
         if self._prune_due and not state.consecutive_skipped_steps:

@@ -20,6 +20,8 @@ before layout-free checkpoints), for before/after figures from the same script.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
 import statistics
 import sys
 import tempfile
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,10 +50,14 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=4, help="blocks with a save (and as many without)")
     parser.add_argument("--every", type=int, default=5, help="steps per block")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as run_dir:
-        config = resolve_for_world(load_config(args.config, [*args.overrides, "tracking.wandb=disabled",
-                                                             f"run.dir={run_dir}"]), world_size_from_environment())
-        topology = init_distributed(config)
+    config = resolve_for_world(load_config(args.config, [*args.overrides, "tracking.wandb=disabled"]),
+                               world_size_from_environment())
+    topology = init_distributed(config)
+    shared = [tempfile.mkdtemp(prefix="checkpoint_save.") if topology.rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)  # one run directory for all ranks
+    run_dir = shared[0]
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=run_dir))
+    try:
         engine = build_engine(build_training_model(config, topology), config, topology)
         batches = random_batches(config, topology.device, seed=topology.data_parallel_rank)
         guard = NonFiniteGuard(engine, topology.device)
@@ -96,6 +103,10 @@ def main() -> None:
                   f"step {statistics.median(plain) / args.every * 1000:.0f} ms; per save: call "
                   f"{statistics.median(calls) * 1000:.0f} ms, stall {stall * 1000:.0f} ms, write "
                   f"{statistics.median(writes) * 1000:.0f} ms, size {size / 2**20:.1f} MiB")
+    finally:
+        dist.barrier()
+        if topology.rank == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
         destroy_distributed()
 
 

@@ -257,6 +257,35 @@ def bf16_ddp_master_views(optimizer: Any, parameter: nn.Parameter) -> Callable[[
     return view
 
 
+def zero_fragment(parameter: nn.Parameter) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """This rank's part of a ZeRO-1/2 (or BF16_Optimizer) parameter's fp32 state, as (offset in the
+    flattened parameter, {"weight", "exp_avg", "exp_avg_sq"}: flat fp32 views), or None if the rank's
+    partition holds none of it. deepspeed.utils' safe_get_full_* return the whole tensor by an
+    all-reduce over the data-parallel group, per parameter and key; a checkpoint that each rank writes
+    its own part of needs the part: `_hp_mapping.lp_fragment_address` and `get_hp_fragment` (what
+    DeepSpeed's own universal checkpoint reads). The moments are linked by
+    link_fragments_to_optimizer_state first. Checked on deepspeed 0.19.8 (utils/tensor_fragment.py)."""
+    mapping = internal(parameter, "_hp_mapping", "each rank could not save its own part of the ZeRO state")
+    if mapping is None:
+        return None
+    address = mapping.lp_fragment_address
+    state = {"weight": mapping.get_hp_fragment()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = mapping.get_hp_fragment(optim_state_key=key)
+    return int(address.start), {key: tensor.reshape(-1)[:address.numel] for key, tensor in state.items()}
+
+
+def zero3_partition_range(parameter: nn.Parameter) -> tuple[int, int]:
+    """(offset, length) in the flattened parameter of this rank's ZeRO-3 partition: rank r of the
+    parameter's group holds [r*n, (r+1)*n) of it, zero padded at the end (n = `ds_tensor.numel()`,
+    zero/partition_parameters.py); a tail rank may hold only padding (length 0). Checked on deepspeed
+    0.19.8."""
+    group = internal(parameter, "ds_process_group", "ZeRO-3 partitions could not be placed")
+    size = parameter.ds_tensor.numel()
+    start = dist.get_rank(group=group) * size
+    return start, max(0, min(size, parameter.ds_numel - start))
+
+
 def set_working_weight(parameter: nn.Parameter, weight: torch.Tensor) -> None:
     """The copy the forward pass uses (bf16 under bf16) from the fp32 master `weight`. DeepSpeed's
     safe_set_full_fp32_param sets the master only. Under ZeRO-3 the working copy is this rank's flat
@@ -268,12 +297,9 @@ def set_working_weight(parameter: nn.Parameter, weight: torch.Tensor) -> None:
             parameter.copy_(weight.to(parameter.device, parameter.dtype))
             return
         partition = parameter.ds_tensor
-        size = partition.numel()
-        rank = dist.get_rank(group=parameter.ds_process_group)
-        flat = weight.reshape(-1)
-        padded = torch.zeros(size * dist.get_world_size(group=parameter.ds_process_group), dtype=flat.dtype)
-        padded[:flat.numel()] = flat
-        partition.copy_(padded.narrow(0, rank * size, size).to(partition.device, partition.dtype))
+        start, length = zero3_partition_range(parameter)
+        partition.zero_()
+        partition[:length].copy_(weight.reshape(-1)[start:start + length].to(partition.device, partition.dtype))
 
 
 # Where each of DeepSpeed's optimizer wrappers keeps the flat fp32 tensors that Adam's state is keyed

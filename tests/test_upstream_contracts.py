@@ -178,7 +178,13 @@ def _optimizer_state(zero_stage: int, bf16: bool) -> dict[str, Any]:
     (and the working copy the forward pass uses, bf16 under bf16)."""
     import deepspeed
 
-    from scaletrain.checkpoint.optimizer_state import STATE_KEYS, read_parameter_state, write_parameter_state
+    from scaletrain.checkpoint.optimizer_state import (
+        STATE_KEYS,
+        is_partitioned,
+        read_local_part,
+        read_parameter_state,
+        write_parameter_state,
+    )
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
@@ -197,13 +203,17 @@ def _optimizer_state(zero_stage: int, bf16: bool) -> dict[str, Any]:
     from scaletrain.checkpoint.optimizer_state import link_optimizer_state
 
     link_optimizer_state(engine)
-    seen["master_is_working"] = {}
+    seen["master_is_working"], seen["local_part"] = {}, {}
     for name, parameter in engine.module.named_parameters():
         seen["read"][name] = {key: value.detach().float().clone()
                               for key, value in read_parameter_state(engine, parameter).items()}
         working = upstream.local_partition(parameter).detach().reshape(-1)
         master = seen["read"][name]["weight"].reshape(-1)[:working.numel()].to(working.dtype)
         seen["master_is_working"][name] = torch.equal(master, working[:master.numel()])
+        if is_partitioned(parameter):  # a world of one: this rank's part is the whole parameter
+            start, part = read_local_part(parameter)
+            seen["local_part"][name] = start == 0 and all(
+                torch.equal(part[key].float(), seen["read"][name][key].reshape(-1)) for key in part)
     for index, (name, parameter) in enumerate(engine.module.named_parameters()):
         new = {key: torch.full_like(seen["read"][name][key], 0.25 * (index + 1) + position)
                for position, key in enumerate(STATE_KEYS)}
@@ -386,3 +396,15 @@ def test_megatron_tensor_parallel_rank_can_be_overridden_and_restored():
     assert seen == (3, 4), _broken(internal, f"the override answered {seen}, not (3, 4)")
     after = (parallel_state._MPU_TENSOR_MODEL_PARALLEL_RANK, parallel_state._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE)
     assert after == before, _broken(internal, f"not restored: {after} after, {before} before")
+
+
+def test_each_rank_s_part_of_the_zero_state_is_where_deepspeed_keeps_it(observed):
+    """A checkpoint's ZeRO parts come from each rank's own partition (upstream.zero_fragment:
+    `_hp_mapping.lp_fragment_address` / `get_hp_fragment`; ZeRO-3: safe_get_local_* placed by
+    upstream.zero3_partition_range): on one rank they are the whole state the public API gathers."""
+    internal = "_hp_mapping.lp_fragment_address / get_hp_fragment, ZeRO-3's ds_tensor partition range"
+    for kind in ("fp32_zero1", "fp32_zero3", "bf16_zero1"):
+        state = _observation(observed, f"state_{kind}", internal)
+        assert state["local_part"], _broken(internal, f"{kind}: no parameter is partitioned")
+        wrong = [name for name, same in state["local_part"].items() if not same]
+        assert not wrong, _broken(internal, f"{kind}: this rank's part of {wrong} is not the state DeepSpeed holds")

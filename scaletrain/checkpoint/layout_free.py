@@ -1,10 +1,11 @@
 """The checkpoint's training state in a form that no parallel layout owns.
 
 Under `model/` of a checkpoint:
-    rank_00003.pt   the pieces rank 3 wrote: for each, a parameter's model name, which tensor-parallel
-                    piece it is, and its fp32 master weight, exp_avg and exp_avg_sq at the piece's shape
+    rank_00003.pt   the parts rank 3 wrote: for each, a parameter's model name, which tensor-parallel
+                    piece it is part of, where in the flattened piece it starts, and its fp32 master
+                    weight, exp_avg and exp_avg_sq there (flat)
     index.json      every parameter: full shape, tensor-parallel split (dim, stride, pieces) and the
-                    file holding each piece; Adam's step count
+                    parts (file, offset, length) that tile each piece; Adam's step count
 
 Every parameter is named as in the plain, unpipelined model (train/pipeline.py keeps the names) at
 its full shape over data parallelism and ZeRO; a tensor-parallel weight is kept as its TP pieces with
@@ -14,15 +15,18 @@ Megatron-Core's dist_checkpointing and torchtitan's DCP checkpoints (tensors by 
 shape), in a format of our own because a merged QKV or GLU weight (partition_stride > 1) is not a
 contiguous block of the full tensor, which DCP's shard metadata needs.
 
-Writes are spread over the ranks: the ranks that hold the same parameters (a pipeline stage's
-data-parallel ranks at one tensor rank) take turns by parameter, and only tensor rank 0 writes a
-parameter that tensor parallelism does not split; a pipeline's tied copies are written by the first
-stage that holds them. Reading, each rank loads the files that hold its parameters' pieces.
+Every rank writes its own share, with no collective: under ZeRO (and DeepSpeed's bf16 pipeline
+optimizer) the part of each parameter's fp32 state its partition holds, as DeepSpeed's universal
+checkpoint does; without, the data-parallel ranks holding the same whole parameters take turns by
+parameter. Only tensor rank 0 writes a parameter that tensor parallelism does not split, and a
+pipeline's tied copies are written by the first stage that holds them. Reading, each rank loads
+the files that hold its parameters' parts.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +41,10 @@ from scaletrain.checkpoint.integrity import check_finite
 from scaletrain.checkpoint.optimizer_state import (
     STATE_KEYS,
     adam_step,
+    is_partitioned,
     link_optimizer_state,
     prepare_optimizer_state,
+    read_local_part,
     read_parameter_state,
     write_parameter_state,
 )
@@ -98,7 +104,8 @@ def _first_holders(names: list[str], topology: Topology) -> dict[str, int]:
 
 def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
     """This rank's share of the layout-free state, copied off the training state (so training may go
-    on while it is written). Collective: every rank calls it at the same step."""
+    on while it is written). Under ZeRO each rank takes its own part of every parameter (no
+    collective); a parameter whole on every data-parallel rank is taken by one of them, in turns."""
     parameters = local_parameters(engine.module, topology)
     holders = _first_holders([name for name, _ in parameters], topology)
     collected = RankPieces(adam_step=adam_step(engine))
@@ -110,17 +117,23 @@ def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
         split = is_tensor_parallel(parameter) and topology.tensor_parallel_size > 1
         if not split and topology.tensor_parallel_rank != 0:
             continue  # the same on every tensor rank: tensor rank 0's data-parallel ranks write it
-        writer = turn % topology.data_parallel_size
-        turn += 1
-        state = read_parameter_state(engine, parameter)  # collective over data parallelism under ZeRO
-        if writer != topology.data_parallel_rank:
+        if is_partitioned(parameter):
+            part = read_local_part(parameter)
+        else:
+            turn += 1
+            if (turn - 1) % topology.data_parallel_size != topology.data_parallel_rank:
+                continue
+            part = 0, {key: tensor.reshape(-1) for key, tensor in read_parameter_state(engine, parameter).items()}
+        if part is None or not part[1]["weight"].numel():
             continue
-        pieces = topology.tensor_parallel_size if split else 1
+        start, tensors = part
         collected.pieces.append({
-            "name": name, "piece": topology.tensor_parallel_rank if split else 0, "pieces": pieces,
+            "name": name, "piece": topology.tensor_parallel_rank if split else 0,
+            "pieces": topology.tensor_parallel_size if split else 1,
             "dim": parameter.partition_dim if split else None, "stride": parameter.partition_stride if split else 1,
-            "shape": list(state["weight"].shape),
-            "tensors": {key: state[key].detach().to("cpu", torch.float32, copy=True) for key in STATE_KEYS},
+            "shape": list(getattr(parameter, "ds_shape", parameter.shape)), "start": start,
+            "numel": tensors["weight"].numel(),
+            "tensors": {key: tensors[key].detach().to("cpu", torch.float32, copy=True) for key in STATE_KEYS},
         })
     return collected
 
@@ -133,18 +146,22 @@ def write_rank_file(collected: RankPieces, checkpoint: Path, rank: int, save: An
 
 
 def build_index(manifests: list[list[dict[str, Any]]], steps: list[int]) -> dict[str, Any]:
-    """index.json from every rank's manifest (rank order)."""
+    """index.json from every rank's manifest (rank order): per parameter its full shape, split, and for
+    each tensor-parallel piece the parts (file, offset, length) that tile it."""
     parameters: dict[str, Any] = {}
     for rank, manifest in enumerate(manifests):
         for piece in manifest:
+            shape = list(piece["shape"])
+            if piece["dim"] is not None:
+                shape[piece["dim"]] *= piece["pieces"]
             entry = parameters.setdefault(piece["name"], {
-                "shape": None, "dim": piece["dim"], "stride": piece["stride"], "files": [None] * piece["pieces"]})
-            entry["files"][piece["piece"]] = rank_file(rank)
-            if piece["piece"] == 0:
-                shape = list(piece["shape"])
-                if piece["dim"] is not None:
-                    shape[piece["dim"]] *= piece["pieces"]
-                entry["shape"] = shape
+                "shape": shape, "piece_shape": piece["shape"], "dim": piece["dim"], "stride": piece["stride"],
+                "pieces": [[] for _ in range(piece["pieces"])]})
+            entry["pieces"][piece["piece"]].append(
+                {"file": rank_file(rank), "start": piece["start"], "numel": piece["numel"]})
+    for entry in parameters.values():
+        for parts in entry["pieces"]:
+            parts.sort(key=lambda part: part["start"])
     return {"format": FORMAT_VERSION, "adam_step": max(steps) if steps else 0, "parameters": parameters}
 
 
@@ -191,25 +208,45 @@ def full_weights(checkpoint: Path, files: CheckedFiles) -> Iterator[tuple[str, t
 
 
 class _PieceReader:
-    """Each rank file loaded once (checked against its CRC-32), its pieces by (name, piece)."""
+    """Each rank file loaded once (checked against its CRC-32); a tensor-parallel piece assembled from
+    the parts that tile it."""
 
     def __init__(self, checkpoint: Path, files: CheckedFiles) -> None:
         self.checkpoint, self.files = checkpoint, files
-        self.loaded: dict[str, dict[tuple[str, int], dict[str, torch.Tensor]]] = {}
+        self.loaded: dict[str, dict[tuple[str, int, int], dict[str, torch.Tensor]]] = {}
 
-    def piece(self, file: str, name: str, index: int) -> dict[str, torch.Tensor]:
+    def piece(self, name: str, entry: dict[str, Any], index: int) -> dict[str, torch.Tensor]:
+        shape = entry["piece_shape"]
+        numel = math.prod(shape)
+        flat = {key: torch.empty(numel, dtype=torch.float32) for key in STATE_KEYS}
+        covered = 0
+        for part in entry["pieces"][index]:
+            if part["start"] != covered:
+                raise CheckpointError(f"checkpoint {self.checkpoint}: {INDEX_FILE} leaves elements {covered}-"
+                                      f"{part['start']} of {name} (piece {index}) unwritten; the checkpoint is corrupt")
+            tensors = self._part(part["file"], name, index, part["start"])
+            for key in STATE_KEYS:
+                flat[key][covered:covered + part["numel"]] = tensors[key].reshape(-1)
+            covered += part["numel"]
+        if covered != numel:
+            raise CheckpointError(f"checkpoint {self.checkpoint}: {name} (piece {index}) has {covered} of its {numel} "
+                                  "elements; the checkpoint is corrupt")
+        return {key: tensor.view(shape) for key, tensor in flat.items()}
+
+    def _part(self, file: str, name: str, index: int, start: int) -> dict[str, torch.Tensor]:
         if file not in self.loaded:
             content = self.files.load(self.checkpoint / file)
-            self.loaded[file] = {(piece["name"], piece["piece"]): piece["tensors"] for piece in content["pieces"]}
+            self.loaded[file] = {(piece["name"], piece["piece"], piece["start"]): piece["tensors"]
+                                 for piece in content["pieces"]}
         try:
-            return self.loaded[file][(name, index)]
+            return self.loaded[file][(name, index, start)]
         except KeyError:
-            raise CheckpointError(f"checkpoint {self.checkpoint}: {file} lacks piece {index} of {name}, which "
-                                  f"{INDEX_FILE} places there; the checkpoint is corrupt") from None
+            raise CheckpointError(f"checkpoint {self.checkpoint}: {file} lacks the part of {name} at {start} (piece "
+                                  f"{index}), which {INDEX_FILE} places there; the checkpoint is corrupt") from None
 
 
 def _full_tensor(name: str, entry: dict[str, Any], reader: _PieceReader, key: str, checkpoint: Path) -> torch.Tensor:
-    pieces = [reader.piece(file, name, index)[key] for index, file in enumerate(entry["files"])]
+    pieces = [reader.piece(name, entry, index)[key] for index in range(len(entry["pieces"]))]
     full = pieces[0] if entry["dim"] is None else merge_shards(pieces, entry["dim"], entry["stride"])
     if list(full.shape) != entry["shape"]:
         raise CheckpointError(f"checkpoint {checkpoint}: {name} merges to shape {list(full.shape)}, "
@@ -225,13 +262,13 @@ def _cut_for_rank(
     the same way, else the merged full tensor split again."""
     split = is_tensor_parallel(parameter) and topology.tensor_parallel_size > 1
     shape = tuple(getattr(parameter, "ds_shape", parameter.shape))
-    same_cut = (len(entry["files"]) == topology.tensor_parallel_size and split
+    same_cut = (len(entry["pieces"]) == topology.tensor_parallel_size and split
                 and (entry["dim"], entry["stride"]) == (parameter.partition_dim, parameter.partition_stride))
+    own = reader.piece(name, entry, topology.tensor_parallel_rank) if same_cut else None
     state = {}
     for key in STATE_KEYS:
-        if same_cut:
-            tensor = reader.piece(entry["files"][topology.tensor_parallel_rank], name,
-                                  topology.tensor_parallel_rank)[key]
+        if own is not None:
+            tensor = own[key]
         else:
             tensor = _full_tensor(name, entry, reader, key, checkpoint)
             if split:

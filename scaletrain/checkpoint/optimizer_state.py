@@ -23,6 +23,8 @@ import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
@@ -36,6 +38,26 @@ STATE_KEYS = ("weight", *ADAM_MOMENTS)  # what a layout-free checkpoint keeps pe
 
 def _uses_fragment_api(parameter: nn.Parameter) -> bool:
     return hasattr(parameter, "ds_id") or hasattr(parameter, "_hp_mapping")
+
+
+def is_partitioned(parameter: nn.Parameter) -> bool:
+    """Whether the data-parallel ranks each hold a part of the parameter's fp32 state (ZeRO-1/2/3,
+    DeepSpeed's bf16 pipeline optimizer) rather than all of it."""
+    return _uses_fragment_api(parameter)
+
+
+def read_local_part(parameter: nn.Parameter) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """This rank's part of a partitioned parameter's {weight, exp_avg, exp_avg_sq}, flat fp32, with its
+    offset in the flattened (tensor-parallel shard of the) parameter; None when it holds none. No
+    collective: each rank saves its own part (ZeRO-3 through DeepSpeed's public safe_get_local_*)."""
+    if not hasattr(parameter, "ds_id"):
+        return upstream.zero_fragment(parameter)
+    start, length = upstream.zero3_partition_range(parameter)
+    if length == 0:
+        return None
+    state = {"weight": safe_get_local_fp32_param(parameter),
+             **{key: safe_get_local_optimizer_state(parameter, key) for key in ADAM_MOMENTS}}
+    return start, {key: tensor.reshape(-1)[:length] for key, tensor in state.items()}
 
 
 def inner_optimizer(engine: Any) -> torch.optim.Optimizer:

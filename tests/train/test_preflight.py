@@ -117,4 +117,5 @@ def test_a_checkpoint_of_another_layout(small_dataset: Path, tmp_path: Path, cap
     (checkpoint / "meta.json").write_text(json.dumps({**meta, "format": 1}))  # DeepSpeed's own files
     exit_code, _, err = check(capsys, *overrides, "--world-size", "2")
     assert exit_code == 2
-    assert f"checkpoint {checkpoint} is in format 1" in err and "finish that run with the scaletrain that wrote it" in err
+    assert f"checkpoint {checkpoint} is in format 1" in err
+    assert "finish that run with the scaletrain that wrote it" in err

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, config_from_dict
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import config_from_dict
 from scaletrain.train.evaluation import evaluation_samples
 from scaletrain.train.objective import build_objective
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.config import ConfigError, config_from_dict
+from scaletrain.config import ConfigError
+from scaletrain.config_loader import config_from_dict
 from scaletrain.data.masking import MaskedLMCollator
 from scaletrain.data.objectives import CausalLMCollator, PrefixLMCollator, TokenizerInfo
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator

@@ -191,8 +191,8 @@ def _restore_or_start(
 ) -> TrainState:
     """Resume from the first of `candidates` (manager.resume_candidates) that loads, naming any that
     did not, or start at step 0. Every rank takes the same checkpoint: a failure on any rank skips
-    it on all. A refused reshard stops the run instead of quietly falling back to an older checkpoint,
-    and so does a checkpoint of another model shape: the config changed, not the checkpoint."""
+    it on all. A checkpoint of another model shape stops the run instead of quietly falling back to
+    an older one: the config changed, not the checkpoint."""
     if topology.rank == 0:
         for leftover in clean_leftovers(run_dir):
             print(f"removed {leftover}: left by a save or prune that was killed", file=sys.stderr)

@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 
 from tests.hosts import Host, Hosts, make_hosts, missing_requirement
-from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides, wait_for_step
+from tests.train.runs import (
+    DEMO_CONFIG,
+    REPO,
+    read_metrics,
+    run_scaletrain,
+    tiny_overrides,
+    wait_for_checkpoint,
+    wait_for_step,
+)
 from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank
 
 pytestmark = pytest.mark.slow
@@ -183,6 +191,7 @@ def test_a_host_cut_off_mid_run_stops_every_rank_within_the_timeout_naming_it(
     run_dir = tmp_path / "run"
     agents = start_torchrun(hosts, "c10d", run_dir, [*LAYOUT, *FAULT_RUN], small_dataset)
     wait_for_step(run_dir, 12, agents[0].process)
+    wait_for_checkpoint(run_dir, 10)
     hosts.set_link(hosts[1], up=False)
     try:
         results = finish(agents, ({76}, {1, 76}), timeout_s=120)
@@ -215,6 +224,7 @@ def test_max_restarts_restarts_a_killed_rank_in_the_job_and_resumes_from_the_che
     run_dir = tmp_path / "run"
     agents = start_torchrun(hosts, "c10d", run_dir, [*LAYOUT, *FAULT_RUN], small_dataset, {"MAX_RESTARTS": "1"})
     wait_for_step(run_dir, 12, agents[0].process)
+    wait_for_checkpoint(run_dir, 10)
     killed_at = time.monotonic()
     assert hosts.kill(hosts[1], is_rank), "no rank found on n2"
     results = finish(agents, ({0}, {0}))

@@ -37,7 +37,7 @@ from tests.launch.slurm_jobs import (
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 from tests.slurm_cluster import SlurmCluster, start_slurm_on_hosts
 from tests.slurm_cluster import missing_requirement as missing_slurm
-from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain
+from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,7 @@ def test_a_two_node_job_whose_ranks_on_one_node_are_killed_requeues_and_finishes
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, [*TENSOR_PARALLEL, "checkpoint.every=10"])
     wait_for_slurm_step(cluster, job_id, run_dir, log, 12, JOB_TIMEOUT_S)
+    wait_for_checkpoint(run_dir, 10)
     assert hosts.kill(hosts[1], lambda argv: argv[1:4] == [b"-m", b"scaletrain", b"train"]), "no rank on n2"
     wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
 
@@ -216,6 +217,7 @@ def test_a_node_cut_off_mid_job_is_marked_down_and_the_job_finishes_on_another_n
     job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES,
                              [*TENSOR_PARALLEL, "checkpoint.every=10", "parallel.timeout_s=10"])
     wait_for_slurm_step(cluster, job_id, run_dir, log, 12, JOB_TIMEOUT_S)
+    wait_for_checkpoint(run_dir, 10)
     cut_at = time.monotonic()
     hosts.set_link(hosts[1], up=False)
     try:

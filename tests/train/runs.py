@@ -110,6 +110,17 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: 
     raise AssertionError(f"no step {step} within {timeout} s")
 
 
+def wait_for_checkpoint(run_dir: Path, step: int, timeout: float = 120) -> None:
+    """Until the checkpoint of `step` is published (its meta.json written): a save is written in the
+    background (checkpoint.async_save), so a step logged after it does not mean it is on disk yet. A
+    test that breaks a run "after the checkpoint of step N" waits for this first."""
+    meta = run_dir / "checkpoints" / f"step_{step:08d}" / "meta.json"
+    deadline = time.monotonic() + timeout
+    while not meta.is_file():
+        assert time.monotonic() < deadline, f"the checkpoint of step {step} was not published within {timeout} s"
+        time.sleep(0.02)
+
+
 def logged_steps(run_dir: Path) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)]

@@ -26,6 +26,7 @@ from tests.train.runs import (
     scaletrain_environment,
     start_training,
     tiny_overrides,
+    wait_for_checkpoint,
     wait_for_step,
 )
 
@@ -108,6 +109,7 @@ def test_kill_9_then_resume_logs_every_step_once(small_dataset: Path, straight_r
     run_dir = tmp_path / "run"
     process = start_training(overrides(small_dataset, run_dir))
     wait_for_step(run_dir, 13, process)
+    wait_for_checkpoint(run_dir, 10)
     process.kill()
     process.wait()
     assert checkpoint_steps(run_dir)[-1] == 10 and logged_steps(run_dir)[-1] >= 13

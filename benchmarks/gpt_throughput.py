@@ -41,10 +41,11 @@ from scaletrain.parallel.groups import (  # noqa: E402
     Topology,
     destroy_distributed,
     init_distributed,
+    resolve_precision,
     world_size_from_environment,
 )
 from scaletrain.tracking.flops import device_peak_flops  # noqa: E402
-from scaletrain.train.engine import build_engine, resolve_precision  # noqa: E402
+from scaletrain.train.engine import build_engine  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
 

@@ -204,7 +204,7 @@ def full_weights(checkpoint: Path, files: CheckedFiles) -> Iterator[tuple[str, t
     need no model to merge them (the index says how)."""
     reader = _PieceReader(checkpoint, files)
     for name, entry in read_index(checkpoint)["parameters"].items():
-        yield name, _full_tensor(name, entry, reader, "weight", checkpoint)
+        yield name, _full_tensors(name, entry, reader, ("weight",), checkpoint)["weight"]
 
 
 class _PieceReader:
@@ -215,17 +215,18 @@ class _PieceReader:
         self.checkpoint, self.files = checkpoint, files
         self.loaded: dict[str, dict[tuple[str, int, int], dict[str, torch.Tensor]]] = {}
 
-    def piece(self, name: str, entry: dict[str, Any], index: int) -> dict[str, torch.Tensor]:
+    def piece(self, name: str, entry: dict[str, Any], index: int,
+              keys: tuple[str, ...] = STATE_KEYS) -> dict[str, torch.Tensor]:
         shape = entry["piece_shape"]
         numel = math.prod(shape)
-        flat = {key: torch.empty(numel, dtype=torch.float32) for key in STATE_KEYS}
+        flat = {key: torch.empty(numel, dtype=torch.float32) for key in keys}
         covered = 0
         for part in entry["pieces"][index]:
             if part["start"] != covered:
                 raise CheckpointError(f"checkpoint {self.checkpoint}: {INDEX_FILE} leaves elements {covered}-"
                                       f"{part['start']} of {name} (piece {index}) unwritten; the checkpoint is corrupt")
             tensors = self._part(part["file"], name, index, part["start"])
-            for key in STATE_KEYS:
+            for key in keys:
                 flat[key][covered:covered + part["numel"]] = tensors[key].reshape(-1)
             covered += part["numel"]
         if covered != numel:
@@ -245,13 +246,20 @@ class _PieceReader:
                                   f"{index}), which {INDEX_FILE} places there; the checkpoint is corrupt") from None
 
 
-def _full_tensor(name: str, entry: dict[str, Any], reader: _PieceReader, key: str, checkpoint: Path) -> torch.Tensor:
-    pieces = [reader.piece(name, entry, index)[key] for index in range(len(entry["pieces"]))]
-    full = pieces[0] if entry["dim"] is None else merge_shards(pieces, entry["dim"], entry["stride"])
-    if list(full.shape) != entry["shape"]:
-        raise CheckpointError(f"checkpoint {checkpoint}: {name} merges to shape {list(full.shape)}, "
-                              f"{INDEX_FILE} says {entry['shape']}; the checkpoint is corrupt")
-    return full
+def _full_tensors(
+    name: str, entry: dict[str, Any], reader: _PieceReader, keys: tuple[str, ...], checkpoint: Path
+) -> dict[str, torch.Tensor]:
+    """`keys` of parameter `name` at full shape: each tensor-parallel piece assembled once, then merged."""
+    pieces = [reader.piece(name, entry, index, keys) for index in range(len(entry["pieces"]))]
+    merged = {}
+    for key in keys:
+        parts = [piece[key] for piece in pieces]
+        full = parts[0] if entry["dim"] is None else merge_shards(parts, entry["dim"], entry["stride"])
+        if list(full.shape) != entry["shape"]:
+            raise CheckpointError(f"checkpoint {checkpoint}: {name} merges to shape {list(full.shape)}, "
+                                  f"{INDEX_FILE} says {entry['shape']}; the checkpoint is corrupt")
+        merged[key] = full
+    return merged
 
 
 def _cut_for_rank(
@@ -264,16 +272,14 @@ def _cut_for_rank(
     shape = tuple(getattr(parameter, "ds_shape", parameter.shape))
     same_cut = (len(entry["pieces"]) == topology.tensor_parallel_size and split
                 and (entry["dim"], entry["stride"]) == (parameter.partition_dim, parameter.partition_stride))
-    own = reader.piece(name, entry, topology.tensor_parallel_rank) if same_cut else None
+    source = (reader.piece(name, entry, topology.tensor_parallel_rank) if same_cut
+              else _full_tensors(name, entry, reader, STATE_KEYS, checkpoint))
     state = {}
     for key in STATE_KEYS:
-        if own is not None:
-            tensor = own[key]
-        else:
-            tensor = _full_tensor(name, entry, reader, key, checkpoint)
-            if split:
-                tensor = split_for_rank(tensor, parameter.partition_dim, parameter.partition_stride,
-                                        topology.tensor_parallel_rank, topology.tensor_parallel_size)
+        tensor = source[key]
+        if split and not same_cut:
+            tensor = split_for_rank(tensor, parameter.partition_dim, parameter.partition_stride,
+                                    topology.tensor_parallel_rank, topology.tensor_parallel_size)
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"checkpoint {checkpoint}: {name} has shape {tuple(tensor.shape)} for this rank, "
                                   f"the model {shape}; it holds a different model")

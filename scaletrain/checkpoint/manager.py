@@ -45,7 +45,7 @@ from scaletrain.checkpoint.integrity import FileRecord, file_checksum, save_with
 from scaletrain.checkpoint.safe_load import CheckedFiles, UnsafeCheckpointError
 from scaletrain.config import Config, save_config
 from scaletrain.disk import write_failure
-from scaletrain.parallel.groups import Topology
+from scaletrain.parallel.groups import Topology, resolve_precision
 
 META_FILE = "meta.json"
 DIVERGED_DIR = "diverged"  # checkpoints set aside after a divergence (set_aside_from)
@@ -74,14 +74,8 @@ def layout_of(config: Config, topology: Topology) -> dict[str, int]:
         "pipeline": topology.pipeline_parallel_size,
         "data": topology.data_parallel_size,
         "zero_stage": config.parallel.zero_stage,
-        "bf16": int(_precision(config, topology) == "bf16"),
+        "bf16": int(resolve_precision(config, topology.device) == "bf16"),
     }
-
-
-def _precision(config: Config, topology: Topology) -> str:
-    if config.train.precision != "auto":
-        return config.train.precision
-    return "bf16" if topology.device.type == "cuda" else "fp32"
 
 
 def describe_layout(layout: dict[str, int]) -> str:

@@ -78,7 +78,7 @@ def read_parameter_state(engine: Any, parameter: nn.Parameter) -> dict[str, torc
                 for key, value in state.items()}
     master = upstream.bf16_ddp_master_views(engine.optimizer, parameter)
     if master is not None:
-        return {key: master(key).clone() for key in STATE_KEYS}
+        return {key: master(key) for key in STATE_KEYS}  # views: the caller copies what it keeps
     optimizer_state = _plain_optimizer(engine).state.get(parameter, {})
     return {"weight": parameter.detach().float(),
             **{key: optimizer_state.get(key, torch.zeros_like(parameter, dtype=torch.float32)) for key in ADAM_MOMENTS}}

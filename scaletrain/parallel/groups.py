@@ -132,3 +132,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def resolve_precision(config: Config, device: torch.device) -> str:
+    """train.precision as it runs on `device` (`auto`: bf16 on GPU, fp32 on CPU); the engine and the
+    checkpoint's recorded layout both ask here."""
+    if config.train.precision != "auto":
+        return config.train.precision
+    return "bf16" if device.type == "cuda" else "fp32"

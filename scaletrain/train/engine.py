@@ -11,14 +11,8 @@ from scaletrain import upstream
 from scaletrain.config import Config
 from scaletrain.model import build_model
 from scaletrain.notices import OP_BUILT, without_stdout_lines
-from scaletrain.parallel.groups import Topology
+from scaletrain.parallel.groups import Topology, resolve_precision
 from scaletrain.parallel.mpu import MegatronMPU
-
-
-def resolve_precision(config: Config, device: torch.device) -> str:
-    if config.train.precision != "auto":
-        return config.train.precision
-    return "bf16" if device.type == "cuda" else "fp32"
 
 
 def deepspeed_config(config: Config, precision: str) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def test_resume_in_another_layout_continues_the_run(resumed_case: tuple[str, Pat
 
 def _full_states(rank: int, world_size: int, checkpoints: list[Path]) -> list[dict]:
     """Each checkpoint's full per-parameter state, merged by the index alone (no model built)."""
-    from scaletrain.checkpoint.layout_free import STATE_KEYS, _full_tensor, _PieceReader, read_index
+    from scaletrain.checkpoint.layout_free import STATE_KEYS, _full_tensors, _PieceReader, read_index
     from scaletrain.checkpoint.manager import read_meta
     from scaletrain.checkpoint.safe_load import CheckedFiles
 
@@ -132,7 +132,7 @@ def _full_states(rank: int, world_size: int, checkpoints: list[Path]) -> list[di
         index = read_index(path)
         reader = _PieceReader(path, CheckedFiles(path, read_meta(path).files))
         states.append({"step": index["adam_step"], "parameters": {
-            name: {key: _full_tensor(name, entry, reader, key, path) for key in STATE_KEYS}
+            name: _full_tensors(name, entry, reader, STATE_KEYS, path)
             for name, entry in index["parameters"].items()}})
     return states
 

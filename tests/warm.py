@@ -13,7 +13,15 @@ runs the tests train take a second: start-up was most of the suite's time. Two w
   and stdin/stdout/stderr; the client passes signals on to it and exits as it did (code or signal), so
   torchrun's rendezvous, error files and exit codes are real. The fork ends when its client ends.
   A client whose first argument is TORCHRUN stands for `python -m torch.distributed.run ARGS` instead
-  (importing torch for torchrun took 1.5 s of each multi-rank run); its ranks are clients in turn.
+  (importing torch for torchrun took 1.5 s of each multi-rank run), SCALETRAIN_TORCHRUN for
+  `python -m scaletrain.torchrun ARGS`; their ranks are clients in turn.
+- A fork enters its client's network, UTS and mount namespaces when they differ from the server's, so a
+  client started as a namespace host (tests/hosts.py) gets a fork that is that host: its addresses,
+  hostname and /etc/hosts. `warm_bin()` is a directory of `python`, `scaletrain` and
+  `scaletrain-torchrun` that go to the server: first on a job's PATH (torchrun.sh, slurm.sbatch), it
+  makes every process of a multi-host run a warm fork. A signal the client ignored when it started
+  (slurm.sbatch's ranks ignore USR1 until scaletrain handles it) is ignored by the fork too until the
+  program sets a handler.
   In a fork, sys.executable is tests/warm_python, so the `python -m scaletrain` processes that a
   command starts itself (a sweep's runs, locally or as SLURM array tasks) are warm forks too.
 
@@ -41,12 +49,18 @@ import time
 from pathlib import Path
 
 PRELOADED = ("torch", "torch.distributed.run", "megatron.core", "deepspeed", "transformers", "scaletrain.cli",
-             "scaletrain.train.loop", "tests.warm", "tests.distributed.harness")
+             "scaletrain.torchrun", "scaletrain.train.loop", "tests.warm", "tests.distributed.harness")
 SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"  # where tests/warm_client.py finds the server
 PYTHON_VARIABLE = "SCALETRAIN_TEST_PYTHON"  # the interpreter behind tests/warm_python
 TORCHRUN = "--torchrun"  # a client's first argument when it stands for `python -m torch.distributed.run`
+SCALETRAIN_TORCHRUN = "--scaletrain-torchrun"  # ... for `python -m scaletrain.torchrun`
+# a client's first argument -> (argv[0], the module whose main() runs); any other: scaletrain.cli
+PROGRAMS = {TORCHRUN: ("torchrun", "torch.distributed.run"),
+            SCALETRAIN_TORCHRUN: ("scaletrain-torchrun", "scaletrain.torchrun")}
+NAMESPACES = (("uts", 0x04000000), ("net", 0x40000000), ("mnt", 0x00020000))  # CLONE_NEWUTS, NEWNET, NEWNS
 WARM_PYTHON = Path(__file__).resolve().parent / "warm_python"
 HEADER = struct.Struct("!I")  # the length of the JSON request that follows it
+CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
@@ -79,6 +93,29 @@ def warm_socket() -> Path:
             time.sleep(0.05)
         atexit.register(_stop_server, _server)
     return _socket_path
+
+
+def warm_bin() -> Path:
+    """A directory of `python`, `python3`, `scaletrain` and `scaletrain-torchrun` that start warm forks
+    (through tests/warm_python, which runs anything else on the interpreter); put it first on the PATH
+    of a launcher script, with `warm_environment()`."""
+    directory = warm_socket().parent / "bin"
+    if not directory.is_dir():
+        staging = directory.with_suffix(".tmp")
+        staging.mkdir()
+        for name, prefix in (("python", ""), ("python3", ""), ("scaletrain", "-m scaletrain "),
+                             ("scaletrain-torchrun", "-m scaletrain.torchrun ")):
+            script = staging / name
+            script.write_text(f'#!/bin/sh\nexec "{WARM_PYTHON}" {prefix}"$@"\n')
+            script.chmod(0o755)
+        staging.rename(directory)
+    return directory
+
+
+def warm_environment(environment: dict[str, str]) -> dict[str, str]:
+    """`environment` with warm_bin() first on PATH and what tests/warm_python needs to reach the server."""
+    return {**environment, "PATH": f"{warm_bin()}{os.pathsep}{environment.get('PATH', '')}",
+            SOCKET_VARIABLE: str(warm_socket()), PYTHON_VARIABLE: sys.executable}
 
 
 def _stop_server(server: subprocess.Popen) -> None:
@@ -115,12 +152,14 @@ class WarmServer:
     def _fork_for(self, connection: socket.socket) -> None:
         header, fds, _, _ = socket.recv_fds(connection, HEADER.size, 3)
         request = json.loads(_receive_exactly(connection, HEADER.unpack(header)[0]))
+        client_pid = CREDENTIALS.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              CREDENTIALS.size))[0]
         pid = os.fork()
         if pid == 0:
             self.listener.close()
             for other in self.clients.values():
                 other.close()
-            _become_scaletrain(request, fds, connection)  # never returns
+            _become_scaletrain(request, fds, connection, client_pid)  # never returns
         for fd in fds:
             os.close(fd)
         self.clients[pid] = connection
@@ -150,14 +189,17 @@ def _receive_exactly(connection: socket.socket, size: int) -> bytes:
     return data
 
 
-def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket) -> None:
+def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket, client_pid: int) -> None:
     """In the fork: the process `python -m scaletrain *args` (or torchrun's) would have been, then run it;
     exit with its code."""
     code = 1
     try:
+        _enter_namespaces_of(client_pid)  # while this process has one thread, as setns needs for mnt
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)
+        for signum in request.get("ignored", []):
+            signal.signal(signum, signal.SIG_IGN)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -168,9 +210,9 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
         os.environ[PYTHON_VARIABLE] = sys.executable
         sys.executable = str(WARM_PYTHON)
         os.chdir(request["cwd"])
-        torchrun = request["args"][:1] == [TORCHRUN]
-        args = request["args"][1:] if torchrun else request["args"]
-        sys.argv = ["torchrun" if torchrun else "scaletrain", *args]
+        program, module = PROGRAMS.get(request["args"][0] if request["args"] else "", ("scaletrain", "scaletrain.cli"))
+        args = request["args"][1:] if module != "scaletrain.cli" else request["args"]
+        sys.argv = [program, *args]
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the fork's own stdin, kept open to exit)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
@@ -178,11 +220,7 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
 
         # OpenMP read OMP_NUM_THREADS when the server imported torch, under the server's environment.
         torch.set_num_threads(int(request["env"].get("OMP_NUM_THREADS", os.cpu_count() or 1)))
-        if torchrun:
-            from torch.distributed.run import main
-        else:
-            from scaletrain.cli import main
-
+        main = importlib.import_module(module).main
         try:
             code = main(args) or 0
         except SystemExit as exit_request:
@@ -200,6 +238,31 @@ def _become_scaletrain(request: dict, fds: list[int], connection: socket.socket)
             with contextlib.suppress(Exception):  # exiting either way
                 stream.flush()
         os._exit(code)
+
+
+def _enter_namespaces_of(pid: int) -> None:
+    """Join the network, UTS (hostname) and mount namespaces of process `pid` where they are not ours."""
+    joined = []
+    for kind, flag in NAMESPACES:
+        theirs, ours = f"/proc/{pid}/ns/{kind}", f"/proc/self/ns/{kind}"
+        if os.stat(theirs).st_ino != os.stat(ours).st_ino:
+            joined.append((os.open(theirs, os.O_RDONLY), flag))
+    for fd, flag in joined:
+        _setns(fd, flag)
+        os.close(fd)
+
+
+def _setns(fd: int, flag: int) -> None:
+    """os.setns (Python >= 3.12), else libc's."""
+    if hasattr(os, "setns"):
+        os.setns(fd, flag)
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, flag) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"setns: {os.strerror(error)}")
 
 
 def _leave_server_resources() -> None:

@@ -1,6 +1,7 @@
 """Stands where `python -m scaletrain ARGS` stands (alone, or as a rank under torchrun) and has the warm
 test server (tests/warm.py) fork that process: it sends its argv, environment, working directory and
-stdin/stdout/stderr, passes on the signals it receives, and exits as the fork did.
+stdin/stdout/stderr, passes on the signals it receives, and exits as the fork did. The signals it was
+started ignoring, the fork ignores until it sets a handler (a fresh process would inherit that).
 
 Imports only the standard library and tests/warm.py's constants (that module imports nothing else at
 its top; this script's directory, tests/, is first on sys.path), so it starts in milliseconds."""
@@ -21,7 +22,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 def main() -> None:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(os.environ[SOCKET_VARIABLE])
-    request = json.dumps({"args": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    ignored = [int(signum) for signum in FORWARDED if signal.getsignal(signum) == signal.SIG_IGN]
+    request = json.dumps({"args": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
+                          "ignored": ignored}).encode()
     socket.send_fds(connection, [HEADER.pack(len(request))], [0, 1, 2])
     connection.sendall(request)
     replies = connection.makefile("r")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tests.slurm_cluster import FINAL_STATES, SlurmCluster
 from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, tiny_overrides
+from tests.warm import warm_environment
 
 STEPS = 40
 SCRIPT = REPO / "launch" / "slurm.sbatch"
@@ -31,13 +32,16 @@ def overrides(data_dir: Path, run_dir: Path) -> list[str]:
 
 
 def submit_training(cluster: SlurmCluster, data_dir: Path, run_dir: Path, log: Path, sbatch_args: list[str],
-                    extra: Sequence[str] = ()) -> int:
-    """sbatch launch/slurm.sbatch from the repository, with this Python first on PATH for the job;
-    `extra` overrides follow the tiny run's."""
+                    extra: Sequence[str] = (), warm: bool = True) -> int:
+    """sbatch launch/slurm.sbatch from the repository; `extra` overrides follow the tiny run's. With
+    `warm`, warm_bin() (tests/warm.py) is first on the job's PATH, so its `python -m scaletrain` processes
+    are warm forks, each in its node's namespaces; else this Python's directory, and every process a
+    fresh interpreter (a test of a signal that comes while the ranks start up needs a real start-up)."""
     environment = {"PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}", "OMP_NUM_THREADS": "1",
                    "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "STOP_REPEAT_S": "1"}
     return cluster.submit([*CPU_NODE, *sbatch_args, f"--output={log}", str(SCRIPT), str(DEMO_CONFIG),
-                           *overrides(data_dir, run_dir), *extra], cwd=REPO, env=environment)
+                           *overrides(data_dir, run_dir), *extra], cwd=REPO,
+                          env=warm_environment(environment) if warm else environment)
 
 
 def assert_same_losses(run_dir: Path, reference: Path, tolerance: float = 0.0) -> None:

@@ -2,8 +2,8 @@
 its own torchrun agent with two ranks, meet by c10d rendezvous on n1 (`launch/torchrun.sh` with NNODES
 and RDZV_ENDPOINT, as the README says) or statically (torchrun's node rank and master address) and
 train the single-rank model: DP across the hosts, and TP2 inside each host x DP2
-across them. Every process is a fresh interpreter in its host's namespace (a warm fork would run in
-the test's own network namespace)."""
+across them. Every process is a warm fork (tests/warm.py) that entered its host's namespaces: the agents
+start `scaletrain-torchrun` / `python` from warm_bin(), first on their PATH."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.hosts import Host, Hosts, make_hosts, missing_requirement
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
+    WARM_CLIENT,
     read_metrics,
     run_scaletrain,
     tiny_overrides,
@@ -29,6 +30,7 @@ from tests.train.runs import (
     wait_for_step,
 )
 from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank
+from tests.warm import warm_bin, warm_environment
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +66,9 @@ def start_torchrun(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list
                    environment: dict[str, str] | None = None) -> list[Agent]:
     """One torchrun agent per host, RANKS_PER_HOST ranks each, training the tiny GPT into `run_dir`
     (each host's output in RUN_DIR/../HOST.log, appended to by a later start)."""
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true",
-                   "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                   **(environment or {})}
+    environment = warm_environment({
+        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(environment or {})})
     arguments = [str(DEMO_CONFIG), *tiny_overrides(data_dir, run_dir), *TRAINING, *overrides]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     agents = []
@@ -75,7 +77,7 @@ def start_torchrun(hosts: Hosts, rendezvous: str, run_dir: Path, overrides: list
             environment.update(NNODES=str(len(hosts)), RDZV_ENDPOINT=f"{hosts[0].name}:29400", RDZV_ID=run_dir.name)
             command = [str(REPO / "launch" / "torchrun.sh"), str(RANKS_PER_HOST), *arguments]
         else:  # torchrun's static rendezvous: node rank and master address given
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
+            command = [str(warm_bin() / "python"), "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
                        f"--nproc_per_node={RANKS_PER_HOST}", f"--node_rank={node_rank}",
                        f"--master_addr={hosts[0].name}", "--master_port=29500", "-m", "scaletrain", "train",
                        *arguments]
@@ -166,8 +168,9 @@ def single_rank_fault_run(small_dataset: Path, tmp_path_factory: pytest.TempPath
 
 
 def is_rank(argv: list[bytes]) -> bool:
-    """A training rank (or its loader workers) as torchrun starts it: python -u -m scaletrain ...; not the agent."""
-    return argv[1:4] == [b"-u", b"-m", b"scaletrain"]
+    """A training rank as torchrun starts it, `python -u -m scaletrain ...` or, warm, the client that stands
+    for it, `python -u tests/warm_client.py ...` (its fork ends with it); not the agent."""
+    return argv[1:4] == [b"-u", b"-m", b"scaletrain"] or argv[1:3] == [b"-u", str(WARM_CLIENT).encode()]
 
 
 def assert_resumed_like_single_rank(run_dir: Path, reference: Path, output: str) -> None:

@@ -7,8 +7,8 @@
 - a 2-node job stopped (scancel --batch --signal=USR1) and requeued onto 3 nodes resumes by resharding
   (TP2 x DP2 -> TP2 x DP3) and trains the single-rank model.
 
-Every process of a job is a fresh interpreter in its node's namespace (a warm fork would run in the test's
-own network namespace), so each job start costs ~15 s of imports on this 2-core box.
+Every process of a job is a warm fork (tests/warm.py) that entered its node's namespaces: the job's PATH
+starts with warm_bin().
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from tests.launch.slurm_jobs import (
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 from tests.slurm_cluster import SlurmCluster, start_slurm_on_hosts
 from tests.slurm_cluster import missing_requirement as missing_slurm
-from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, wait_for_checkpoint
+from tests.train.runs import DEMO_CONFIG, REPO, WARM_CLIENT, read_metrics, run_scaletrain, wait_for_checkpoint
+from tests.warm import warm_bin, warm_environment
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +109,7 @@ def test_a_preempted_two_node_job_requeues_and_finishes_like_the_uninterrupted_o
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     job_id = submit_before_a_time_limit_check(
         cluster, lambda: submit_training(cluster, small_dataset, run_dir, log, [*TWO_NODES, *TIME_LIMIT],
-                                         TENSOR_PARALLEL))
+                                         TENSOR_PARALLEL, warm=False))
     wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
     stopped_at = max(read_metrics(run_dir)[0])
     assert 1 <= stopped_at < STEPS and checkpoint_steps(run_dir) == [stopped_at]
@@ -156,7 +157,7 @@ def test_a_two_node_job_whose_ranks_on_one_node_are_killed_requeues_and_finishes
     job_id = submit_training(cluster, small_dataset, run_dir, log, TWO_NODES, [*TENSOR_PARALLEL, "checkpoint.every=10"])
     wait_for_slurm_step(cluster, job_id, run_dir, log, 12, JOB_TIMEOUT_S)
     wait_for_checkpoint(run_dir, 10)
-    assert hosts.kill(hosts[1], lambda argv: argv[1:4] == [b"-m", b"scaletrain", b"train"]), "no rank on n2"
+    assert hosts.kill(hosts[1], is_rank), "no rank on n2"
     wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
 
     assert cluster.wait(job_id, timeout=JOB_TIMEOUT_S) == {0: "COMPLETED"}, log.read_text()[-3000:]
@@ -165,6 +166,12 @@ def test_a_two_node_job_whose_ranks_on_one_node_are_killed_requeues_and_finishes
                      text, flags=re.MULTILINE), text[-3000:]
     assert "a rank was lost (srun exit 137" in text and "resuming at step 10" in text
     assert_same_losses(run_dir, two_node_job[0])
+
+
+def is_rank(argv: list[bytes]) -> bool:
+    """A job's rank as the script starts it, `python -m scaletrain train`, or, warm, the client that stands
+    for it (its fork ends with it)."""
+    return argv[1:4] == [b"-m", b"scaletrain", b"train"] or argv[1:3] == [str(WARM_CLIENT).encode(), b"train"]
 
 
 @pytest.mark.long_job  # a sweep's SLURM array task that spans two hosts, then its finalize job
@@ -178,10 +185,10 @@ def test_a_sweep_run_spans_two_nodes_as_one_array_task(
                      models={"shapes": [TINY_SHAPES[2]]},
                      slurm={"max_concurrent": 1, "cpus_per_task": 1, "time": "00:20:00", "nodes": 2})
     spec_path = write_spec(tmp_path / "spec.yaml", spec)
-    environment = {**cluster.env, "PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}",
-                   "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    submitted = subprocess.run(cluster.client([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path),
-                                               "--executor", "slurm"]),
+    environment = warm_environment({**cluster.env, "PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}",
+                                    "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})
+    submitted = subprocess.run(cluster.client([str(warm_bin() / "python"), "-m", "scaletrain", "sweep", "run",
+                                               str(spec_path), "--executor", "slurm"]),
                                cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     array_job, finalize_job = (int(job) for job in

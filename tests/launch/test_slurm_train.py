@@ -66,7 +66,7 @@ def test_time_limit_signal_checkpoints_at_the_step_requeues_and_resumes_exactly(
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     started = time.monotonic()
     job_id = submit_before_a_time_limit_check(
-        slurm_cluster, lambda: submit_training(slurm_cluster, small_dataset, run_dir, log, TIME_LIMIT))
+        slurm_cluster, lambda: submit_training(slurm_cluster, small_dataset, run_dir, log, TIME_LIMIT, warm=False))
 
     wait_for_requeue(slurm_cluster, job_id, log)
     first_start = log.read_text()

@@ -49,7 +49,8 @@ def _export_at(rank: int, tensor_parallel_size: int, out_dir: Path, native_dir: 
         _load_full_state(model, _perturbed(gather_full_parameters(model)))
         state = gather_full_parameters(model)
         if rank == 0:
-            albert.export_hf(state, config.model, config.padded_vocab_size, out_dir / f"{name}_tp{tensor_parallel_size}")
+            export_dir = out_dir / f"{name}_tp{tensor_parallel_size}"
+            albert.export_hf(state, config.model, config.padded_vocab_size, export_dir)
         results[name] = {"state": state, "logits": gather_vocab_shards(model(**_inputs()))}
         if sentence_order_head:
             results[name]["sentence_order_logits"] = model.sentence_order_logits(**_inputs()).detach()

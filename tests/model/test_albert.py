@@ -59,13 +59,13 @@ def _sharing_equals_tied_unshared(rank: int, world_size: int) -> dict[str, dict]
     """Each sharing mode against `none` given the shared weights in every layer."""
     parallel_state.initialize_model_parallel()
     results = {}
-    for sharing, parts in SHARING_OF_BLOCK.items():
+    for sharing in SHARING_OF_BLOCK:
         shared_model = build_model(albert_config(sharing, True))
         unshared = build_model(albert_config("none", True))
         shared_weights = dict(shared_model.named_parameters())
         with torch.no_grad():
             for name, param in unshared.named_parameters():
-                layer, _, rest = name.removeprefix("blocks.").partition(".")
+                rest = name.removeprefix("blocks.").partition(".")[2]
                 own = name if name in shared_weights else f"{albert.SHARED}.{rest}"
                 param.copy_(shared_weights[own])
         losses = {}

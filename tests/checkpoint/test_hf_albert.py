@@ -14,9 +14,12 @@ from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
 from scaletrain.checkpoint.hf import albert
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
+from tests.checkpoint.test_export_cli import _inputs as bert_inputs
+from tests.checkpoint.test_export_cli import _our_logits
 from tests.checkpoint.test_hf_export import _load_full_state, _perturbed
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_bert import TINY, bert_batch
+from tests.train.runs import REPO, read_metrics, run_scaletrain, tiny_overrides
 
 EMBEDDING_SIZE = 24
 # name -> (model.sharing, sentence-order head, the HF class the export loads as)
@@ -149,3 +152,35 @@ def test_import_refuses_groups_it_cannot_hold(tmp_path: Path):
     AlbertForMaskedLM(hf_config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="2 layer groups of 1 layers for 4 layers"):
         albert.import_hf(tmp_path)
+
+
+@pytest.mark.slow
+def test_export_of_a_pipelined_run_matches_transformers(small_dataset: Path, tmp_path: Path):
+    """`scaletrain export` of a PP=2 run (the shared block tied across both stages, written once) loads as
+    AlbertForPreTraining and computes the run's logits; `scaletrain import` + train.init_from starts a new
+    run at the source run's validation loss."""
+    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
+    _train(small_dataset, run_dir, ["parallel.pipeline=2"], nproc=2)
+    run_scaletrain("export", [str(run_dir), str(hf_dir)])
+    ours_inputs, hf_inputs = bert_inputs("bert")
+    ours = run_on_ranks(_our_logits, 1, run_dir, ours_inputs)[0]
+    hf_model = AlbertForPreTraining.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        theirs = hf_model(**hf_inputs).prediction_logits
+    keep = hf_inputs["attention_mask"].bool()  # padded positions are free to differ
+    assert (ours[keep] - theirs[keep]).abs().max().item() <= 1e-4
+
+    weights = tmp_path / "imported.pt"
+    run_scaletrain("import", [str(hf_dir), str(weights), "--family", "albert"])
+    fresh = tmp_path / "fresh"
+    _train(small_dataset, fresh, [f"train.init_from={weights}", "train.steps=1", "train.warmup_steps=0",
+                                  "train.eval_every=1"], nproc=1)
+    _, source_val = read_metrics(run_dir)
+    _, fresh_val = read_metrics(fresh)
+    assert abs(fresh_val[0] - source_val[6]) <= 1e-4
+
+
+def _train(data_dir: Path, run_dir: Path, extra: list[str], nproc: int) -> None:
+    overrides = [*tiny_overrides(data_dir, run_dir), "model.ffn_hidden_size=128", "model.embedding_size=32",
+                 "train.steps=6", "train.eval_every=6", *extra]
+    run_scaletrain("train", [str(REPO / "configs" / "albert_tiny.yaml"), *overrides], nproc)

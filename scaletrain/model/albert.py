@@ -14,6 +14,9 @@ that runs it holds a copy whose gradients DeepSpeed sums (TiedLayerSpec, as a ti
 `attention` or `ffn` share that sublayer only: `shared_block` holds it and each block reaches it
 through a `SharedSublayer`, beside its own norms and other sublayer. `none` is BERT with ALBERT's
 embedding. Shared parameters have one name, `shared_block.*`, in every layout and checkpoint.
+Under ZeRO-3 a tied block's weights are borrowed by the model (LayeredModel.borrowed_parameters),
+so they are gathered once around its whole forward; a shared sublayer is gathered at each use by
+its own forward hooks. Both train the single-rank losses (tests/train/test_albert_layouts.py).
 """
 
 from __future__ import annotations

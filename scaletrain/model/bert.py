@@ -40,21 +40,23 @@ class BertConfig(ModelConfig):
 
 class BertEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position + token-type (segment) embeddings, then LayerNorm
-    (Devlin et al. 2019, sec. 3.2 and fig. 2); output [seq, batch, hidden]."""
+    (Devlin et al. 2019, sec. 3.2 and fig. 2); output [seq, batch, size]. `size` is the hidden size,
+    or ALBERT's smaller factorized embedding size (Lan et al. 2020, sec. 3.1)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, size: int | None = None) -> None:
         super().__init__()
         model, seed = config.model, config.train.seed
+        size = size or model.hidden_size
         self.word = tensor_parallel.VocabParallelEmbedding(
-            config.padded_vocab_size, model.hidden_size,
+            config.padded_vocab_size, size,
             init_method=normal_init(model.init_std, seed, "embedding.word"), config=model_parallel_config(config),
         )
-        self.position = nn.Embedding(model.seq_length, model.hidden_size)
-        self.token_type = nn.Embedding(model.type_vocab_size, model.hidden_size)
+        self.position = nn.Embedding(model.seq_length, size)
+        self.token_type = nn.Embedding(model.type_vocab_size, size)
         with torch.no_grad():
             normal_init(model.init_std, seed, "embedding.position")(self.position.weight)
             normal_init(model.init_std, seed, "embedding.token_type")(self.token_type.weight)
-        self.norm = nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)
+        self.norm = nn.LayerNorm(size, eps=model.layernorm_eps)
         self.dropout = nn.Dropout(model.dropout)
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ class PipelineLayer:
     (context carries what only single-device inference passes, e.g. a KV cache). A layer with
     `tied_to` reuses the module of that earlier layer (a tied output embedding): DeepSpeed keeps a
     copy on the last stage and all-reduces the gradient of `tied_weight` between the copies.
+    `tied_weight` may name several weights: a whole block reused by several layers (ALBERT's
+    cross-layer sharing) ties every one of its parameters.
     """
 
     name: str
@@ -47,7 +49,11 @@ class PipelineLayer:
     run: Callable[..., Activations]
     is_block: bool = False
     tied_to: str | None = None
-    tied_weight: str = ""
+    tied_weight: str | tuple[str, ...] = ""
+
+    @property
+    def tied_weights(self) -> tuple[str, ...]:
+        return (self.tied_weight,) if isinstance(self.tied_weight, str) else self.tied_weight
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,8 @@ class LayeredModel(nn.Module):
                     # built module is not in the tree, so no forward hook sees its own parameters
                     self._borrowed += list(modules[layer.name].parameters(recurse=False))
             else:
-                self._borrowed.append(modules[layer.tied_to].get_parameter(layer.tied_weight))
+                tied = [modules[layer.tied_to].get_parameter(name) for name in layer.tied_weights]
+                self._borrowed += [weight for weight in tied if not any(weight is seen for seen in self._borrowed)]
         # A plain list: the modules are already registered at their names.
         self._layers = [(layer, modules[layer.tied_to or layer.name]) for layer in layers]
 

@@ -82,17 +82,23 @@ def _layer_summary(layers: tuple[LayerParameters, ...]) -> str:
     """'embedding 1,234 + 32 blocks x 5,678 + final_norm 90 + output tied to embedding'."""
     parts: list[str] = []
     blocks: list[int] = []
+    shared_by_blocks: set[str] = set()  # an owner the blocks run (ALBERT's shared block)
 
     def flush() -> None:
-        if blocks:
+        if blocks and shared_by_blocks:
+            parts.append(f"{len(blocks)} blocks running {', '.join(sorted(shared_by_blocks))} (counted once)")
+        elif blocks:
             sizes = sorted(set(blocks))
             size = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,} to {sizes[-1]:,}"
             parts.append(f"{len(blocks)} blocks x {size}")
-            blocks.clear()
+        blocks.clear()
+        shared_by_blocks.clear()
 
     for layer in layers:
         if layer.is_block:
             blocks.append(layer.count(1).total)
+            if layer.tied_to is not None:
+                shared_by_blocks.add(layer.tied_to)
             continue
         flush()
         if not layer.tensors:

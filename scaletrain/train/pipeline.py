@@ -5,7 +5,8 @@ the model (`PipelineUnit`), so a stage's parameters carry the plain model's name
 per-layer checkpoint files (layer_XX-model_YY-model_states.pt) consolidate by name. A tied layer
 (an output layer reusing the word embedding) is a TiedLayerSpec: DeepSpeed builds a copy on the
 last stage and all-reduces the tied weight's gradient between the first and last stage; several
-layers may be tied to one owner (T5's decoder embedding and output layer).
+layers may be tied to one owner (T5's decoder embedding and output layer, ALBERT's shared block,
+whose every weight is tied: each stage that runs it holds a copy and their gradients are summed).
 
 Between stages, a stage's floating activations travel as one tensor (`pack_activations`): DeepSpeed
 sends back gradients for every floating tensor it received, but with TP > 1 it partitions only the
@@ -121,18 +122,24 @@ def _layer_specs(layers: list[PipelineLayer]) -> list[LayerSpec]:
     owners = {layer.name: layer for layer in layers}
     specs: list[LayerSpec] = []
     for layer in layers:
+        unit = PipelineBlock if layer.is_block else PipelineUnit  # a tied block still counts as a block
         if layer.tied_to:
             owner = owners[layer.tied_to]
             specs.append(TiedLayerSpec(
-                owner.name, PipelineUnit, owner, tied_weight_attr=f"{owner.name}.{layer.tied_weight}",
+                owner.name, unit, owner, tied_weight_attr=_tied_attributes(owner.name, layer),
                 forward_fn=functools.partial(run_layer, layer),
             ))
         elif layer.name in tied_keys:
-            tied_weight = next(other.tied_weight for other in layers if other.tied_to == layer.name)
-            specs.append(TiedLayerSpec(layer.name, PipelineUnit, layer, tied_weight_attr=f"{layer.name}.{tied_weight}"))
+            tied = next(other for other in layers if other.tied_to == layer.name)
+            specs.append(TiedLayerSpec(layer.name, unit, layer, tied_weight_attr=_tied_attributes(layer.name, tied)))
         else:
-            specs.append(LayerSpec(PipelineBlock if layer.is_block else PipelineUnit, layer))
+            specs.append(LayerSpec(unit, layer))
     return specs
+
+
+def _tied_attributes(owner: str, tied: PipelineLayer) -> list[str]:
+    """The tied weights as attribute paths in the PipelineUnit that holds the owner's module."""
+    return [f"{owner}.{weight}" for weight in tied.tied_weights]
 
 
 def pack_activations(activations: tuple) -> tuple:

@@ -1,0 +1,61 @@
+"""ALBERT with one block shared by every layer: trains, resumes bit-identically, and matches the single
+rank in TP2 (the shared block split like any block), DP2 ZeRO-3 (one partitioned parameter set gathered at
+each of its uses) and PP2 (each stage holds a copy of the shared block, tied: their gradients are summed).
+
+Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global batch 8); tiny shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs import REPO, read_metrics
+from tests.train.test_layouts import (
+    STEPS,
+    LayoutRuns,
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    train_twice,
+)
+
+CONFIG = str(REPO / "configs" / "albert_tiny.yaml")
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.embedding_size=32", "model.seq_length=64",
+        "model.ffn_hidden_size=128", "model.sharing=all"]
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["parallel.tensor=2"]),
+    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, LayoutRuns] = {}
+
+    def get(layout: str) -> LayoutRuns:
+        if layout not in cache:
+            nproc, overrides = LAYOUTS[layout]
+            root = tmp_path_factory.mktemp(f"albert_{layout}")
+            cache[layout] = train_twice(small_dataset, root, nproc, [*TINY, *overrides], config=CONFIG)
+        return cache[layout]
+
+    return get
+
+
+@pytest.mark.slow
+def test_single_rank_learns_and_resumes_exactly(runs):
+    reference = runs("single")
+    assert_resume_is_exact(reference)
+    _, validation = read_metrics(reference.straight)
+    assert validation[STEPS] < validation[0] - 0.2, f"ALBERT validation loss did not fall: {validation}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2_zero3", "pp2"])
+def test_layout_resumes_exactly_and_matches_single_rank(runs, layout):
+    ours = runs(layout)
+    assert_resume_is_exact(ours)
+    assert_matches_single_rank(ours, runs("single"))

@@ -42,19 +42,21 @@ class BertEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position + token-type (segment) embeddings, then LayerNorm
     (Devlin et al. 2019, sec. 3.2 and fig. 2); output [seq, batch, hidden]."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, width: int | None = None) -> None:
+        """width: the embedding size, model.hidden_size unless a family projects it (ELECTRA's E)."""
         super().__init__()
         model, seed = config.model, config.train.seed
+        width = width or model.hidden_size
         self.word = tensor_parallel.VocabParallelEmbedding(
-            config.padded_vocab_size, model.hidden_size,
+            config.padded_vocab_size, width,
             init_method=normal_init(model.init_std, seed, "embedding.word"), config=model_parallel_config(config),
         )
-        self.position = nn.Embedding(model.seq_length, model.hidden_size)
-        self.token_type = nn.Embedding(model.type_vocab_size, model.hidden_size)
+        self.position = nn.Embedding(model.seq_length, width)
+        self.token_type = nn.Embedding(model.type_vocab_size, width)
         with torch.no_grad():
             normal_init(model.init_std, seed, "embedding.position")(self.position.weight)
             normal_init(model.init_std, seed, "embedding.token_type")(self.token_type.weight)
-        self.norm = nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)
+        self.norm = nn.LayerNorm(width, eps=model.layernorm_eps)
         self.dropout = nn.Dropout(model.dropout)
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from scaletrain.model.registry import FAMILY_MODULES, get_family
 def export_run(run_dir: Path, out_dir: Path) -> Path:
     """The newest checkpoint of `run_dir` that loads (manager.first_loadable), whatever its layout, as
     a transformers model directory (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM,
-    T5ForConditionalGeneration, LlamaForCausalLM) plus our tokenizer files and the Hugging Face ones
+    T5ForConditionalGeneration, LlamaForCausalLM; ELECTRA's generator/ and discriminator/ side by side)
+    plus, beside each model, our tokenizer files and the Hugging Face ones
     made from them (hf/tokenizer.py), every file readable by all as the umask allows."""
     config = run_config(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -33,9 +34,10 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     family = get_family(config.model.family)
     family.hf().export(state, config, staging)
     tokenizer_files = dataset_location(config.data).tokenizer_files()
-    for tokenizer_file in tokenizer_files:
-        shutil.copy(tokenizer_file, staging / tokenizer_file.name)
-    write_hf_tokenizer(staging / tokenizer_files[0].name, family, config.model.seq_length, staging)
+    for model_dir in (staging / name for name in family.hf().model_dirs):
+        for tokenizer_file in tokenizer_files:
+            shutil.copy(tokenizer_file, model_dir / tokenizer_file.name)
+        write_hf_tokenizer(model_dir / tokenizer_files[0].name, family, config.model.seq_length, model_dir)
     _give_ordinary_permissions(staging)
     if out_dir.exists():
         out_dir.rmdir()

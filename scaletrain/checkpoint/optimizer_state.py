@@ -27,6 +27,8 @@ from deepspeed.utils import (
     safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_optimizer_state,
 )
 from torch import nn
 
@@ -88,6 +90,15 @@ def write_parameter_state(engine: Any, parameter: nn.Parameter, state: dict[str,
     """Set `parameter`'s fp32 master, its working copy (bf16 under bf16) and both moments from `state`
     (its shard shape); prepare_optimizer_state must have run first."""
     with torch.no_grad():
+        if hasattr(parameter, "ds_id"):
+            # ZeRO-3: this rank's partition. DeepSpeed's safe_set_full_* (0.19.8 set_full_hp_param) narrow
+            # [r*n, (r+1)*n) out of the unpadded value, past its end on the last rank whenever the ranks do
+            # not divide the parameter's size (ELECTRA's 1-element discriminator bias on 2 ranks).
+            safe_set_local_fp32_param(parameter, _local_partition(parameter, state["weight"]))
+            for key in ADAM_MOMENTS:
+                safe_set_local_optimizer_state(parameter, _local_partition(parameter, state[key]), key)
+            upstream.set_working_weight(parameter, state["weight"])
+            return
         if _uses_fragment_api(parameter):
             device = _device_of(parameter)
             safe_set_full_fp32_param(parameter, state["weight"].to(device))
@@ -105,6 +116,14 @@ def write_parameter_state(engine: Any, parameter: nn.Parameter, state: dict[str,
         optimizer_state = _plain_optimizer(engine).state[parameter]
         for key in ADAM_MOMENTS:
             optimizer_state[key] = state[key].to(parameter.device, torch.float32).clone()
+
+
+def _local_partition(parameter: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of `full` (the parameter's shape), zero padded as DeepSpeed pads it."""
+    start, length = upstream.zero3_partition_range(parameter)
+    partition = torch.zeros(parameter.ds_tensor.numel(), dtype=torch.float32, device=_device_of(parameter))
+    partition[:length] = full.reshape(-1)[start:start + length].to(partition.device, torch.float32)
+    return partition
 
 
 def _plain_optimizer(engine: Any) -> torch.optim.Optimizer:

@@ -62,6 +62,7 @@ class NoiseTag(enum.IntEnum):
     SENTENCE_PAIRS = 2
     SPAN_CORRUPTION = 3
     PREFIX_LM = 4
+    REPLACED_TOKEN_SAMPLING = 7  # ELECTRA's generator samples (data/replaced_tokens.py)
 
 
 def sequence_rng(seed: int, global_index: int, tag: NoiseTag) -> np.random.Generator:

@@ -41,7 +41,8 @@ class BertConfig(ModelConfig):
 class BertEmbedding(nn.Module):
     """Word (vocab-parallel) + learned position + token-type (segment) embeddings, then LayerNorm
     (Devlin et al. 2019, sec. 3.2 and fig. 2); output [seq, batch, size]. `size` is the hidden size,
-    or ALBERT's smaller factorized embedding size (Lan et al. 2020, sec. 3.1)."""
+    or the smaller factorized embedding size that ALBERT (Lan et al. 2020, sec. 3.1) and
+    ELECTRA project to the hidden size."""
 
     def __init__(self, config: Config, size: int | None = None) -> None:
         super().__init__()

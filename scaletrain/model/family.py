@@ -68,6 +68,9 @@ class HFAdapter:
     # tokens by name), so the exported tokenizer adds the same (checkpoint/hf/tokenizer.py).
     text_framing: tuple[str, str]
     token_types: bool = False  # the model reads token_type_ids (BERT's segments)
+    # Subdirectories of an export that each hold one model (and so a copy of the tokenizer): "" is
+    # the export directory itself; ELECTRA writes its generator and discriminator side by side.
+    model_dirs: tuple[str, ...] = ("",)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,9 @@ class ModelFamily:
     hf: Callable[[], HFAdapter] | None = None  # imported on use: transformers is slow to import
     # Extra validation metrics as (numerator, denominator) counts, summed over batches and ranks.
     evaluation_counts: Callable[[nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # Metric values from those counts, each [numerator, denominator, ...] summed over batches and ranks;
+    # None: numerator / denominator. For a metric that is no ratio of sums (ELECTRA's AUC from histograms).
+    evaluation_values: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None
     # The same counts from what a pipeline's last stage holds: the last layer's outputs and the labels
     # (as `loss` gets them); required with evaluation_counts if the family trains in pipeline stages.
     pipeline_evaluation_counts: Callable[[Activations, tuple[torch.Tensor, ...]],

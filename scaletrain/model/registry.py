@@ -23,6 +23,7 @@ FAMILY_MODULES = {
     "t5": "scaletrain.model.t5",
     "llama": "scaletrain.model.llama",
     "albert": "scaletrain.model.albert",
+    "electra": "scaletrain.model.electra",
 }
 
 

@@ -20,6 +20,7 @@ from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
 from scaletrain.data.masking import mlm_collator
 from scaletrain.data.objectives import CausalLMCollator, Collator, TokenizerInfo, prefix_lm_collator
+from scaletrain.data.replaced_tokens import replaced_token_detection_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
 from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
@@ -143,6 +144,14 @@ def _masked_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Coll
     )
 
 
+def _replaced_token_detection(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
+    objective = config.objective
+    return replaced_token_detection_collator(
+        info, config.train.seed, config.model.seq_length, mask_prob=objective.mask_prob,
+        whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
+    )
+
+
 def _span_corruption(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
     objective = config.objective
     return t5_span_corruption_collator(info, config.train.seed, config.model.seq_length, objective.noise_density,
@@ -154,6 +163,7 @@ OBJECTIVES = {objective.name: objective for objective in (
     TrainingObjective("prefix_lm", _prefix_lm),
     TrainingObjective("mlm", _masked_lm),
     TrainingObjective("span_corruption", _span_corruption),
+    TrainingObjective("replaced_token_detection", _replaced_token_detection),
 )}
 
 

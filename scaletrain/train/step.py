@@ -64,7 +64,7 @@ def model_evaluation_metrics(
         metrics = {"val_loss": data_parallel_mean(torch.stack(losses).mean())}
         if family.evaluation_counts is not None:
             counts = _summed([family.evaluation_counts(module, model_inputs(batch)) for batch in batches])
-            metrics.update(_data_parallel_ratios(counts))
+            metrics.update(_data_parallel_metrics(counts, family))
     return metrics
 
 
@@ -79,7 +79,7 @@ def pipeline_evaluation_metrics(
         loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
     metrics = {"val_loss": data_parallel_mean(loss.detach().float())}
     if family.pipeline_evaluation_counts is not None:
-        metrics.update(_data_parallel_ratios(_from_last_stage(_summed(per_batch), loss.device)))
+        metrics.update(_data_parallel_metrics(_from_last_stage(_summed(per_batch), loss.device), family))
     return metrics
 
 
@@ -123,13 +123,14 @@ def _from_last_stage(counts: dict[str, torch.Tensor], device: torch.device) -> d
     return {name: torch.tensor(value, dtype=torch.float64, device=device) for name, value in message[0].items()}
 
 
-def _data_parallel_ratios(counts: dict[str, torch.Tensor]) -> dict[str, float]:
-    """numerator / denominator of each metric, both summed over data-parallel ranks."""
-    ratios = {}
-    for name, value in counts.items():
+def _data_parallel_metrics(counts: dict[str, torch.Tensor], family: ModelFamily) -> dict[str, float]:
+    """Each metric from its counts summed over data-parallel ranks: numerator / denominator, or the
+    family's own `evaluation_values`."""
+    for value in counts.values():
         dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-        ratios[name] = float(value[0] / value[1])
-    return ratios
+    if family.evaluation_values is not None:
+        return family.evaluation_values(counts)
+    return {name: float(value[0] / value[1]) for name, value in counts.items()}
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ FAMILY_MODULES = {
     "bert": "scaletrain.model.bert",
     "t5": "scaletrain.model.t5",
     "llama": "scaletrain.model.llama",
+    "bart": "scaletrain.model.bart",
 }
 
 

@@ -69,10 +69,11 @@ def import_hf(hf_dir: str | Path) -> StateDict:
 def read_bart_architecture(hf_dir: str | Path) -> BartArchitecture:
     """The `BartArchitecture` of a Hugging Face BART config.json."""
     config = BartConfig.from_pretrained(hf_dir)
-    if config.scale_embedding or config.activation_function != "gelu" or config.encoder_ffn_dim != config.decoder_ffn_dim:
+    ffn_sizes = (config.encoder_ffn_dim, config.decoder_ffn_dim)
+    if config.scale_embedding or config.activation_function != "gelu" or ffn_sizes[0] != ffn_sizes[1]:
         raise ValueError(f"{hf_dir}: scale_embedding={config.scale_embedding}, activation_function="
-                         f"{config.activation_function!r}, FFN sizes {config.encoder_ffn_dim}/{config.decoder_ffn_dim}; "
-                         "scaletrain's BART has unscaled embeddings, exact gelu and one FFN size (as BART's)")
+                         f"{config.activation_function!r}, FFN sizes {ffn_sizes}; scaletrain's BART has unscaled "
+                         "embeddings, exact gelu and one FFN size (as BART's)")
     if config.encoder_attention_heads != config.decoder_attention_heads:
         raise ValueError(f"{hf_dir}: encoder and decoder head counts differ; scaletrain's BART has one head count")
     return BartArchitecture(

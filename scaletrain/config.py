@@ -117,13 +117,20 @@ class DataConfig:
 class ObjectiveConfig:
     """What the model learns; `auto` is the family's own: GPT causal LM, BERT masked LM, T5 span corruption."""
 
-    kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT, T5) | mlm (BERT) | span_corruption (T5)
+    kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT, T5) | mlm (BERT) | span_corruption (T5) | denoising (BART)
     mask_prob: float = 0.15  # BERT: fraction of non-special tokens predicted (Devlin et al. 2019)
     whole_word_masking: bool = False  # BERT: mask all pieces of a word together
     span_masking: bool = False  # SpanBERT geometric spans
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
     mean_noise_span_length: float = 3.0  # T5 span corruption: mean corrupted span, in tokens
+    # BART denoising (Lewis et al. 2020, sec. 2.2), applied in data/bart_noising.py's order; the default is
+    # the paper's best (sec. 5.1): text_infilling + sentence_permutation. Also token_masking (at mask_prob),
+    # token_deletion and document_rotation.
+    noising: list[str] = field(default_factory=lambda: ["text_infilling", "sentence_permutation"])
+    infilling_ratio: float = 0.3  # share of tokens text infilling covers with spans (sec. 5.1: 30%)
+    infilling_poisson_lambda: float = 3.0  # mean span length, spans ~ Poisson(lambda) (sec. 2.2)
+    deletion_ratio: float = 0.15  # share of tokens token_deletion removes
 
 
 @dataclass
@@ -589,6 +596,12 @@ def _validate_objective(objective: ObjectiveConfig) -> None:
         raise ConfigError(f"objective.mean_noise_span_length={objective.mean_noise_span_length} must be >= 1")
     if objective.sentence_pairs not in ("none", "nsp", "sop"):
         raise ConfigError(f"objective.sentence_pairs={objective.sentence_pairs!r}; use none, nsp or sop")
+    for key in ("infilling_ratio", "deletion_ratio"):
+        if not 0.0 <= getattr(objective, key) < 1.0:
+            raise ConfigError(f"objective.{key}={getattr(objective, key)} must be in [0, 1) (BART infills 0.3)")
+    if objective.infilling_poisson_lambda <= 0.0:
+        raise ConfigError(f"objective.infilling_poisson_lambda={objective.infilling_poisson_lambda} must be > 0 "
+                          "(BART: 3.0)")
 
 
 def _validate_parallel(parallel: ParallelConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,12 +56,13 @@ def _continue_causal(
 
 def _continue_seq2seq(
     model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
-    temperature: float, top_k: int | None, generator: torch.Generator,
+    temperature: float, top_k: int | None, generator: torch.Generator, decoder_start: str = "pad",
 ) -> list[int]:
-    # The encoder saw inputs ending in eos and the decoder started from pad (data/seq2seq.py).
+    # The encoder saw inputs ending in eos and the decoder started from `decoder_start`: pad for T5
+    # (data/seq2seq.py), eos for BART (data/bart_noising.py).
     prompt_ids = [*tokenizer.encode(prompt), tokenizer.eos_id]
     return sample_seq2seq(model, prompt_ids, max_new_tokens, tokenizer.vocab_size, temperature, top_k, generator,
-                          start_token=tokenizer.pad_id, stop_token=tokenizer.eos_id)
+                          start_token=getattr(tokenizer, f"{decoder_start}_id"), stop_token=tokenizer.eos_id)
 
 
 # (model, config, tokenizer, prompt, max_new_tokens, temperature, top_k, generator) -> new token ids
@@ -80,6 +82,7 @@ class Generation:
 GENERATIONS = {generation.name: generation for generation in (
     Generation("causal", _continue_causal),  # a decoder-only LM with a KV cache
     Generation("seq2seq", _continue_seq2seq),  # an encoder reads the prompt, the decoder writes the output
+    Generation("seq2seq_eos_start", partial(_continue_seq2seq, decoder_start="eos")),  # the same, BART's start
 )}
 
 

@@ -62,6 +62,7 @@ class NoiseTag(enum.IntEnum):
     SENTENCE_PAIRS = 2
     SPAN_CORRUPTION = 3
     PREFIX_LM = 4
+    DENOISING = 5
     REPLACED_TOKEN_SAMPLING = 7  # ELECTRA's generator samples (data/replaced_tokens.py)
 
 
@@ -83,6 +84,8 @@ class TokenizerInfo:
     sentencepiece's "▁"). `ends_word[id]`: the next piece begins a new word even
     without "▁" (the piece ends in a line break or tab: after a newline byte,
     sentencepiece writes the next word with no "▁"). Both feed whole-word masking.
+    `ends_sentence[id]`: the piece ends a sentence (`_sentence_end_table`): where BART's
+    sentence permutation splits a text.
     """
 
     vocab_size: int
@@ -96,6 +99,7 @@ class TokenizerInfo:
     sentinel_ids: tuple[int, ...]
     starts_word: np.ndarray = field(compare=False, repr=False)
     ends_word: np.ndarray = field(compare=False, repr=False)
+    ends_sentence: np.ndarray = field(compare=False, repr=False)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenizerInfo:
@@ -109,7 +113,7 @@ class TokenizerInfo:
             mask_id=tokenizer.mask_id, cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, newline_id=newline,
             special_ids=tuple(sorted(tokenizer.special_ids)),
             sentinel_ids=tuple(tokenizer.sentinel_id(i) for i in range(tokenizer.num_sentinels)),
-            starts_word=starts_word, ends_word=ends_word,
+            starts_word=starts_word, ends_word=ends_word, ends_sentence=_sentence_end_table(tokenizer),
         )
 
     def is_special(self, tokens: np.ndarray) -> np.ndarray:
@@ -140,6 +144,28 @@ def _word_boundary_tables(tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]
     starts_word.setflags(write=False)
     ends_word.setflags(write=False)
     return starts_word, ends_word
+
+
+SENTENCE_END_MARKS = (".", "!", "?")
+CLOSING_MARKS = "\"')]\u201d\u2019"
+
+
+def _sentence_end_table(tokenizer: Tokenizer) -> np.ndarray:
+    """Per-id flag: the piece ends a sentence. Its text (decoded after "a", as in
+    `_word_boundary_tables`) ends in a line break, or, past closing quotes and brackets, in
+    . ! or ?; and eos, which ends every document in packed samples. An abbreviation's period
+    ("Mr.") counts too: tokenized text keeps no more than its pieces to tell them apart."""
+    prefix = tokenizer.encode("a")
+    prefix_length = len(tokenizer.decode(prefix))
+    ends_sentence = np.zeros(tokenizer.vocab_size, dtype=bool)
+    for token in range(tokenizer.vocab_size):
+        if token in tokenizer.special_ids:
+            continue
+        text = tokenizer.decode([*prefix, token])[prefix_length:]
+        ends_sentence[token] = text.endswith("\n") or text.rstrip().rstrip(CLOSING_MARKS).endswith(SENTENCE_END_MARKS)
+    ends_sentence[tokenizer.eos_id] = True
+    ends_sentence.setflags(write=False)
+    return ends_sentence
 
 
 class PrefixLMCollator:

@@ -14,10 +14,11 @@ from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
 
 def encoder_decoder_batch(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], items: Sequence[dict], encoder_length: int,
-    decoder_length: int, pad_id: int,
+    decoder_length: int, pad_id: int, decoder_start_id: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Pad (inputs, targets) pairs into T5's batch; decoder inputs are the targets shifted right
-    behind pad, T5's decoder_start_token_id. Padding masks are explicit, never inferred from ids."""
+    behind decoder_start_id (None: pad, T5's decoder_start_token_id; BART's is eos). Padding masks
+    are explicit, never inferred from ids."""
     encoder_tokens = np.full((len(pairs), encoder_length), pad_id, dtype=np.int64)
     encoder_padding_mask = np.zeros_like(encoder_tokens)
     targets = np.full((len(pairs), decoder_length), IGNORE_INDEX, dtype=np.int64)
@@ -26,6 +27,7 @@ def encoder_decoder_batch(
         encoder_padding_mask[row, :len(inputs)] = 1
     decoder_padding_mask = targets != IGNORE_INDEX
     decoder_tokens = np.full_like(targets, pad_id)
+    decoder_tokens[:, 0] = pad_id if decoder_start_id is None else decoder_start_id
     decoder_tokens[:, 1:] = np.where(decoder_padding_mask[:, :-1], targets[:, :-1], pad_id)
     batch = {
         "encoder_tokens": encoder_tokens, "decoder_tokens": decoder_tokens, "labels": targets,

@@ -338,8 +338,8 @@ class ParallelMLP(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm (GPT-2, T5, Llama): x + Attn(N(x)) [+ CrossAttn(N(x), enc)], then x + MLP(N(x));
-    post-norm (BERT, the original Transformer, Vaswani et al. 2017 sec. 3.1): x = N(x + Attn(x)),
-    then x = N(x + MLP(x)). Parameter names are the same in both arrangements."""
+    post-norm (BERT, BART, the original Transformer, Vaswani et al. 2017 sec. 3.1): x = N(x + Attn(x)),
+    [x = N(x + CrossAttn(x, enc))], then x = N(x + MLP(x)). Parameter names are the same in both arrangements."""
 
     def __init__(
         self,
@@ -373,6 +373,9 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         if not self.pre_norm:
             hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, mask, cache=cache)))
+            if encoder_output is not None:  # BART's decoder (Lewis et al. 2020), the Transformer's
+                attended = self.cross_attention(hidden, cross_mask, encoder_output=encoder_output)
+                hidden = self.cross_attention_norm(hidden + self.dropout(attended))
             return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
         hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), mask, cache=cache))
         if encoder_output is not None:

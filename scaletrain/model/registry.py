@@ -24,6 +24,7 @@ FAMILY_MODULES = {
     "llama": "scaletrain.model.llama",
     "albert": "scaletrain.model.albert",
     "electra": "scaletrain.model.electra",
+    "bart": "scaletrain.model.bart",
 }
 
 

@@ -324,18 +324,14 @@ def t5_layers(architecture: T5Architecture, mp_config: ModelParallelConfig, seed
 DECODER_EMBEDDING = "decoder.embedding"
 
 
-class T5(LayeredModel):
-    """Encoder-decoder LM: shared vocab-parallel embedding, two stacks, vocab-parallel output layer.
+class EncoderDecoderLM(LayeredModel):
+    """An encoder-decoder LM's pipeline layers on one device (T5 here, BART in model/bart.py): the
+    shared embedding, the encoder's layers, then the decoder's (named `decoder.*`, the first being
+    DECODER_EMBEDDING) and the output layers after them, with the activations of t5_layers.
 
     `forward` runs every layer (recomputing blocks with checkpoint_interval while training);
     `encode`, `decode` and `output_logits` run the encoder, decoder and output layers for generation.
     """
-
-    def __init__(
-        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, checkpoint_interval: int = 0
-    ) -> None:
-        super().__init__(t5_layers(architecture, mp_config, seed), checkpoint_interval)
-        self.architecture = architecture
 
     def forward(
         self,
@@ -367,8 +363,7 @@ class T5(LayeredModel):
         """Decoder input tokens [batch, seq] (shifted right) -> decoder output [seq, batch, hidden].
         With a KVCache the tokens continue the cached ones (incremental decoding)."""
         activations = (encoder_output, encoder_padding_mask, tokens, padding_mask)
-        decoder = [(layer, module) for layer, module in self._layers[:-1] if layer.name.startswith("decoder.")]
-        for layer, module in decoder:
+        for layer, module in self._layers[self._decoder_start():self._output_start()]:
             activations = layer.run(module, activations, cache=cache)
         if cache is not None:
             cache.length += tokens.shape[1]
@@ -376,12 +371,39 @@ class T5(LayeredModel):
 
     def output_logits(self, decoder_output: torch.Tensor) -> torch.Tensor:
         """[seq, batch, hidden] -> this rank's vocabulary shard of the logits [seq, batch, vocab / TP]."""
-        layer, module = self._layers[-1]
-        return layer.run(module, (decoder_output,))[0]
+        activations = (decoder_output,)
+        for layer, module in self._layers[self._output_start():]:
+            activations = layer.run(module, activations)
+        return activations[0]
+
+    def _decoder_start(self) -> int:
+        return next(index for index, (layer, _) in enumerate(self._layers) if layer.name == DECODER_EMBEDDING)
+
+    def _output_start(self) -> int:
+        """The first layer after the decoder's: the output layer (and BART's logits bias)."""
+        return 1 + max(index for index, (layer, _) in enumerate(self._layers) if layer.name.startswith("decoder."))
+
+
+class T5(EncoderDecoderLM):
+    """Encoder-decoder LM: shared vocab-parallel embedding, two stacks, vocab-parallel output layer."""
+
+    def __init__(
+        self, architecture: T5Architecture, mp_config: ModelParallelConfig, seed: int, checkpoint_interval: int = 0
+    ) -> None:
+        super().__init__(t5_layers(architecture, mp_config, seed), checkpoint_interval)
+        self.architecture = architecture
 
 
 def check_tensor_parallel(architecture: T5Architecture, tensor_parallel_size: int) -> None:
     """Heads, FFN columns and vocabulary rows are split evenly across TP ranks."""
+    check_split_evenly(architecture, tensor_parallel_size)
+    if architecture.ffn_activation not in FFN_ACTIVATIONS:
+        raise ValueError(f"ffn_activation={architecture.ffn_activation!r}; use one of {', '.join(FFN_ACTIVATIONS)}")
+
+
+def check_split_evenly(architecture: T5Architecture, tensor_parallel_size: int) -> None:
+    """An encoder-decoder's heads, FFN columns and vocabulary rows (architecture's num_heads,
+    ffn_hidden_size and vocab_size) split evenly across TP ranks."""
     for name in ("num_heads", "ffn_hidden_size", "vocab_size"):
         value = getattr(architecture, name)
         if value % tensor_parallel_size:
@@ -389,8 +411,6 @@ def check_tensor_parallel(architecture: T5Architecture, tensor_parallel_size: in
             raise ValueError(
                 f"tensor parallel size {tensor_parallel_size} does not divide {name}={value}; use one of {sizes}"
             )
-    if architecture.ffn_activation not in FFN_ACTIVATIONS:
-        raise ValueError(f"ffn_activation={architecture.ffn_activation!r}; use one of {', '.join(FFN_ACTIVATIONS)}")
 
 
 def _key_padding_allowed(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -466,16 +486,30 @@ def counts(config: Config) -> ModelCounts:
     head = 0 if model.tie_embeddings else hidden * vocab
     total = (vocab * hidden + relative_tables + encoder_layers * encoder_layer + decoder_layers * decoder_layer
              + 2 * hidden + head)
-    encoder_flops = encoder_length * encoder_layers * (2 * attention + 2 * ffn + 4 * inner * encoder_length)
-    decoder_token = 2 * attention + 2 * 2 * hidden * inner + 2 * ffn + 4 * inner * (decoder_length + encoder_length)
-    decoder_flops = decoder_layers * (decoder_length * decoder_token + encoder_length * 2 * 2 * hidden * inner)
-    head_flops = decoder_length * 2 * hidden * vocab
     return ModelCounts(
         total_params=total, embedding_params=vocab * hidden + relative_tables,
-        flops_per_token=3.0 * (encoder_flops + decoder_flops + head_flops) / encoder_length,
+        flops_per_token=encoder_decoder_flops_per_token(hidden, inner, ffn, vocab, encoder_layers, decoder_layers,
+                                                        encoder_length, decoder_length),
         flops_formula="3·(s_e·L_e·(8h·i + 2(g+1)h·f + 4i·s_e) + L_d·(s_d·(12h·i + 2(g+1)h·f + 4i·(s_d + s_e)) "
                       "+ 4h·i·s_e) + 2h·V·s_d) / s_e (Kaplan et al. 2020, table 1, per stack)",
     )
+
+
+def encoder_decoder_flops_per_token(
+    hidden: int, inner: int, ffn_weights: int, vocab: int, encoder_layers: int, decoder_layers: int,
+    encoder_length: int, decoder_length: int,
+) -> float:
+    """Training FLOPs per encoder token of an encoder-decoder with `ffn_weights` FFN weights per
+    layer and attention width `inner` (T5's `counts` states the formula; BART's is the same with
+    i = h): each stack's matmuls over its own tokens, cross-attention keys and values projected
+    from the s_e encoder outputs, the output layer at the s_d decoder positions, times 3 for backward."""
+    attention = 4 * hidden * inner  # QKV + output
+    encoder_flops = encoder_length * encoder_layers * (2 * attention + 2 * ffn_weights + 4 * inner * encoder_length)
+    decoder_token = (2 * attention + 2 * 2 * hidden * inner + 2 * ffn_weights
+                     + 4 * inner * (decoder_length + encoder_length))
+    decoder_flops = decoder_layers * (decoder_length * decoder_token + encoder_length * 2 * 2 * hidden * inner)
+    head_flops = decoder_length * 2 * hidden * vocab
+    return 3.0 * (encoder_flops + decoder_flops + head_flops) / encoder_length
 
 
 def target_length(config: Config) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.config import Config, ConfigError
+from scaletrain.data.bart_noising import DenoisingCollator, DenoisingNoise
 from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
@@ -158,12 +159,21 @@ def _span_corruption(config: Config, info: TokenizerInfo, family: ModelFamily) -
                                        objective.mean_noise_span_length)
 
 
+def _denoising(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
+    """BART's denoising (Lewis et al. 2020, sec. 2.2): token masking draws at objective.mask_prob."""
+    objective = config.objective
+    noise = DenoisingNoise(tuple(objective.noising), objective.infilling_ratio, objective.infilling_poisson_lambda,
+                           objective.mask_prob, objective.deletion_ratio)
+    return DenoisingCollator(info, config.train.seed, config.model.seq_length, noise)
+
+
 OBJECTIVES = {objective.name: objective for objective in (
     TrainingObjective("causal_lm", _causal_lm),
     TrainingObjective("prefix_lm", _prefix_lm),
     TrainingObjective("mlm", _masked_lm),
     TrainingObjective("span_corruption", _span_corruption),
     TrainingObjective("replaced_token_detection", _replaced_token_detection),
+    TrainingObjective("denoising", _denoising),
 )}
 
 

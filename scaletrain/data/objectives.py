@@ -63,7 +63,7 @@ class NoiseTag(enum.IntEnum):
     SPAN_CORRUPTION = 3
     PREFIX_LM = 4
     DENOISING = 5
-    REPLACED_TOKEN_SAMPLING = 7  # ELECTRA's generator samples (data/replaced_tokens.py)
+    REPLACED_TOKEN_SAMPLING = 6  # ELECTRA's generator samples (data/replaced_tokens.py)
 
 
 def sequence_rng(seed: int, global_index: int, tag: NoiseTag) -> np.random.Generator:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from megatron.core import parallel_state
+from transformers import BartConfig as HFBartConfig
+from transformers import BartForConditionalGeneration
 
 from scaletrain.config_loader import load_config
 from scaletrain.model.bart import BART, BartArchitecture
@@ -145,3 +147,24 @@ def test_counts_match_the_model(measured: dict, small_dataset: Path, name: str):
     assert counts.total_params == measured["total"]
     assert measured["shapes"]["encoder_tokens"] == measured["shapes"]["decoder_tokens"] == (3, config.model.seq_length)
     assert counts.flops_per_token * 3 * config.model.seq_length == pytest.approx(measured["flops"], rel=1e-12)
+
+
+@pytest.mark.parametrize(("config_name", "vocab", "expected"), [
+    ("bart_base", None, 139_450_368), ("bart_large", None, 406_331_392), ("bart_base", 50265, 139_420_416),
+])
+def test_published_sizes_count_as_hugging_face(config_name: str, vocab: int | None, expected: int):
+    """`plan`'s count of the published configs is HF's BartForConditionalGeneration of the same shape
+    (shared embedding once, positions with HF's offset of 2; final_logits_bias is a buffer), at our
+    padded vocabulary and at BART's own 50265 pieces: ~140M and ~406M (Lewis et al. 2020)."""
+    overrides = [] if vocab is None else [f"data.vocab_size={vocab}", "model.vocab_divisible_by=1"]
+    config = load_config(REPO / "configs" / f"{config_name}.yaml", overrides)
+    model = config.model
+    with torch.device("meta"):
+        hf_model = BartForConditionalGeneration(HFBartConfig(
+            vocab_size=config.padded_vocab_size, d_model=model.hidden_size, encoder_layers=model.num_layers,
+            decoder_layers=model.num_decoder_layers, encoder_attention_heads=model.num_heads,
+            decoder_attention_heads=model.num_heads, encoder_ffn_dim=model.ffn_size, decoder_ffn_dim=model.ffn_size,
+            max_position_embeddings=model.max_position_embeddings,
+        ))
+    hf_count = sum(param.numel() for param in hf_model.parameters())
+    assert model_counts(config).total_params == hf_count == expected

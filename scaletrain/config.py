@@ -121,6 +121,9 @@ class ObjectiveConfig:
     mask_prob: float = 0.15  # BERT: fraction of non-special tokens predicted (Devlin et al. 2019)
     whole_word_masking: bool = False  # BERT: mask all pieces of a word together
     span_masking: bool = False  # SpanBERT geometric spans
+    # SpanBERT's span boundary objective (Joshi et al. 2020, sec. 3.2): also predict each masked token from
+    # the two tokens around its span and its place in it (model/bert.py SpanBoundaryHead); needs span_masking
+    span_boundary: bool = False
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
     mean_noise_span_length: float = 3.0  # T5 span corruption: mean corrupted span, in tokens
@@ -602,6 +605,10 @@ def _validate_objective(objective: ObjectiveConfig) -> None:
     if objective.infilling_poisson_lambda <= 0.0:
         raise ConfigError(f"objective.infilling_poisson_lambda={objective.infilling_poisson_lambda} must be > 0 "
                           "(BART: 3.0)")
+    if objective.span_boundary and not objective.span_masking:
+        raise ConfigError("objective.span_boundary=true predicts masked spans from their boundaries, but "
+                          "objective.span_masking=false masks single tokens; set objective.span_masking=true "
+                          "(SpanBERT) or objective.span_boundary=false")
 
 
 def _validate_parallel(parallel: ParallelConfig) -> None:

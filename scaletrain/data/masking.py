@@ -14,6 +14,15 @@ What happens to them (Devlin et al. 2019, sec. 3.1 and app. A): 80% -> [MASK],
 labels hold the original id at chosen positions and -100 elsewhere. BERT and
 whole-word masking decide per token; SpanBERT decides per span ("we perform
 this replacement at the span level and not for each token individually").
+
+For SpanBERT's span boundary objective (sec. 3.2) the collator also gives every
+masked position the two unmasked tokens around its masked run and its 1-based
+place in the run (`span_boundaries`). Spans that touch are one run, as SpanBERT's
+code merges them (`merge_intervals` in pretraining/fairseq/data/masking.py), so the
+boundaries are always unmasked tokens. A run never touches the sequence's edges:
+[CLS] and [SEP] are special and never masked (SpanBERT's code drops such spans
+from its boundary targets instead). A boundary may be a special token ([CLS],
+[SEP], the eos between documents), used as is, as SpanBERT's code does.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ import torch
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.data.errors import DataError
 from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
+
+# Batch keys of `span_boundaries`, [batch, seq] each, 0 at positions that are not masked.
+SPAN_BOUNDARY_KEYS = ("left_boundary", "right_boundary", "span_position")
 
 
 @dataclass(frozen=True)
@@ -178,8 +190,26 @@ def _replace(rng: np.random.Generator, tokens: np.ndarray, spans: np.ndarray, co
     return MaskedSequence(inputs=inputs, labels=labels, spans=spans)
 
 
+def span_boundaries(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(left, right, position) per position of one sequence's labels: for each labelled (masked) token,
+    the positions of the unmasked tokens just before and after its contiguous masked run, and its place
+    in the run, 1 for the first token (SpanBERT's x_{s-1}, x_{e+1} and p_{i-s+1}); 0 elsewhere."""
+    masked = labels != IGNORE_INDEX
+    left, right, position = (np.zeros(len(labels), dtype=np.int64) for _ in range(3))
+    starts = np.flatnonzero(masked & ~np.append(False, masked[:-1]))
+    ends = np.flatnonzero(masked & ~np.append(masked[1:], False)) + 1  # half-open
+    if len(starts) and (starts[0] == 0 or ends[-1] == len(labels)):
+        raise DataError("a masked run touches the sequence's edge, so it has no boundary token on that side; "
+                        "the MLM collator frames every sequence in [CLS] ... [SEP], which are never masked")
+    for start, end in zip(starts, ends, strict=True):
+        left[start:end], right[start:end] = start - 1, end
+        position[start:end] = np.arange(1, end - start + 1)
+    return left, right, position
+
+
 class MaskedLMCollator:
-    """Batches for BERT/RoBERTa MLM: tokens, token_types, padding_mask, labels (+ sentence_order_labels).
+    """Batches for BERT/RoBERTa MLM: tokens, token_types, padding_mask, labels (+ sentence_order_labels,
+    + SPAN_BOUNDARY_KEYS with `span_boundary`).
 
     Packed items (the default, RoBERTa's FULL-SENTENCES, Liu et al. 2019 sec. 4.2)
     become `[CLS] item [SEP]`, exactly seq_length long, token_types all 0. The
@@ -192,11 +222,12 @@ class MaskedLMCollator:
     """
 
     def __init__(self, tokenizer_info: TokenizerInfo, seed: int, seq_length: int,
-                 config: MaskingConfig = MaskingConfig(), sentence_pairs: bool = False) -> None:
+                 config: MaskingConfig = MaskingConfig(), sentence_pairs: bool = False,
+                 span_boundary: bool = False) -> None:
         if seq_length < 4:
             raise DataError(f"seq_length={seq_length} leaves no room for text between [CLS] and [SEP]; use >= 4")
         self.tokenizer_info, self.seed, self.seq_length, self.config = tokenizer_info, seed, seq_length, config
-        self.sentence_pairs = sentence_pairs
+        self.sentence_pairs, self.span_boundary = sentence_pairs, span_boundary
         self.packed_seq_length = None if sentence_pairs else seq_length - 3
         self._ordinary_ids = tokenizer_info.ordinary_ids()
 
@@ -214,6 +245,9 @@ class MaskedLMCollator:
             tokens[row, :length], labels[row, :length] = masked.inputs, masked.labels
             token_types[row, :length], padding_mask[row, :length] = types, 1
         batch = {"tokens": tokens, "token_types": token_types, "padding_mask": padding_mask, "labels": labels}
+        if self.span_boundary:  # a function of the labels alone: no randomness of its own
+            per_row = [span_boundaries(row) for row in labels]
+            batch |= {key: np.stack([row[part] for row in per_row]) for part, key in enumerate(SPAN_BOUNDARY_KEYS)}
         if self.sentence_pairs:
             batch["sentence_order_labels"] = np.array([item["sentence_order_label"] for item in items])
         batch["global_index"] = np.array([item["global_index"] for item in items])
@@ -238,7 +272,7 @@ class MaskedLMCollator:
 
 def mlm_collator(tokenizer_info: TokenizerInfo, seed: int, seq_length: int, *, sentence_pairs: bool = False,
                  whole_word_masking: bool = False, span_masking: bool = False, mask_prob: float = 0.15,
-                 ) -> MaskedLMCollator:
+                 span_boundary: bool = False) -> MaskedLMCollator:
     """The MLM collator for a config's options, with BERT's 80/10/10 and SpanBERT's span lengths."""
     config = MaskingConfig(mask_prob=mask_prob, whole_word_masking=whole_word_masking, span_masking=span_masking)
-    return MaskedLMCollator(tokenizer_info, seed, seq_length, config, sentence_pairs)
+    return MaskedLMCollator(tokenizer_info, seed, seq_length, config, sentence_pairs, span_boundary)

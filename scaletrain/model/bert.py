@@ -1,8 +1,10 @@
 """BERT encoder (Devlin et al. 2019): word + position + segment embeddings, post-LN blocks (pre-LN
-selectable), the masked-LM head tied to the word embedding and an optional sentence-order head."""
+selectable), the masked-LM head tied to the word embedding, an optional sentence-order head and
+SpanBERT's optional span boundary head (Joshi et al. 2020, sec. 3.2)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,10 +14,9 @@ from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
-from scaletrain.data.masking import masking_budget
+from scaletrain.data.masking import SPAN_BOUNDARY_KEYS, masking_budget
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
-from scaletrain.model.gpt import run_final_norm
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     ParallelAttention,
@@ -73,7 +74,8 @@ class BertHeads(nn.Module):
 
     The transform is replicated on every TP rank, as Megatron's BertLMHead does: it is small next
     to the decoder, and its replicated output is exactly the input the vocab-split decoder takes.
-    The decoder is the tied word embedding and its bias a layer of its own (`lm_head.bias`).
+    The decoder is the tied word embedding and its bias a layer of its own (`lm_head.bias`). With
+    objective.span_boundary, SpanBERT's span boundary head (`SpanBoundaryHead`) sits beside them.
     """
 
     def __init__(self, config: Config) -> None:
@@ -90,6 +92,7 @@ class BertHeads(nn.Module):
             self.sentence_order_head.classifier = replicated_linear(
                 hidden, 2, std, seed, "sentence_order_head.classifier"
             )
+        self.span_boundary_head = SpanBoundaryHead(config) if config.objective.span_boundary else None
 
     def transform(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.norm(gelu_erf(self.lm_head.dense(hidden)))
@@ -97,6 +100,53 @@ class BertHeads(nn.Module):
     def sentence_order_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.sentence_order_head
         return head.classifier(torch.tanh(head.pooler(hidden[0])))  # [CLS] position -> [batch, 2]
+
+    def span_boundary(self, hidden: torch.Tensor, left: torch.Tensor, right: torch.Tensor, position: torch.Tensor,
+                      selected: torch.Tensor | None) -> torch.Tensor:
+        """The span boundary head's y_i at every position of hidden [seq, batch, h] (the pipeline's
+        last stage) or at the `selected` [seq, batch] ones (as `transform` is run); left, right and
+        position are the collator's [batch, seq] (data/masking.py span_boundaries)."""
+        left, right, position = left.transpose(0, 1), right.transpose(0, 1), position.transpose(0, 1)
+        batch_index = torch.arange(hidden.shape[1], device=hidden.device).expand_as(left)
+        if selected is not None:
+            left, right, position, batch_index = (part[selected] for part in (left, right, position, batch_index))
+        return self.span_boundary_head(hidden[left, batch_index], hidden[right, batch_index], position)
+
+
+class SpanBoundaryHead(nn.Module):
+    """SpanBERT's span boundary objective (Joshi et al. 2020, sec. 3.2, eq. 1): a masked token x_i of
+    the span (s..e) is predicted from the encoder's outputs at the span's boundaries and a learned
+    embedding of its relative position, y_i = f(x_{s-1}, x_{e+1}, p_{i-s+1}), with
+    h0 = [x_{s-1}; x_{e+1}; p], h1 = LayerNorm(GeLU(W1 h0)), y_i = LayerNorm(GeLU(W2 h1)).
+    y_i then goes through the tied decoder (the word embedding) with an output bias of its own, as
+    SpanBERT's code does (`BertPairTargetPredictionHead` in pretraining/fairseq/models/pair_bert.py:
+    `self.decoder.weight = bert_model_embedding_weights`, `self.bias`); that bias is the
+    `span_boundary_head` layer after the decoder.
+
+    p is hidden_size wide (SpanBERT's code uses 200 at every size; the paper leaves it open). The
+    table has a row per place a masked run can have: the masking budget of a sequence bounds the
+    run's length (`labelled_positions`), so every masked token is a target. SpanBERT's code
+    instead cuts its merged runs at 15 tokens (--max-pair-targets) and leaves the rest to MLM alone.
+    Replicated on every TP rank like the MLM transform; training-only (the HF export drops it).
+    """
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        model, seed = config.model, config.train.seed
+        hidden, std = model.hidden_size, model.init_std
+        self.position_embedding = nn.Embedding(labelled_positions(config), hidden)
+        with torch.no_grad():
+            normal_init(std, seed, "span_boundary_head.position_embedding")(self.position_embedding.weight)
+        self.dense_in = replicated_linear(3 * hidden, hidden, std, seed, "span_boundary_head.dense_in")
+        self.norm_in = nn.LayerNorm(hidden, eps=model.layernorm_eps)
+        self.dense_out = replicated_linear(hidden, hidden, std, seed, "span_boundary_head.dense_out")
+        self.norm_out = nn.LayerNorm(hidden, eps=model.layernorm_eps)
+
+    def forward(self, left: torch.Tensor, right: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """left, right [..., h]; position [...], 1-based (0, at positions that are not masked, reads row 0)."""
+        relative = self.position_embedding((position - 1).clamp(min=0))
+        inner = self.norm_in(gelu_erf(self.dense_in(torch.cat([left, right, relative], dim=-1))))
+        return self.norm_out(gelu_erf(self.dense_out(inner)))
 
 
 class DecoderBias(nn.Module):
@@ -106,6 +156,15 @@ class DecoderBias(nn.Module):
         super().__init__()
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size // config.parallel.tensor))
         tensor_parallel.set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
+
+
+class SpanBoundaryDecoderBias(nn.Module):
+    """The span boundary head's own output bias (SpanBERT's), split like the decoder's vocabulary rows."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.decoder_bias = nn.Parameter(torch.zeros(config.padded_vocab_size // config.parallel.tensor))
+        tensor_parallel.set_tensor_model_parallel_attributes(self.decoder_bias, is_parallel=True, dim=0, stride=1)
 
 
 def replicated_linear(in_features: int, out_features: int, std: float, seed: int, name: str) -> nn.Linear:
@@ -138,33 +197,50 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
                             pre_norm=pre_norm, dropout=model.dropout)
 
 
-# Activations: (hidden, padding_mask) through the blocks; the heads see the MLM labels only when
-# the model runs on one device (`labels` in the context), and then run on labelled positions only
-# (~15% of tokens), as BERT's run_pretraining.py gathers masked positions first.
+# Activations: (hidden, padding_mask, *span boundaries) through the blocks, the span boundaries
+# (SPAN_BOUNDARY_KEYS) only with the span boundary head and when given. The heads see the MLM labels
+# only when the model runs on one device (`labels` in the context), and then run on labelled positions
+# only (~15% of tokens), as BERT's run_pretraining.py gathers masked positions first. The heads' outputs
+# are (MLM, sentence order if the model has its head, span boundary if given its inputs): `_split`.
 
 
 def _embed(embedding: BertEmbedding, activations: tuple, **_) -> tuple:
-    tokens, token_types, padding_mask = activations
-    return embedding(tokens, token_types), padding_mask
+    tokens, token_types, padding_mask, *span_boundaries = activations
+    return embedding(tokens, token_types), padding_mask, *span_boundaries
 
 
 def _block(block: TransformerBlock, activations: tuple, **_) -> tuple:
-    hidden, padding_mask = activations
-    return block(hidden, key_padding_attention_mask(padding_mask)), padding_mask
+    hidden, padding_mask, *span_boundaries = activations
+    return block(hidden, key_padding_attention_mask(padding_mask)), padding_mask, *span_boundaries
+
+
+def _final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
+    hidden, _padding_mask, *span_boundaries = activations
+    return norm(hidden), *span_boundaries
 
 
 def _heads(heads: BertHeads, activations: tuple, labels: torch.Tensor | None = None, **_) -> tuple:
-    (hidden,) = activations
-    selected = hidden if labels is None else hidden[labels.transpose(0, 1) != IGNORE_INDEX]
-    transformed = heads.transform(selected)
-    if heads.sentence_order_head is None:
-        return (transformed,)
-    return transformed, heads.sentence_order_logits(hidden)
+    hidden, *span_boundaries = activations
+    selected = None if labels is None else labels.transpose(0, 1) != IGNORE_INDEX
+    outputs = [heads.transform(hidden if selected is None else hidden[selected])]
+    if heads.sentence_order_head is not None:
+        outputs.append(heads.sentence_order_logits(hidden))
+    if heads.span_boundary_head is not None and span_boundaries:
+        outputs.append(heads.span_boundary(hidden, *span_boundaries, selected))
+    return tuple(outputs)
 
 
-def _decoder(embedding: BertEmbedding, activations: tuple, **_) -> tuple:
-    transformed, *rest = activations
-    return parallel_lm_logits(transformed, embedding.word.weight), *rest
+def _split(outputs: tuple, sentence_order: bool) -> tuple[torch.Tensor, tuple, tuple]:
+    """(MLM, (sentence order,) or (), (span boundary,) or ()) of the heads' outputs, before or after the decoder."""
+    return outputs[0], outputs[1:1 + sentence_order], outputs[1 + sentence_order:]
+
+
+def _decoder(embedding: BertEmbedding, activations: tuple, sentence_order: bool = False, **_) -> tuple:
+    """The tied decoder, for the MLM head and (SpanBERT's code ties it too) the span boundary head."""
+    masked_lm, sentence_order_logits, span_boundary = _split(activations, sentence_order)
+    weight = embedding.word.weight
+    return (parallel_lm_logits(masked_lm, weight), *sentence_order_logits,
+            *(parallel_lm_logits(transformed, weight) for transformed in span_boundary))
 
 
 def _decoder_bias(bias: DecoderBias, activations: tuple, **_) -> tuple:
@@ -172,9 +248,18 @@ def _decoder_bias(bias: DecoderBias, activations: tuple, **_) -> tuple:
     return logits + bias.bias, *rest
 
 
+def _span_boundary_decoder_bias(bias: SpanBoundaryDecoderBias, activations: tuple, sentence_order: bool = False,
+                                **_) -> tuple:
+    masked_lm, sentence_order_logits, span_boundary = _split(activations, sentence_order)
+    return masked_lm, *sentence_order_logits, *(logits + bias.decoder_bias for logits in span_boundary)
+
+
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
     pre_norm = model.layernorm_position == "pre"
+    sentence_order = config.objective.sentence_pairs != "none"
+    span_boundary = [PipelineLayer("span_boundary_head", lambda: SpanBoundaryDecoderBias(config),
+                                   functools.partial(_span_boundary_decoder_bias, sentence_order=sentence_order))]
     return [
         PipelineLayer("embedding", lambda: BertEmbedding(config), _embed),
         *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), _block, is_block=True)
@@ -182,21 +267,29 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
         PipelineLayer(
             "final_norm",
             lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps) if pre_norm else nn.Identity(),
-            run_final_norm,
+            _final_norm,
         ),
         PipelineLayer("", lambda: BertHeads(config), _heads),
-        PipelineLayer("decoder", lambda: BertEmbedding(config), _decoder, tied_to="embedding",
+        PipelineLayer("decoder", lambda: BertEmbedding(config),
+                      functools.partial(_decoder, sentence_order=sentence_order), tied_to="embedding",
                       tied_weight="word.weight"),
         PipelineLayer("lm_head", lambda: DecoderBias(config), _decoder_bias),
+        *(span_boundary if config.objective.span_boundary else []),
     ]
 
 
 def mlm_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
     """Masked-LM mean over labelled tokens, plus the sentence-order cross-entropy when present
-    (BERT sums its two pre-training losses)."""
-    loss = masked_vocab_parallel_loss(outputs[0], labels[0])
-    if len(labels) > 1:
-        loss = loss + F.cross_entropy(outputs[1].float(), labels[1])
+    (BERT sums its two pre-training losses), plus the span boundary mean over the same tokens when
+    the heads gave it (SpanBERT sums MLM and SBO per masked token, sec. 3.2; its code takes the two
+    means, `lm_loss / ntokens + pair_loss / npairs`, and here every masked token is an SBO target).
+    A pipeline always has the sentence-order labels when the model has that head."""
+    masked_lm, sentence_order_logits, span_boundary = _split(outputs, sentence_order=len(labels) > 1)
+    loss = masked_vocab_parallel_loss(masked_lm, labels[0])
+    if sentence_order_logits:
+        loss = loss + F.cross_entropy(sentence_order_logits[0].float(), labels[1])
+    for logits in span_boundary:
+        loss = loss + masked_vocab_parallel_loss(logits, labels[0])
     return loss
 
 
@@ -205,6 +298,10 @@ class BERT(LayeredModel):
     def has_sentence_order_head(self) -> bool:
         return self._modules.get("sentence_order_head") is not None
 
+    @property
+    def has_span_boundary_head(self) -> bool:
+        return self._modules.get("span_boundary_head") is not None
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -212,26 +309,39 @@ class BERT(LayeredModel):
         padding_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         sentence_order_labels: torch.Tensor | None = None,
+        left_boundary: torch.Tensor | None = None,
+        right_boundary: torch.Tensor | None = None,
+        span_position: torch.Tensor | None = None,
         masked_accuracy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens, token_types, padding_mask (1 = real token), labels (-100 = not predicted): [batch, seq];
-        sentence_order_labels: [batch]. The loss if labels are given, else vocab-parallel logits
-        [batch, seq, vocab / TP]; with masked_accuracy, `masked_token_accuracy`'s counts. Everything
-        runs through forward, so ZeRO-3 gathers the tied decoder weight it has registered here."""
+        sentence_order_labels: [batch]; left_boundary, right_boundary, span_position: [batch, seq], the
+        span boundary head's inputs (data/masking.py span_boundaries). The loss if labels are given, else
+        vocab-parallel logits [batch, seq, vocab / TP]; with masked_accuracy, `masked_token_accuracy`'s
+        counts. Everything runs through forward, so ZeRO-3 gathers the tied decoder weight it has
+        registered here."""
         if sentence_order_labels is not None and not self.has_sentence_order_head:
             raise ValueError(
                 "sentence_order_labels were given but this BERT has no sentence-order head; "
                 "set objective.sentence_pairs to nsp or sop, or drop the labels"
             )
-        outputs = self.run_layers(_inputs(tokens, token_types, padding_mask), labels=labels)
+        span_boundaries = _span_boundaries(self.has_span_boundary_head, left_boundary, right_boundary, span_position)
+        if labels is not None and not masked_accuracy and self.has_span_boundary_head and not span_boundaries:
+            raise ValueError("this BERT has the span boundary head (objective.span_boundary), so its loss needs "
+                             f"{', '.join(SPAN_BOUNDARY_KEYS)} from the MLM collator with span_boundary=True")
+        inputs = (*_inputs(tokens, token_types, padding_mask), *span_boundaries)
+        outputs = self.run_layers(inputs, labels=labels)
         if labels is None:
             return outputs[0].transpose(0, 1)
         targets = labels.transpose(0, 1)[labels.transpose(0, 1) != IGNORE_INDEX]
         if masked_accuracy:
             return _masked_accuracy_counts(outputs[0], targets)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(outputs[0].float(), targets).sum() / max(targets.numel(), 1)
+        masked_lm, sentence_order_logits, span_boundary = _split(outputs, self.has_sentence_order_head)
+        loss = _mean_cross_entropy(masked_lm, targets)
         if sentence_order_labels is not None:
-            loss = loss + F.cross_entropy(outputs[1].float(), sentence_order_labels)
+            loss = loss + F.cross_entropy(sentence_order_logits[0].float(), sentence_order_labels)
+        for logits in span_boundary:
+            loss = loss + _mean_cross_entropy(logits, targets)
         return loss
 
     def sentence_order_logits(
@@ -254,6 +364,20 @@ class BERT(LayeredModel):
         """(correct, labelled) counts of labelled positions whose full-vocabulary argmax is the label.
         Counts rather than a ratio, so validation can sum them over batches and data-parallel ranks."""
         return self(tokens, token_types, padding_mask, labels=labels, masked_accuracy=True)
+
+
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of vocab-parallel logits [labelled, vocab / TP] against their targets."""
+    return tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).sum() / max(targets.numel(), 1)
+
+
+def _span_boundaries(has_head: bool, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The span boundary head's inputs if all are given (() if none), refused without the head."""
+    given = [tensor is not None for tensor in tensors]
+    if any(given) and not (all(given) and has_head):
+        raise ValueError(f"{', '.join(SPAN_BOUNDARY_KEYS)} go together, to a BERT with the span boundary head; "
+                         "set objective.span_boundary=true (with span_masking) or drop them")
+    return tuple(tensors) if all(given) else ()
 
 
 def _inputs(tokens: torch.Tensor, token_types: torch.Tensor | None, padding_mask: torch.Tensor | None) -> tuple:
@@ -297,8 +421,9 @@ def labelled_positions(config: Config) -> int:
 def counts(config: Config, labelled: float | None = None) -> ModelCounts:
     """BERT's encoder blocks as GPT's (Kaplan et al. 2020, table 1, without the causal mask); the MLM
     head (transform 2h² + decoder 2h·V) runs only at labelled positions (`labelled_positions`, or
-    `labelled` per sample of one batch), and the sentence-order head (pooler 2h² + classifier 4h)
-    once per sample."""
+    `labelled` per sample of one batch), the sentence-order head (pooler 2h² + classifier 4h)
+    once per sample, and the span boundary head (W1 on [x_{s-1}; x_{e+1}; p] 6h², W2 2h², decoder 2h·V)
+    at the labelled positions too; its relative-position table is a lookup table (embedding)."""
     model, vocab = config.model, config.padded_vocab_size
     hidden, ffn, layers, seq = model.hidden_size, model.ffn_size, model.num_layers, model.seq_length
     pairs = config.objective.sentence_pairs != "none"
@@ -307,16 +432,24 @@ def counts(config: Config, labelled: float | None = None) -> ModelCounts:
     final_norm = 2 * hidden if model.layernorm_position == "pre" else 0
     head = hidden * hidden + 3 * hidden + vocab  # transform dense + bias, LayerNorm, decoder bias
     sentence_order = hidden * hidden + hidden + 2 * hidden + 2 if pairs else 0
-    total = embedding + 2 * hidden + layers * block + final_norm + head + sentence_order
+    span_boundary = config.objective.span_boundary
+    if span_boundary:
+        embedding += labelled_positions(config) * hidden  # relative positions 1..the longest masked run
+    # W1 [3h -> h] and W2 + biases, two LayerNorms, its own decoder bias
+    span_boundary_head = 4 * hidden * hidden + 6 * hidden + vocab if span_boundary else 0
+    total = embedding + 2 * hidden + layers * block + final_norm + head + sentence_order + span_boundary_head
     labelled = labelled_positions(config) if labelled is None else labelled
     sample_flops = seq * layers * transformer_block_flops(hidden, ffn, seq)
     sample_flops += labelled * (2 * hidden * hidden + 2 * hidden * vocab)
     if pairs:
         sample_flops += 2 * hidden * hidden + 4 * hidden
+    if span_boundary:
+        sample_flops += labelled * (8 * hidden * hidden + 2 * hidden * vocab)
     return ModelCounts(
         total_params=total, embedding_params=embedding, flops_per_token=3.0 * sample_flops / seq,
-        flops_formula="3·(l·(8h² + 4h·ffn + 4h·s) + (m/s)·(2h² + 2h·V) [+ (2h² + 4h)/s with NSP/SOP]) with m the "
-                      "labelled positions per sample (Kaplan et al. 2020, table 1)",
+        flops_formula="3·(l·(8h² + 4h·ffn + 4h·s) + (m/s)·(2h² + 2h·V) [+ (2h² + 4h)/s with NSP/SOP] "
+                      "[+ (m/s)·(8h² + 2h·V) with SBO]) with m the labelled positions per sample "
+                      "(Kaplan et al. 2020, table 1)",
     )
 
 
@@ -333,7 +466,8 @@ def validate(config: Config) -> None:
 
 
 def _schema(config: Config) -> BatchSchema:
-    return BatchSchema(inputs=("tokens", "token_types", "padding_mask"), labels=("labels",),
+    span_boundaries = SPAN_BOUNDARY_KEYS if config.objective.span_boundary else ()
+    return BatchSchema(inputs=("tokens", "token_types", "padding_mask", *span_boundaries), labels=("labels",),
                        optional_labels=("sentence_order_labels",))
 
 

@@ -19,7 +19,7 @@ from scaletrain.data.bart_noising import DenoisingCollator, DenoisingNoise
 from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
-from scaletrain.data.masking import mlm_collator
+from scaletrain.data.masking import SPAN_BOUNDARY_KEYS, mlm_collator
 from scaletrain.data.objectives import CausalLMCollator, Collator, TokenizerInfo, prefix_lm_collator
 from scaletrain.data.replaced_tokens import replaced_token_detection_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
@@ -138,10 +138,13 @@ def _prefix_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Coll
 
 def _masked_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
     objective = config.objective
+    if objective.span_boundary and not set(SPAN_BOUNDARY_KEYS) <= set(family.batch_schema(config).inputs):
+        raise ConfigError(f"objective.span_boundary=true, but a {family.name} model has no span boundary head to "
+                          "read the span boundaries (BERT has it); set objective.span_boundary=false")
     return mlm_collator(
         info, config.train.seed, config.model.seq_length, sentence_pairs=objective.sentence_pairs != "none",
         whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
-        mask_prob=objective.mask_prob,
+        mask_prob=objective.mask_prob, span_boundary=objective.span_boundary,
     )
 
 

@@ -4,10 +4,15 @@ the sentence-order head (HF's pooler + `cls.seq_relationship`).
 HF's BERT is post-LN, so a pre-LN BERT has no equivalent and is refused. HF splits our fused
 [Q; K; V] in three; the decoder is tied to the word embedding as in our BERT. The HF vocabulary is
 our padded one (conversion.py explains why).
+
+HF has no span boundary head (SpanBERT's SBO, `span_boundary_head.*`): it is training-only, and the
+export drops it with a line on stderr. SpanBERT's released models do the same: its README says they
+"have the same format as the HuggingFace BERT models" (facebookresearch/SpanBERT), no SBO head.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -27,12 +32,18 @@ from scaletrain.data.tokenizer import SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
 
 FAMILY = "bert"
+SPAN_BOUNDARY_PREFIX = "span_boundary_head."  # training-only: not exported
 
 
 def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + model.safetensors) loadable with `from_pretrained(out_dir)`.
-    vocab_size is the padded vocabulary the model was built with (`Config.padded_vocab_size`)."""
+    vocab_size is the padded vocabulary the model was built with (`Config.padded_vocab_size`).
+    The span boundary head, which HF's BERT lacks, is left out (training-only, like SpanBERT's releases)."""
     weights = weights_only(state)
+    if any(name.startswith(SPAN_BOUNDARY_PREFIX) for name in weights):
+        print("not exported: the span boundary head (objective.span_boundary, span_boundary_head.*), which is "
+              "training-only; the BERT encoder and its masked-LM head are", file=sys.stderr, flush=True)
+        weights = {name: tensor for name, tensor in weights.items() if not name.startswith(SPAN_BOUNDARY_PREFIX)}
     check_vocabulary_rows(weights, "embedding.word.weight", vocab_size)
     to_hf(weights, config, vocab_size).save_pretrained(out_dir)
     return Path(out_dir)

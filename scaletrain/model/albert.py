@@ -187,7 +187,9 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
         *owner,
         *blocks,
         PipelineLayer("", lambda: AlbertHeads(config), _heads),
-        PipelineLayer("decoder", lambda: BertEmbedding(config, embedding_size), _decoder, tied_to="embedding",
+        PipelineLayer("decoder", lambda: BertEmbedding(config, embedding_size),
+                      functools.partial(_decoder, sentence_order=config.objective.sentence_pairs != "none"),
+                      tied_to="embedding",
                       tied_weight="word.weight"),
         PipelineLayer("lm_head", lambda: DecoderBias(config), _decoder_bias),
     ]

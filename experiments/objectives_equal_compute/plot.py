@@ -34,8 +34,8 @@ def plot(curves: dict[str, dict], path: Path) -> None:
             dashed = curve["metric"] != "val_masked_accuracy"
             accuracies.plot(flops, [point[curve["metric"]] for point in curve["points"]], "--" if dashed else "-",
                             marker="o", markersize=3, label=f"{name}: {curve['metric'].removeprefix('val_')}")
-    losses.set(xlabel="training FLOPs", ylabel="validation loss (each objective's own)",
-               title="Validation loss at equal training compute")
+    losses.set(xlabel="training FLOPs", ylabel="validation loss (each objective's own; log scale)",
+               title="Validation loss at equal training compute", yscale="log")  # ELECTRA's is ~25
     accuracies.set(xlabel="training FLOPs", ylabel="accuracy",
                    title="Encoders: final-metric accuracy (dashed: not masked-token)")
     for axes in (losses, accuracies):

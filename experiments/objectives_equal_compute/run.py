@@ -10,7 +10,7 @@ step), so an objective with a costlier head (SpanBERT's SBO, ELECTRA's generator
 fewer steps. Every arm reads the same corpus with the same batch, sequence length and LR schedule.
 
 An arm whose family is not registered (or whose config file is missing) on this checkout is skipped
-and listed as pending: ALBERT, ELECTRA and BART join when their families land. Each arm trains as
+and listed as pending. Each arm trains as
 `scaletrain train` in runs/objectives_equal_compute/<arm>, then its metrics.jsonl is read into
 results.csv (final metrics, steps, FLOPs, wall time) and curves.json (validation metrics by FLOPs).
 """
@@ -41,9 +41,17 @@ COMMON = [
     "train.micro_batch_size=16", "train.grad_accum=1", "train.lr=1.0e-3", "train.min_lr=1.0e-4",
     "train.warmup_fraction=0.1", "train.eval_samples=64", "checkpoint.every=1000000", "tracking.wandb=disabled",
 ]
-ENCODER = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=256"]
-SEQ2SEQ = [*ENCODER, "model.num_decoder_layers=2"]
-BUDGETS = {"encoder": 2e12, "seq2seq": 2e12}  # training FLOPs per arm (forward + backward)
+# Model shapes (--shape): each encoder arm's stack, and the encoder-decoder arms' two stacks of it; the
+# default budgets (training FLOPs per arm, forward + backward) go with them.
+SHAPES = {
+    "small": (["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=256"], 2e12),
+    "medium": (["model.num_layers=4", "model.hidden_size=128", "model.num_heads=4", "model.ffn_hidden_size=512"],
+               1.6e13),
+}
+SHAPE = "small"
+ENCODER = "encoder"  # stands for the shape's encoder overrides in an arm's overrides
+SEQ2SEQ = "seq2seq"  # ... for the encoder-decoder arms' overrides
+GROUPS = ("encoder", "seq2seq")
 EVALUATIONS = 8  # validation points per run, at equal fractions of its steps
 
 
@@ -63,39 +71,51 @@ ARMS = {
     # BERT: [CLS] A [SEP] B [SEP] pairs with next-sentence prediction (Devlin et al. 2019). Masking is
     # dynamic in this project for every arm (data/masking.py: noise from (seed, global index)); under
     # one epoch static and dynamic masking do not differ, so NSP pairs are what sets BERT apart here.
-    "bert": Arm("bert", "bert_tiny.yaml", "encoder", [*ENCODER, "objective.sentence_pairs=nsp"],
+    "bert": Arm("bert", "bert_tiny.yaml", "encoder", [ENCODER, "objective.sentence_pairs=nsp"],
                 note="MLM + NSP on sentence pairs; val_loss includes the NSP term"),
     # RoBERTa: packed full sentences, no NSP, dynamic masking (Liu et al. 2019, sec. 4.1-4.2).
-    "roberta": Arm("bert", "bert_tiny.yaml", "encoder", ENCODER, note="MLM on packed text"),
+    "roberta": Arm("bert", "bert_tiny.yaml", "encoder", [ENCODER], note="MLM on packed text"),
     # SpanBERT: geometric spans + the span boundary objective, no NSP (Joshi et al. 2020).
     "spanbert": Arm("bert", "bert_tiny.yaml", "encoder",
-                    [*ENCODER, "objective.span_masking=true", "objective.span_boundary=true"],
+                    [ENCODER, "objective.span_masking=true", "objective.span_boundary=true"],
                     note="span MLM + SBO; val_loss includes the SBO term"),
     # ALBERT: factorized embedding + one shared block, MLM + SOP (Lan et al. 2020).
-    "albert": Arm("albert", "albert_tiny.yaml", "encoder", [*ENCODER, "model.embedding_size=32"],
+    "albert": Arm("albert", "albert_tiny.yaml", "encoder", [ENCODER, "model.embedding_size={half}"],
                   note="MLM + SOP, shared layers; val_loss includes the SOP term"),
     # ELECTRA: replaced-token detection with a 1/4-width generator (Clark et al. 2020). Its metric is
     # the discriminator's accuracy on replaced tokens: not comparable with masked-token accuracy.
     "electra": Arm("electra", "electra_tiny.yaml", "encoder",
-                   [*ENCODER, "model.embedding_size=32", "model.generator_hidden_size=16",
+                   [ENCODER, "model.embedding_size={half}", "model.generator_hidden_size={quarter}",
                     "model.generator_num_heads=1"],
                    metric="val_replaced_accuracy", note="generator MLM + 50 x discriminator RTD"),
     # T5: span corruption, 15% in spans of mean 3, sentinels (Raffel et al. 2020, sec. 3.3.4).
-    "t5": Arm("t5", "t5_tiny.yaml", "seq2seq", SEQ2SEQ, metric="val_loss",
+    "t5": Arm("t5", "t5_tiny.yaml", "seq2seq", [SEQ2SEQ], metric="val_loss",
               note="predicts the dropped spans only"),
     # BART: text infilling alone, 30% in Poisson(3) spans, one [MASK] each (Lewis et al. 2020, sec. 2.2).
-    "bart": Arm("bart", "bart_tiny.yaml", "seq2seq", [*SEQ2SEQ, "objective.noising=[text_infilling]"],
+    "bart": Arm("bart", "bart_tiny.yaml", "seq2seq", [SEQ2SEQ, "objective.noising=[text_infilling]"],
                 metric="val_loss", note="reconstructs the whole text"),
 }
 
 
-def arm_overrides(name: str, data_dir: Path, run_root: Path, steps: int) -> list[str]:
-    return [f"data.dir={data_dir}", f"run.dir={run_root / name}", *COMMON, *ARMS[name].overrides,
-            f"train.steps={steps}", f"train.eval_every={max(1, steps // EVALUATIONS)}"]
+def shape_overrides(overrides: list[str], shape: str) -> list[str]:
+    """An arm's overrides with the ENCODER / SEQ2SEQ markers replaced by `shape`'s stack, and {half} /
+    {quarter} by that fraction of its hidden size (ALBERT's and ELECTRA's embedding, ELECTRA's generator)."""
+    stack = SHAPES[shape][0]
+    values = dict(override.split("=") for override in stack)
+    hidden, layers = int(values["model.hidden_size"]), values["model.num_layers"]
+    expanded = {ENCODER: stack, SEQ2SEQ: [*stack, f"model.num_decoder_layers={layers}"]}
+    return [item.format(half=hidden // 2, quarter=hidden // 4)
+            for override in overrides for item in expanded.get(override, [override])]
 
 
-def arm_config(name: str, data_dir: Path, run_root: Path, steps: int = 1) -> Config:
-    return load_config(REPO / "configs" / ARMS[name].config, arm_overrides(name, data_dir, run_root, steps))
+def arm_overrides(name: str, data_dir: Path, run_root: Path, steps: int, shape: str = SHAPE) -> list[str]:
+    return [f"data.dir={data_dir}", f"run.dir={run_root / name}", *COMMON,
+            *shape_overrides(ARMS[name].overrides, shape), f"train.steps={steps}",
+            f"train.eval_every={max(1, steps // EVALUATIONS)}"]
+
+
+def arm_config(name: str, data_dir: Path, run_root: Path, steps: int = 1, shape: str = SHAPE) -> Config:
+    return load_config(REPO / "configs" / ARMS[name].config, arm_overrides(name, data_dir, run_root, steps, shape))
 
 
 def missing_reason(name: str) -> str | None:
@@ -108,21 +128,22 @@ def missing_reason(name: str) -> str | None:
     return None
 
 
-def planned_steps(name: str, data_dir: Path, run_root: Path, budget: float) -> tuple[int, float, int]:
+def planned_steps(name: str, data_dir: Path, run_root: Path, budget: float, shape: str = SHAPE
+                  ) -> tuple[int, float, int]:
     """(steps, FLOPs per step, tokens per step) that spend `budget` training FLOPs."""
-    config = arm_config(name, data_dir, run_root)
+    config = arm_config(name, data_dir, run_root, shape=shape)
     tokens_per_step = config.global_batch_size(1) * config.model.seq_length
     flops_per_step = model_counts(config).flops_per_token * tokens_per_step
     return round(budget / flops_per_step), flops_per_step, tokens_per_step
 
 
-def train(name: str, data_dir: Path, run_root: Path, steps: int) -> float:
+def train(name: str, data_dir: Path, run_root: Path, steps: int, shape: str = SHAPE) -> float:
     """`scaletrain train` for the arm from scratch; its wall time in seconds (start-up included)."""
     run_dir = run_root / name
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists; remove it (or pass another --run-root) to train {name} afresh")
     command = [sys.executable, "-m", "scaletrain", "train", str(REPO / "configs" / ARMS[name].config),
-               *arm_overrides(name, data_dir, run_root, steps)]
+               *arm_overrides(name, data_dir, run_root, steps, shape)]
     started = time.perf_counter()
     subprocess.run(command, cwd=REPO, check=True)
     return time.perf_counter() - started
@@ -160,11 +181,15 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms (default: all)")
     parser.add_argument("--data-dir", type=Path, default=REPO / "data" / "english_512")
     parser.add_argument("--run-root", type=Path, default=REPO / "runs" / "objectives_equal_compute")
-    parser.add_argument("--out", type=Path, default=HERE, help="where results.csv and curves.json go")
-    for group, budget in BUDGETS.items():
-        parser.add_argument(f"--{group}-flops", type=float, default=budget, help=f"{group} arms' training FLOPs")
+    parser.add_argument("--shape", choices=list(SHAPES), default=SHAPE,
+                        help="model shape; results go to --out, or for `medium` its medium/ subfolder")
+    parser.add_argument("--out", type=Path, default=None, help="where results.csv and curves.json go")
+    for group in GROUPS:
+        parser.add_argument(f"--{group}-flops", type=float, default=None,
+                            help=f"{group} arms' training FLOPs (default: the shape's budget)")
     args = parser.parse_args()
-    budgets = {group: getattr(args, f"{group}_flops") for group in BUDGETS}
+    args.out = args.out or (HERE if args.shape == SHAPE else HERE / args.shape)
+    budgets = {group: getattr(args, f"{group}_flops") or SHAPES[args.shape][1] for group in GROUPS}
     rows, curves = read_results(args.out)  # arms not run now keep their earlier results
     for name in args.arms.split(","):
         reason = missing_reason(name)
@@ -172,9 +197,9 @@ def main() -> None:
             print(f"{name}: pending, {reason}", file=sys.stderr)
             continue
         steps, flops_per_step, tokens_per_step = planned_steps(name, args.data_dir, args.run_root,
-                                                               budgets[ARMS[name].group])
+                                                               budgets[ARMS[name].group], args.shape)
         print(f"{name}: {steps} steps x {flops_per_step:.4g} FLOPs = {steps * flops_per_step:.4g}", file=sys.stderr)
-        wall_s = train(name, args.data_dir, args.run_root, steps)
+        wall_s = train(name, args.data_dir, args.run_root, steps, args.shape)
         rows[name], curves[name] = summarize(name, args.run_root, steps, flops_per_step, tokens_per_step, wall_s)
         write_results(args.out, rows, curves)
 

@@ -55,14 +55,17 @@ def schema_keys(model_sections: ModelSections) -> list[SchemaKey]:
 
 
 def _keys(cls: type, prefix: str, marker: str = "", skip: frozenset[str] = frozenset()) -> list[SchemaKey]:
-    """The fields of one dataclass as keys under `prefix`; a list of dataclasses (data.blend) also
-    as its items' keys, `prefix.name[].field`."""
+    """The fields of one dataclass as keys under `prefix`; a nested dataclass (model.moe) as its own keys,
+    `prefix.name.field`, and a list of dataclasses (data.blend) as its items' keys, `prefix.name[].field`."""
     hints, meanings = typing.get_type_hints(cls), _field_comments(cls)
     keys = []
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
         hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):  # a nested section (model.moe): its keys, model.moe.top_k ...
+            keys.extend(_keys(hint, f"{prefix}{field.name}.", marker))
+            continue
         meaning = f"{marker} {meanings.get(field.name, '')}".strip()
         keys.append(SchemaKey(f"{prefix}{field.name}", _type_name(hint), _default(field), meaning))
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None

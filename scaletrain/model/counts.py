@@ -36,22 +36,58 @@ from scaletrain.model.registry import get_family
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """N (total and non-embedding) and training FLOPs per token of one model, at TP=1."""
+    """N (total and non-embedding) and training FLOPs per token of one model, at TP=1.
+
+    A mixture-of-experts model also has `active_params`: what one token meets, its k routed experts
+    of each MoE layer instead of all E (Mixtral 8x7B: 46.7B total, 12.9B active; Jiang et al. 2024,
+    sec. 2.1). A dense model's are its total."""
 
     total_params: int
     embedding_params: int
     non_embedding_params: int = field(init=False)
     flops_per_token: float
     flops_formula: str
+    active_params: int | None = None  # None: all of them (a dense model)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "non_embedding_params", self.total_params - self.embedding_params)
+        if self.active_params is None:
+            object.__setattr__(self, "active_params", self.total_params)
+
+    @property
+    def active_non_embedding_params(self) -> int:
+        return self.active_params - self.embedding_params
+
+    @property
+    def sparse(self) -> bool:
+        return self.active_params != self.total_params
 
 
 def model_counts(config: Config) -> ModelCounts:
     """Parameters (TP=1 totals) and training FLOPs per token of the model `config` builds: the
     family's own `counts` (its spec)."""
     return get_family(config.model.family).counts(config)
+
+
+@dataclass(frozen=True)
+class MLPCounts:
+    """One block's MLP: its parameters, those a token uses, and its forward FLOPs per token."""
+
+    params: int
+    active_params: int
+    forward_flops: int
+
+
+def mlp_counts(moe, layer: int, hidden: int, weights: int, biases: int) -> MLPCounts:
+    """Block `layer`'s MLP (`moe` a model/moe.py MoEConfig), whose one dense MLP or expert holds `weights`
+    matmul weights (2·h·ffn, gated 3·h·ffn) and `biases`: forward 2 FLOPs per weight. A MoE layer adds the
+    router (h·E weights, 2·h·E FLOPs) and runs top_k experts per token (counted dropless: capacity drops
+    only remove work)."""
+    one = weights + biases
+    if not moe.is_moe_layer(layer):
+        return MLPCounts(one, one, 2 * weights)
+    router = hidden * moe.num_experts
+    return MLPCounts(moe.num_experts * one + router, moe.top_k * one + router, 2 * (moe.top_k * weights + router))
 
 
 def transformer_block_flops(hidden: int, ffn: int, seq: int) -> int:

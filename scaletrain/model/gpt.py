@@ -3,7 +3,7 @@ biases and GELU, final LayerNorm, output layer tied to the word embedding."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import tensor_parallel
@@ -11,19 +11,19 @@ from torch import nn
 
 from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
-from scaletrain.model.counts import ModelCounts, transformer_block_flops
+from scaletrain.model.counts import MLPCounts, ModelCounts, mlp_counts
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     KVCache,
     ParallelAttention,
-    ParallelMLP,
     TransformerBlock,
     full_sequence_length,
     gelu_tanh,
     masked_vocab_parallel_loss,
     parallel_lm_logits,
 )
+from scaletrain.model.moe import MoEConfig, block_mlp, validate_moe
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sequence_parallel import mark_sequence_parallel, scatter_to_sequence_parallel
 
@@ -32,7 +32,9 @@ DECODER_BATCH = BatchSchema(inputs=("tokens",), labels=("labels",), optional_inp
 
 @dataclass
 class GPTConfig(ModelConfig):
-    """GPT has no keys beyond the shared ones."""
+    """GPT's keys beyond the shared ones: its MLPs may be mixtures of experts (Switch-style GELU experts)."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model/moe.py)
 
 
 class GPTEmbedding(nn.Module):
@@ -65,7 +67,8 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
     prefix = f"blocks.{layer}"
 
     def init(part: str, sublayer: str):
-        std = output_std if part in ("output", "proj") else model.init_std
+        # a residual branch's output projection (an expert's too: "experts.3.proj")
+        std = output_std if part.rsplit(".", 1)[-1] in ("output", "proj") else model.init_std
         return normal_init(std, seed, f"{prefix}.{sublayer}.{part}")
 
     mp_config = model_parallel_config(config)
@@ -73,9 +76,8 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
         model.hidden_size, model.num_heads, mp_config, lambda part: init(part, "attention"),
         causal=True, dropout=model.dropout, layer_index=layer,
     )
-    mlp = ParallelMLP(
-        model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"), activation=gelu_tanh
-    )
+    mlp = block_mlp(model.moe, layer, model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"),
+                    config.train.grad_accum, activation=gelu_tanh)
     return sequence_parallel_region(config, TransformerBlock(
         attention, mlp, lambda: nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps), dropout=model.dropout
     ))
@@ -172,29 +174,51 @@ def model_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
     4h*ffn (MLP), plus 4hs for attention scores and values; the logits add 2hV. Backward
     doubles it. With ffn=4h this is Narayanan et al. 2021's 72*l*h^2*(1 + s/6h) + 6hV, and
     equals PaLM's 6N + 12*l*h*s (Chowdhery et al. 2022, app. B) with N the matmul weights.
+    A MoE layer's MLP counts its router and top_k experts (model/counts.py mlp_counts).
     """
-    per_layer = transformer_block_flops(model.hidden_size, model.ffn_size, model.seq_length)
-    return 3.0 * (model.num_layers * per_layer + 2 * model.hidden_size * vocab_size)
+    hidden, seq = model.hidden_size, model.seq_length
+    forward = sum(8 * hidden * hidden + 4 * hidden * seq + _mlp(model, layer).forward_flops
+                  for layer in range(model.num_layers))
+    return 3.0 * (forward + 2 * hidden * vocab_size)
+
+
+def _mlp(model: GPTConfig, layer: int) -> MLPCounts:
+    ffn = (model.moe.ffn_hidden_size or model.ffn_size) if model.moe.is_moe_layer(layer) else model.ffn_size
+    return mlp_counts(model.moe, layer, model.hidden_size, 2 * model.hidden_size * ffn, ffn + model.hidden_size)
 
 
 def counts(config: Config) -> ModelCounts:
     """The tied output layer computes logits at every position: Narayanan et al. 2021, eq. 3 (6hV
-    for the head). Embedding parameters: the word and position tables."""
+    for the head). Embedding parameters: the word and position tables. A block is QKV and output
+    (4h² + 4h with biases) and two LayerNorms (4h) besides its MLP (fc and proj, 2h·ffn + ffn + h)."""
     model, vocab = config.model, config.padded_vocab_size
-    hidden, ffn = model.hidden_size, model.ffn_size
-    block = 4 * hidden * hidden + 2 * hidden * ffn + 9 * hidden + ffn  # QKV, output, fc, proj (+ biases), 2 LNs
+    hidden = model.hidden_size
+    mlps = [_mlp(model, layer) for layer in range(model.num_layers)]
+    attention = model.num_layers * (4 * hidden * hidden + 8 * hidden)
     embedding = vocab * hidden + model.seq_length * hidden
     return ModelCounts(
-        total_params=embedding + model.num_layers * block + 2 * hidden, embedding_params=embedding,
+        total_params=embedding + attention + sum(mlp.params for mlp in mlps) + 2 * hidden,
+        active_params=embedding + attention + sum(mlp.active_params for mlp in mlps) + 2 * hidden,
+        embedding_params=embedding,
         flops_per_token=model_flops_per_token(model, vocab),
         flops_formula="3·(l·(8h² + 4h·ffn + 4h·s) + 2h·V) = 6N + 12·l·h·s + 6h·V with N the block weights "
-                      "(Narayanan et al. 2021, eq. 3; PaLM app. B)",
+                      "(Narayanan et al. 2021, eq. 3; PaLM app. B)" + _moe_formula(model.moe),
     )
+
+
+def _moe_formula(moe: MoEConfig) -> str:
+    if not moe.enabled:
+        return ""
+    return (f"; a MoE layer's 4h·ffn is top_k·4h·ffn_expert + 2h·E (k={moe.top_k} of E={moe.num_experts} "
+            "experts and the router)")
 
 
 def validate(config: Config) -> None:
     if config.model.ffn_size < 1:
         raise ConfigError(f"model.ffn_hidden_size={config.model.ffn_hidden_size} must be >= 1")
+    problems = validate_moe(config.model.moe, config.parallel.sequence_parallel)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 FAMILY = ModelFamily(

@@ -8,14 +8,14 @@ checkpoint/hf/llama.py maps weights one to one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.config import Config, ConfigError, ModelConfig
-from scaletrain.model.counts import ModelCounts
+from scaletrain.model.counts import ModelCounts, mlp_counts
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
 from scaletrain.model.gpt import (
     DECODER_BATCH,
@@ -28,11 +28,11 @@ from scaletrain.model.gpt import (
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     ParallelAttention,
-    ParallelMLP,
     RMSNorm,
     RotaryEmbedding,
     TransformerBlock,
 )
+from scaletrain.model.moe import MoEConfig, block_mlp, validate_moe
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
 
@@ -42,6 +42,8 @@ class LlamaConfig(ModelConfig):
     num_kv_heads: int | None = None  # None: num_heads (multi-head); fewer: grouped-query; 1: multi-query
     rope_theta: float = 10000.0  # Llama 2: 1e4; Llama 3: 5e5
     layernorm_eps: float = 1e-5  # RMSNorm eps
+    # mixture-of-experts MLPs (model/moe.py): SwiGLU experts, as Mixtral (Jiang et al. 2024)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def ffn_size(self) -> int:
@@ -81,8 +83,9 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
     output_std = residual_std(model.init_std, model.num_layers)
 
     def init(sublayer: str):
-        return lambda part: normal_init(
-            output_std if part in ("output", "proj") else model.init_std, seed, f"blocks.{layer}.{sublayer}.{part}"
+        return lambda part: normal_init(  # a residual branch's output projection (an expert's too)
+            output_std if part.rsplit(".", 1)[-1] in ("output", "proj") else model.init_std, seed,
+            f"blocks.{layer}.{sublayer}.{part}",
         )
 
     mp_config = model_parallel_config(config)
@@ -91,8 +94,8 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
         num_kv_heads=model.num_query_groups, head_dim=model.attention_head_dim, bias=False, causal=True,
         dropout=model.dropout, rotary=RotaryEmbedding(model.attention_head_dim, model.rope_theta), layer_index=layer,
     )
-    mlp = ParallelMLP(model.hidden_size, model.ffn_size, mp_config, init("mlp"),
-                      activation=torch.nn.functional.silu, gated=True, bias=False)
+    mlp = block_mlp(model.moe, layer, model.hidden_size, model.ffn_size, mp_config, init("mlp"),
+                    config.train.grad_accum, activation=torch.nn.functional.silu, gated=True, bias=False)
     return sequence_parallel_region(config, TransformerBlock(
         attention, mlp, lambda: RMSNorm(model.hidden_size, model.layernorm_eps), dropout=model.dropout
     ))
@@ -140,18 +143,29 @@ def counts(config: Config) -> ModelCounts:
     """Per layer: q h·(n·d), k and v h·(g·d) each, o (n·d)·h, SwiGLU 3·h·f, two RMSNorm gains; plus
     the word table, the untied output layer (a matmul: non-embedding, as for T5 v1.1) and the final
     norm. FLOPs per token (Kaplan et al. 2020, table 1, per matmul): forward 2 per weight of the
-    layers and the output layer, plus 4·s·(n·d) for attention scores and values; times 3."""
+    layers and the output layer, plus 4·s·(n·d) for attention scores and values; times 3. A MoE
+    layer's MLP is E SwiGLU experts and the router, of which a token runs top_k (model/counts.py)."""
     model, vocab = config.model, config.padded_vocab_size
-    hidden, ffn, seq = model.hidden_size, model.ffn_size, model.seq_length
+    hidden, seq = model.hidden_size, model.seq_length
     inner, kv_inner = model.num_heads * model.attention_head_dim, model.num_query_groups * model.attention_head_dim
-    layer_weights = 2 * hidden * inner + 2 * hidden * kv_inner + 3 * hidden * ffn
-    total = 2 * vocab * hidden + model.num_layers * (layer_weights + 2 * hidden) + hidden
-    forward = model.num_layers * (2 * layer_weights + 4 * seq * inner) + 2 * hidden * vocab
+    attention = 2 * hidden * inner + 2 * hidden * kv_inner
+    mlps = [mlp_counts(model.moe, layer, hidden, 3 * hidden * _ffn(model, layer), 0)
+            for layer in range(model.num_layers)]
+    outside_mlps = 2 * vocab * hidden + model.num_layers * (attention + 2 * hidden) + hidden
+    forward = sum(2 * attention + 4 * seq * inner + mlp.forward_flops for mlp in mlps) + 2 * hidden * vocab
+    formula = ("3·(l·(2·(2h·n·d + 2h·g·d + 3h·f) + 4s·n·d) + 2h·V) (Kaplan et al. 2020, table 1; "
+               "n query heads, g key/value heads, SwiGLU f)")
+    if model.moe.enabled:
+        formula += f"; a MoE layer's 3h·f is k·3h·f_expert + h·E (k={model.moe.top_k} of E={model.moe.num_experts})"
     return ModelCounts(
-        total_params=total, embedding_params=vocab * hidden, flops_per_token=3.0 * forward,
-        flops_formula="3·(l·(2·(2h·n·d + 2h·g·d + 3h·f) + 4s·n·d) + 2h·V) (Kaplan et al. 2020, table 1; "
-                      "n query heads, g key/value heads, SwiGLU f)",
+        total_params=outside_mlps + sum(mlp.params for mlp in mlps),
+        active_params=outside_mlps + sum(mlp.active_params for mlp in mlps),
+        embedding_params=vocab * hidden, flops_per_token=3.0 * forward, flops_formula=formula,
     )
+
+
+def _ffn(model: LlamaConfig, layer: int) -> int:
+    return (model.moe.ffn_hidden_size or model.ffn_size) if model.moe.is_moe_layer(layer) else model.ffn_size
 
 
 def validate(config: Config) -> None:
@@ -171,6 +185,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head dimension {model.attention_head_dim} must be even for rotary embeddings")
     if model.rope_theta <= 0:
         raise ConfigError(f"model.rope_theta={model.rope_theta} must be > 0")
+    problems = validate_moe(model.moe, config.parallel.sequence_parallel)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 FAMILY = ModelFamily(

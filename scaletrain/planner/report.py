@@ -51,6 +51,9 @@ def _parameters(plan: Plan) -> str:
         f"{counts.embedding_params:,} in embedding tables)",
         f"  {_layer_summary(counted.layers)}",
     ]
+    if counts.sparse:  # a mixture of experts: a token meets its routed experts only
+        lines.insert(1, f"active parameters per token: {counts.active_params:,} ({counts.active_params / 1e9:.2f} B; "
+                        "the routed experts of each MoE layer, not all of them)")
     shown = plan.chosen or (plan.feasible[0] if plan.feasible else None)
     if shown is not None:
         layout = shown.layout

@@ -44,6 +44,7 @@ from scaletrain.train.hooks.console import LogLines, ProgressBar
 from scaletrain.train.hooks.divergence import DivergenceStop
 from scaletrain.train.hooks.evaluation import PeriodicEvaluation
 from scaletrain.train.hooks.metrics import StepMetrics
+from scaletrain.train.hooks.moe import ExpertStatistics
 from scaletrain.train.hooks.speed import SpeedMonitor, TimedBatches
 from scaletrain.train.hooks.summary import RUN_SUMMARY_FILE as RUN_SUMMARY_FILE  # noqa: F401 (sweeps read it here)
 from scaletrain.train.hooks.summary import RunSummary
@@ -175,8 +176,9 @@ def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology
     and printed; a diverged run stops before anything is pruned; the summary follows the last checkpoint."""
     speed, progress = SpeedMonitor(config, topology, batches), ProgressBar(config, topology)
     evaluation = PeriodicEvaluation(engine, objective, config, topology, logger, progress)
-    return Hooks([speed, StepMetrics(logger), LogLines(config, topology), DivergenceStop(config, topology),
-                  Checkpointing(engine, config, topology), progress, evaluation,
+    routing = ExpertStatistics.for_model(engine.module, topology.device)  # None without MoE layers
+    return Hooks([speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
+                  DivergenceStop(config, topology), Checkpointing(engine, config, topology), progress, evaluation,
                   RunSummary(config, topology, speed, evaluation)])
 
 
@@ -285,6 +287,7 @@ def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
     global_batch = config.global_batch_size(topology.data_parallel_size)
     tokens = config.train.steps * global_batch * config.model.seq_length
     return {"params": counts.total_params, "non_embedding_params": counts.non_embedding_params,
+            "active_params": counts.active_params,
             "flops_per_token": counts.flops_per_token, "tokens": tokens, "flops": tokens * counts.flops_per_token,
             "world_size": topology.world_size, "data_parallel_size": topology.data_parallel_size,
             "global_batch_size": global_batch, "tokens_per_step": global_batch * config.model.seq_length}
@@ -292,8 +295,9 @@ def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
 
 def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state: TrainState) -> str:
     resumed = f"resuming at step {state.step} from {state.resumed_from}" if state.resumed_from else "starting at step 0"
+    active = f", {facts['active_params']:,} active" if facts["active_params"] != facts["params"] else ""
     return (f"train: {config.model.family}, {facts['params']:,} parameters ({facts['non_embedding_params']:,} "
-            f"non-embedding); world {topology.world_size} = TP {topology.tensor_parallel_size} x "
+            f"non-embedding{active}); world {topology.world_size} = TP {topology.tensor_parallel_size} x "
             f"DP {topology.data_parallel_size} x PP {topology.pipeline_parallel_size}, "
             f"ZeRO-{config.parallel.zero_stage}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "

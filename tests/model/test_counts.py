@@ -59,6 +59,10 @@ FAMILIES = {
     "t5_prefix_lm": ["model.family=t5", "objective.kind=prefix_lm"],
     "llama_gqa": ["model.family=llama", "model.num_kv_heads=2", "model.ffn_hidden_size=56"],
     "llama_mqa_head_dim": ["model.family=llama", "model.num_kv_heads=1", "model.head_dim=6"],
+    # mixture of experts, dropless (the counts are the dropless work): every other block, or all of them
+    "gpt_moe_switch": ["model.family=gpt", "model.moe.num_experts=4", "model.moe.top_k=1", "model.moe.every=2",
+                       "model.moe.ffn_hidden_size=40"],
+    "llama_moe_top2": ["model.family=llama", "model.num_kv_heads=2", "model.moe.num_experts=4", "model.moe.top_k=2"],
 }
 VARIANTS = {
     f"{family}/{shape}": [*SHAPES[shape], *overrides] for family, overrides in FAMILIES.items() for shape in SHAPES
@@ -176,3 +180,15 @@ def test_gpt3_125m_non_embedding_params() -> None:
     counts = model_counts(load_config(REPO / "configs" / "gpt3_125m.yaml"))
     assert 120e6 < counts.total_params < 130e6
     assert 84e6 < counts.non_embedding_params < 86e6
+
+
+@pytest.mark.parametrize("name", [name for name in VARIANTS if "_moe_" in name])
+def test_active_params_are_the_total_less_the_experts_a_token_skips(measured: dict, small_dataset: Path,
+                                                                     name: str) -> None:
+    """Active = every parameter less, in each MoE layer, the E - k experts a token does not run."""
+    config = tiny_config(name, small_dataset)
+    counts, moe = model_counts(config), config.model.moe
+    expert = build_model(config).blocks[0].mlp.experts[0]  # block 0 is a MoE layer at any `every`
+    skipped = (moe.num_experts - moe.top_k) * sum(p.numel() for p in expert.parameters())
+    moe_layers = len(moe.moe_layers(config.model.num_layers))
+    assert counts.active_params == measured[name]["total"] - moe_layers * skipped < counts.total_params

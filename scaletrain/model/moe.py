@@ -1,0 +1,269 @@
+"""Mixture-of-experts MLP layers: a top-k router over expert MLPs, expert capacity, and the auxiliary losses.
+
+A MoE layer stands where a block's MLP stands and sends each token to k of E expert MLPs, so the
+parameters grow E-fold while the compute per token grows k-fold (Shazeer et al. 2017; Lepikhin et
+al. 2021, GShard; Fedus et al. 2022, Switch Transformers; Jiang et al. 2024, Mixtral):
+
+    router      logits = x W_r (fp32, Switch sec. 2.4 "selective precision"), p = softmax(logits),
+                the k experts of largest p; combine weights p renormalised over the k when k > 1
+                (GShard, Mixtral), the raw p when k = 1 (Switch eq. 2: the router then learns
+                from the main loss too)
+    capacity    with `capacity_factor` c each expert takes at most ceil(c · k · T / E) of the T tokens
+                it is offered in one forward; first choices before second ones, then in token order
+                (GShard's Algorithm 1); a dropped assignment contributes nothing and the token's
+                residual carries it on. Without c the layer is dropless.
+    aux losses  load balancing α · E · Σ_e f_e · P_e (Switch eq. 4, f_e the share of the k·T
+                assignments routed to e before capacity, so a balanced router scores 1 at any k) and
+                the router z-loss β · mean_t logsumexp(logits_t)² (Zoph et al. 2022, ST-MoE eq. 5).
+
+The auxiliary losses never enter the activations: each layer adds their gradient in backward
+(Megatron-core's MoEAuxLossAutoScaler), so a pipeline stage's MoE layers train them without the
+loss travelling between stages, and `loss` stays the language-model loss a dense model reports.
+Their gradient is scaled by 1/grad_accum, as DeepSpeed scales the main loss of each micro-batch.
+Routing is computed per micro-batch on the rank that holds it: the same in every layout.
+
+Experts are the block kit's ParallelMLP, each split over tensor-parallel ranks like a dense MLP;
+the router is replicated (every TP rank routes the same tokens the same way).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.model_parallel_config import ModelParallelConfig
+from torch import nn
+
+from scaletrain.model.init import InitMethod
+from scaletrain.model.layers import ParallelMLP, PartInit
+
+
+@dataclass
+class MoEConfig:
+    """`model.moe:` of the causal decoders (gpt, llama): which blocks are MoE layers and how they route."""
+
+    num_experts: int = 0  # experts per MoE layer; 0: a dense model
+    top_k: int = 2  # experts per token: 1 as Switch (Fedus et al. 2022), 2 as GShard and Mixtral
+    every: int = 1  # blocks 0, every, 2·every, ... are MoE layers (Megatron's --moe-layer-freq); 1: all
+    # Each expert takes at most ceil(capacity_factor · top_k · tokens / num_experts) assignments per forward
+    # on a rank; the rest are dropped (their residual passes on). null: dropless, every assignment computed
+    capacity_factor: float | None = None
+    aux_loss_coeff: float = 0.01  # load-balancing loss weight (Switch eq. 4; the loss is 1 when balanced)
+    z_loss_coeff: float = 0.001  # router z-loss weight (Zoph et al. 2022, ST-MoE eq. 5)
+    ffn_hidden_size: int | None = None  # each expert's hidden size; null: the model's ffn size
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.enabled and layer % self.every == 0
+
+    def moe_layers(self, num_layers: int) -> list[int]:
+        return [layer for layer in range(num_layers) if self.is_moe_layer(layer)]
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Assignments one expert takes from `num_tokens` tokens; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * self.top_k * num_tokens / self.num_experts)
+
+
+def validate_moe(moe: MoEConfig, sequence_parallel: bool) -> list[str]:
+    """What is wrong with `model.moe` (each message names the key and the fix); empty when nothing is."""
+    if moe.num_experts < 0:
+        return [f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)"]
+    if not moe.enabled:
+        return []
+    problems = []
+    if not 1 <= moe.top_k <= moe.num_experts:
+        problems.append(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
+    if moe.every < 1:
+        problems.append(f"model.moe.every={moe.every} must be >= 1 (1: every block is a MoE layer)")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        problems.append(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null for dropless routing")
+    if moe.aux_loss_coeff < 0 or moe.z_loss_coeff < 0:
+        problems.append(f"model.moe.aux_loss_coeff={moe.aux_loss_coeff} and model.moe.z_loss_coeff="
+                        f"{moe.z_loss_coeff} must be >= 0")
+    if moe.ffn_hidden_size is not None and moe.ffn_hidden_size < 1:
+        problems.append(f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be >= 1, or null for the model's")
+    if sequence_parallel:
+        problems.append("parallel.sequence_parallel=true with model.moe.num_experts > 0: MoE layers route whole "
+                        "sequences; set parallel.sequence_parallel=false")
+    return problems
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a forward's T tokens go: each token's k experts, in order of probability."""
+
+    experts: torch.Tensor  # [T, k] expert ids
+    weights: torch.Tensor  # [T, k] combine weights (fp32)
+    kept: torch.Tensor  # [T, k] True where the assignment is within its expert's capacity
+    probabilities: torch.Tensor  # [T, E] the router's softmax (fp32)
+    logits: torch.Tensor  # [T, E] (fp32)
+
+
+def route(logits: torch.Tensor, top_k: int, capacity: int | None) -> Routing:
+    """Top-k routing of router logits [T, E] (fp32), with the capacity rule of the module docstring."""
+    probabilities = logits.softmax(dim=-1)
+    top_probabilities, experts = probabilities.topk(top_k, dim=-1)
+    weights = top_probabilities / top_probabilities.sum(dim=-1, keepdim=True) if top_k > 1 else top_probabilities
+    if capacity is None:
+        kept = torch.ones_like(experts, dtype=torch.bool)
+    else:
+        choice_major = F.one_hot(experts.t().reshape(-1), logits.shape[-1])  # [k·T, E]: first choices first
+        position = (choice_major.cumsum(dim=0) * choice_major).sum(dim=-1) - 1  # its place in its expert's queue
+        kept = (position < capacity).reshape(top_k, -1).t()
+    return Routing(experts, weights, kept, probabilities, logits)
+
+
+def load_balancing_loss(routing: Routing) -> torch.Tensor:
+    """Switch eq. 4 over k assignments per token: E · Σ_e f_e · P_e, with f_e the share of assignments to
+    expert e (before capacity: what the router asked for) and P_e the mean router probability of e.
+    1 when both are uniform. (transformers' Mixtral loss is k times this: its f sums to k.)"""
+    num_experts = routing.probabilities.shape[-1]
+    assigned = F.one_hot(routing.experts, num_experts).sum(dim=(0, 1)).float()
+    share = assigned / routing.experts.numel()
+    return num_experts * (share * routing.probabilities.mean(dim=0)).sum()
+
+
+def router_z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE eq. 5: the mean squared log-partition of the router logits; keeps them small."""
+    return routing.logits.logsumexp(dim=-1).square().mean()
+
+
+class _AttachAuxiliaryLoss(torch.autograd.Function):
+    """Identity on `output`; backward also starts `loss`'s gradient at `scale` (Megatron-core's
+    MoEAuxLossAutoScaler): the loss trains its parameters without joining the returned loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+class Router(nn.Module):
+    """The replicated gate W_r [E, h]; logits in fp32."""
+
+    def __init__(self, hidden_size: int, num_experts: int, init_method: InitMethod) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        with torch.no_grad():
+            init_method(self.weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(tokens.float(), self.weight.float())
+
+
+STATISTICS = ("aux_loss", "z_loss", "assigned", "dropped", "forwards")
+
+
+class RoutingStatistics:
+    """Sums over this rank's training forwards since the last `take()`: the auxiliary losses, the
+    assignments per expert and the dropped ones. Ratios of them are what train/hooks/moe.py logs, so
+    a forward recomputed under activation checkpointing (counted twice) changes none of them."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._sums: torch.Tensor | None = None
+
+    def add(self, routing: Routing, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> None:
+        with torch.no_grad():
+            assigned = F.one_hot(routing.experts, self.num_experts).sum(dim=(0, 1)).double()
+            dropped = (~routing.kept).sum().double()
+            row = torch.cat([torch.stack([aux_loss.double(), z_loss.double()]), assigned,
+                             torch.stack([dropped, torch.ones_like(dropped)])])
+            self._sums = row if self._sums is None else self._sums + row
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """[aux_loss, z_loss, assigned per expert..., dropped, forwards] summed, then reset (zeros if none)."""
+        sums = self._sums if self._sums is not None else torch.zeros(self.num_experts + 4, dtype=torch.float64)
+        self._sums = None
+        return sums.to(device)
+
+
+class MoELayer(nn.Module):
+    """A block's MLP as E expert MLPs and a top-k router (the module docstring says how)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        moe: MoEConfig,
+        mp_config: ModelParallelConfig,
+        init: PartInit,
+        *,
+        layer_index: int,
+        aux_loss_scale: float,
+        **mlp_options,
+    ) -> None:
+        super().__init__()
+        self.moe, self.layer_index, self.aux_loss_scale = moe, layer_index, aux_loss_scale
+        self.router = Router(hidden_size, moe.num_experts, init("router"))
+        self.experts = nn.ModuleList(
+            ParallelMLP(hidden_size, ffn_hidden_size, mp_config,
+                        lambda part, expert=expert: init(f"experts.{expert}.{part}"), **mlp_options)
+            for expert in range(moe.num_experts)
+        )
+        self.statistics = RoutingStatistics(moe.num_experts)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [seq, batch, h]; tokens are routed in sample order (batch-major) for capacity priority."""
+        seq_length, batch_size, hidden_size = hidden.shape
+        tokens = hidden.transpose(0, 1).reshape(-1, hidden_size)
+        routing = route(self.router(tokens), self.moe.top_k, self.moe.capacity(tokens.shape[0]))
+        output = self._combine(tokens, routing)
+        output = output.reshape(batch_size, seq_length, hidden_size).transpose(0, 1)
+        if self.training:
+            aux_loss, z_loss = load_balancing_loss(routing), router_z_loss(routing)
+            self.statistics.add(routing, aux_loss.detach(), z_loss.detach())
+            penalty = self.moe.aux_loss_coeff * aux_loss + self.moe.z_loss_coeff * z_loss
+            if penalty.requires_grad:
+                output = _AttachAuxiliaryLoss.apply(output, penalty, self.aux_loss_scale)
+        return output
+
+    def _combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Σ over a token's kept assignments of weight · expert(token). Every expert runs, with no tokens
+        if none came: its tensor-parallel collectives and ZeRO-3's gathers happen on every step alike."""
+        output = torch.zeros_like(tokens)
+        token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.moe.top_k)
+        experts, weights, kept = routing.experts.reshape(-1), routing.weights.reshape(-1), routing.kept.reshape(-1)
+        for expert_id, expert in enumerate(self.experts):
+            assignments = ((experts == expert_id) & kept).nonzero().squeeze(-1)
+            token_index = token_of[assignments]
+            # megatron's linears take [seq, batch, h]: the routed tokens as a batch of one
+            expert_output = expert(tokens[token_index].unsqueeze(1)).squeeze(1)
+            output.index_add_(0, token_index, expert_output * weights[assignments, None].to(tokens.dtype))
+        return output
+
+
+def moe_layers_of(module: nn.Module) -> list[MoELayer]:
+    """The MoE layers this process holds (a pipeline stage holds its own), in module order."""
+    return [child for child in module.modules() if isinstance(child, MoELayer)]
+
+
+def block_mlp(
+    moe: MoEConfig,
+    layer: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    mp_config: ModelParallelConfig,
+    init: PartInit,
+    grad_accum: int,
+    **mlp_options,
+) -> nn.Module:
+    """Block `layer`'s MLP: a MoELayer where `moe` puts one (experts of moe.ffn_hidden_size, else
+    `ffn_hidden_size`), else the dense ParallelMLP; `mlp_options` (activation, gated, bias) shape both."""
+    if not moe.is_moe_layer(layer):
+        return ParallelMLP(hidden_size, ffn_hidden_size, mp_config, init, **mlp_options)
+    return MoELayer(hidden_size, moe.ffn_hidden_size or ffn_hidden_size, moe, mp_config, init,
+                    layer_index=layer, aux_loss_scale=1.0 / grad_accum, **mlp_options)

@@ -1,0 +1,80 @@
+"""Mixture-of-experts routing metrics in each step's record: per MoE layer, each expert's share of the
+assignments, the share dropped at capacity, and the auxiliary losses (model/moe.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch import nn
+
+from scaletrain.model.moe import moe_layers_of
+from scaletrain.train.hooks import Hook
+from scaletrain.train.state import TrainState
+
+
+class ExpertStatistics(Hook):
+    """Adds to the step's record, summed over every rank's micro-batches of the step:
+
+        moe/aux_loss, moe/z_loss, moe/dropped_fraction       over all MoE layers
+        moe/blocks.L/aux_loss, .../z_loss, .../dropped_fraction
+        moe/blocks.L/load_E                                   expert E's share of layer L's assignments
+
+    Loads are shares of the k·T assignments the router made (before capacity), so a balanced layer
+    has 1/E everywhere. Each MoE layer lives on one pipeline stage and is replicated over tensor-
+    parallel ranks (which route alike): tensor-parallel rank 0 of every stage and data-parallel
+    replica contributes its layers' sums, and one all-reduce over the world adds them up.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self._device = device
+        self._local = {layer.layer_index: layer for layer in moe_layers_of(model)}
+        experts = next(iter(self._local.values())).moe.num_experts if self._local else 0
+        everyone: list[Any] = [None] * dist.get_world_size()  # each stage names its layers
+        dist.all_gather_object(everyone, (sorted(self._local), experts))
+        self._layers = sorted({index for indices, _ in everyone for index in indices})
+        self._num_experts = max(experts for _, experts in everyone)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, device: torch.device) -> ExpertStatistics | None:
+        """The hook if any rank holds a MoE layer (every rank asks: it is a collective), else None."""
+        holds = torch.tensor([int(bool(moe_layers_of(model)))], device=device)
+        dist.all_reduce(holds, op=dist.ReduceOp.MAX)
+        return cls(model, device) if holds.item() else None
+
+    def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
+        sums = torch.zeros(len(self._layers), self._num_experts + 4, dtype=torch.float64, device=self._device)
+        counts_here = parallel_state.get_tensor_model_parallel_rank() == 0
+        for row, index in enumerate(self._layers):
+            if index in self._local:
+                taken = self._local[index].statistics.take(self._device)  # every rank resets its sums
+                if counts_here:
+                    sums[row] = taken
+        dist.all_reduce(sums)
+        record.update(routing_metrics(sums, self._layers))
+
+
+def routing_metrics(sums: torch.Tensor, layers: list[int]) -> dict[str, float]:
+    """The record's moe/ fields from per-layer rows [aux_loss, z_loss, assigned per expert..., dropped,
+    forwards] (model/moe.py RoutingStatistics), summed over ranks."""
+    metrics: dict[str, float] = {}
+    forwards, assigned, dropped = sums[:, -1], sums[:, 2:-2], sums[:, -2]
+    trained = forwards > 0
+    if not trained.any():  # a step every micro-batch of which was skipped has nothing to report
+        return metrics
+    for row, layer in enumerate(layers):
+        if not trained[row]:
+            continue
+        prefix = f"moe/blocks.{layer}/"
+        total = assigned[row].sum()
+        metrics[prefix + "aux_loss"] = float(sums[row, 0] / forwards[row])
+        metrics[prefix + "z_loss"] = float(sums[row, 1] / forwards[row])
+        metrics[prefix + "dropped_fraction"] = float(dropped[row] / total)
+        for expert, count in enumerate(assigned[row].tolist()):
+            metrics[prefix + f"load_{expert}"] = count / float(total)
+    metrics["moe/aux_loss"] = float((sums[trained, 0] / forwards[trained]).mean())
+    metrics["moe/z_loss"] = float((sums[trained, 1] / forwards[trained]).mean())
+    metrics["moe/dropped_fraction"] = float(dropped[trained].sum() / assigned[trained].sum())
+    return metrics

@@ -1,0 +1,80 @@
+"""A Mixtral-style MoE decoder (configs/mixtral_tiny.yaml, tiny shapes) trains, logs its routing, resumes
+bit-identically, and matches the single rank in TP2, DP2 ZeRO-1, DP2 ZeRO-3 and PP2. Capacity factor 1.0,
+so assignments are dropped: routing and capacity are per micro-batch, which every layout shares with the
+single rank (micro-batch 4, two of them per step there); the auxiliary losses train in every stage.
+
+Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global batch 8).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs import REPO, read_metrics
+from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank, assert_resume_is_exact, train_twice
+
+CONFIG = str(REPO / "configs" / "mixtral_tiny.yaml")
+# tiny_overrides' 2 layers of hidden 64; 4 experts of width 32, top-2
+TINY = ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "model.moe.capacity_factor=1.0",
+        "model.moe.aux_loss_coeff=0.05"]
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["parallel.tensor=2"]),
+    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
+    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
+    "pp2": (2, ["parallel.pipeline=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, LayoutRuns] = {}
+
+    def get(layout: str) -> LayoutRuns:
+        if layout not in cache:
+            nproc, overrides = LAYOUTS[layout]
+            root = tmp_path_factory.mktemp(f"moe_{layout}")
+            cache[layout] = train_twice(small_dataset, root, nproc, [*TINY, *overrides], config=CONFIG)
+        return cache[layout]
+
+    return get
+
+
+def routing_records(run_dir: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record for record in records if "moe/aux_loss" in record}
+
+
+@pytest.mark.slow
+def test_single_rank_learns_resumes_and_logs_its_routing(runs):
+    reference = runs("single")
+    assert_resume_is_exact(reference)
+    training, _ = read_metrics(reference.straight)
+    assert training[STEPS]["loss"] < training[1]["loss"] - 0.5, "the MoE model did not learn"
+    routing = routing_records(reference.straight)
+    assert sorted(routing) == list(range(1, STEPS + 1))  # every step's record
+    for record in routing.values():
+        for layer in (0, 1):
+            loads = [record[f"moe/blocks.{layer}/load_{expert}"] for expert in range(4)]
+            assert sum(loads) == pytest.approx(1.0)
+            assert 0.5 < record[f"moe/blocks.{layer}/aux_loss"] < 4.0  # 1 when balanced, E=4 when collapsed
+        assert 0 < record["moe/dropped_fraction"] < 0.5
+        assert record["moe/z_loss"] > 0
+    records = [json.loads(line) for line in (reference.straight / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [record for record in records if "val_loss" in record]
+    assert evaluations and not any("moe/aux_loss" in record for record in evaluations)  # evaluation trains nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "dp2_zero1", "dp2_zero3", "pp2"])
+def test_layout_resumes_exactly_and_matches_single_rank(runs, layout: str):
+    ours = runs(layout)
+    assert_resume_is_exact(ours)
+    assert_matches_single_rank(ours, runs("single"))
+    reference = routing_records(runs("single").straight)
+    for step, record in routing_records(ours.straight).items():
+        assert record["moe/aux_loss"] == pytest.approx(reference[step]["moe/aux_loss"], rel=1e-4), step
+        assert record["moe/dropped_fraction"] == pytest.approx(reference[step]["moe/dropped_fraction"], abs=5e-3)

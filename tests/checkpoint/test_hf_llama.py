@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from scaletrain.checkpoint.hf.llama import export_hf, import_hf
 from scaletrain.config import _read_yaml_with_bases
+from scaletrain.model.moe import MoEConfig
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB_SIZE = 384  # padded: 3 x 128
@@ -38,6 +39,7 @@ class LlamaModelConfig:
     init_std: float = 0.02
     dropout: float = 0.0
     family: str = "llama"
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def attention_head_dim(self) -> int:

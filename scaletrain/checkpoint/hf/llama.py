@@ -1,4 +1,5 @@
-"""Llama-family weights to and from Hugging Face `LlamaForCausalLM` (Touvron et al. 2023; Dubey et al. 2024).
+"""Llama-family weights to and from Hugging Face `LlamaForCausalLM` (Touvron et al. 2023; Dubey et al. 2024),
+and `MixtralForCausalLM` (Jiang et al. 2024) for a llama whose every MLP is a mixture of experts.
 
 Our blocks compute what HF's do with the same matrices: RMSNorm, rotate-half rotary embeddings (so
 q/k rows need no permutation), grouped-query attention, SwiGLU, no biases, an untied output layer.
@@ -6,6 +7,12 @@ Only the fusion differs: with num_kv_heads == num_heads our `attention.qkv` is [
 `attention.query` is q and `attention.key_value` is [k; v]; `mlp.fc` is [gate; up]. As for GPT, the
 HF vocabulary is our padded one (conversion.py explains why). Import takes plain rotary embeddings
 only: rope scaling (Llama 3.1's long context) is not in our model, so it is refused, not dropped.
+
+Mixtral: our `mlp.router` is HF's `mlp.gate`; expert e's `mlp.experts.e.fc` ([gate; up]) and `.proj` are
+row e of HF's stacked `experts.gate_up_proj` ([E, 2f, h], gate then up) and `experts.down_proj` (save_pretrained
+writes them as the Hub's per-expert w1/w3/w2). Both route the same way (softmax, top-k, renormalised
+for k > 1), dropless: a model trained with a capacity factor exports the same weights, which transformers
+runs without drops. HF's load-balancing loss is top_k times ours (model/moe.py), so its coefficient is ours / k.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
 
 from scaletrain.checkpoint.hf.conversion import StateDict, check_all_taken, fp32, take, weights_only
 from scaletrain.config import Config, ModelConfig
@@ -35,46 +42,66 @@ class LlamaShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # the dense MLP's, or one expert's
+    num_experts: int = 0  # 0: dense (LlamaForCausalLM); else every MLP is a mixture (MixtralForCausalLM)
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, vocab_size: int) -> LlamaShape:
+        moe = config.moe
+        if moe.enabled and moe.every != 1:
+            raise ValueError(f"model.moe.every={moe.every}: transformers' MixtralForCausalLM has experts in every "
+                             "layer; only model.moe.every=1 exports")
+        if moe.enabled and moe.top_k == 1:
+            raise ValueError("model.moe.top_k=1: MixtralForCausalLM renormalises the top-k weights, which at k=1 "
+                             "makes every weight 1 where ours is the router probability (Switch); use top_k >= 2 "
+                             "to export")
+        ffn = (moe.ffn_hidden_size or config.ffn_size) if moe.enabled else config.ffn_size
         return cls(vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
-                   config.attention_head_dim, config.ffn_size)
+                   config.attention_head_dim, ffn, moe.num_experts)
 
     @classmethod
-    def from_hf_config(cls, hf_config: LlamaConfig) -> LlamaShape:
+    def from_hf_config(cls, hf_config: LlamaConfig | MixtralConfig) -> LlamaShape:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         return cls(hf_config.vocab_size, hf_config.hidden_size, hf_config.num_hidden_layers,
                    hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads,
-                   head_dim, hf_config.intermediate_size)
+                   head_dim, hf_config.intermediate_size, getattr(hf_config, "num_local_experts", 0))
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        return MixtralForCausalLM if self.num_experts else LlamaForCausalLM
 
 
 def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + safetensors) from our TP=1 weights, each checked for name and shape first.
     The HF model is built on the meta device and handed our tensors (assign=True), so a 70B export holds its
     weights once and skips a random init; its rotary tables stay on meta, as save_pretrained never writes them."""
-    hf_state = _hf_state(weights_only(state), LlamaShape.from_model_config(config, vocab_size))
+    shape = LlamaShape.from_model_config(config, vocab_size)
+    hf_state = _hf_state(weights_only(state), shape)
     with torch.device("meta"):
-        model = LlamaForCausalLM(_hf_config(config, vocab_size))
+        model = shape.model_class(_hf_config(config, vocab_size, shape))
     model.load_state_dict(hf_state, strict=True, assign=True)
     model.save_pretrained(out_dir)
     return Path(out_dir)
 
 
 def import_hf(hf_dir: str | Path) -> StateDict:
-    """Our TP=1 state dict from a `LlamaForCausalLM` directory; tied HF embeddings become two equal weights."""
+    """Our TP=1 state dict from a `LlamaForCausalLM` or `MixtralForCausalLM` directory; tied HF embeddings
+    become two equal weights."""
     hf_dir = Path(hf_dir)
-    _check_supported(hf_dir)
-    hf_model, loading_info = LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    model_class = _check_supported(hf_dir)
+    hf_model, loading_info = model_class.from_pretrained(hf_dir, output_loading_info=True)
     missing = sorted(loading_info["missing_keys"])
     if missing:
-        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete LlamaForCausalLM checkpoint")
+        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete {model_class.__name__} checkpoint")
     hf_state = hf_model.state_dict()
-    return {
+    shape = LlamaShape.from_hf_config(hf_model.config)
+    state = {
         ours: fp32(torch.cat([hf_state[hf_name] for hf_name in hf_names], dim=0))
-        for ours, (hf_names, _) in _weight_layout(LlamaShape.from_hf_config(hf_model.config)).items()
+        for ours, (hf_names, _) in _weight_layout(shape).items()
     }
+    for hf_name, (ours_per_expert, _) in _expert_layout(shape).items():
+        state |= {ours: fp32(hf_state[hf_name][expert]) for expert, ours in enumerate(ours_per_expert)}
+    return state
 
 
 def _hf_state(weights: StateDict, shape: LlamaShape) -> StateDict:
@@ -90,6 +117,14 @@ def _hf_state(weights: StateDict, shape: LlamaShape) -> StateDict:
             )
         for hf_name, part in zip(hf_names, tensor.chunk(len(hf_names), dim=0), strict=True):
             hf_state[hf_name] = part.detach().to("cpu", torch.float32).contiguous()
+    for hf_name, (ours_per_expert, expected) in _expert_layout(shape).items():
+        experts = [take(weights, ours, FAMILY) for ours in ours_per_expert]
+        if any(tuple(expert.shape) != expected for expert in experts):
+            raise ValueError(
+                f"the state dict's {ours_per_expert[0]} has shape {list(experts[0].shape)} but this config's experts "
+                f"need {list(expected)}; export with the config the model was trained with"
+            )
+        hf_state[hf_name] = torch.stack(experts).detach().to("cpu", torch.float32).contiguous()
     check_all_taken(weights, FAMILY)
     return hf_state
 
@@ -113,49 +148,79 @@ def _weight_layout(shape: LlamaShape) -> dict[str, tuple[tuple[str, ...], tuple[
                 f"{ours}.attention.query.weight": ((q,), (q_rows, h)),
                 f"{ours}.attention.key_value.weight": ((k, v), (2 * kv_rows, h)),
             }
+        if shape.num_experts:
+            mlp = {f"{ours}.mlp.router.weight": ((f"{hf}.mlp.gate.weight",), (shape.num_experts, h))}
+        else:
+            mlp = {
+                f"{ours}.mlp.fc.weight": ((f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), (2 * f, h)),
+                f"{ours}.mlp.proj.weight": ((f"{hf}.mlp.down_proj.weight",), (h, f)),
+            }
         layout |= {
             f"{ours}.attention_norm.weight": ((f"{hf}.input_layernorm.weight",), (h,)),
             **attention,
             f"{ours}.attention.output.weight": ((f"{hf}.self_attn.o_proj.weight",), (h, q_rows)),
             f"{ours}.mlp_norm.weight": ((f"{hf}.post_attention_layernorm.weight",), (h,)),
-            f"{ours}.mlp.fc.weight": ((f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), (2 * f, h)),
-            f"{ours}.mlp.proj.weight": ((f"{hf}.mlp.down_proj.weight",), (h, f)),
+            **mlp,
         }
     return layout
 
 
-def _hf_config(config: ModelConfig, vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
+def _expert_layout(shape: LlamaShape) -> dict[str, tuple[list[str], tuple[int, ...]]]:
+    """Mixtral's stacked expert weights: HF name -> (our per-expert names, in expert order; one expert's shape)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    layout = {}
+    for layer in range(shape.num_layers if shape.num_experts else 0):
+        ours, hf = f"blocks.{layer}.mlp.experts", f"model.layers.{layer}.mlp.experts"
+        layout[f"{hf}.gate_up_proj"] = ([f"{ours}.{e}.fc.weight" for e in range(shape.num_experts)], (2 * f, h))
+        layout[f"{hf}.down_proj"] = ([f"{ours}.{e}.proj.weight" for e in range(shape.num_experts)], (h, f))
+    return layout
+
+
+def _hf_config(config: ModelConfig, vocab_size: int, shape: LlamaShape) -> LlamaConfig | MixtralConfig:
+    common = dict(
+        vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=shape.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, head_dim=config.attention_head_dim,
-        max_position_embeddings=config.seq_length, rms_norm_eps=config.layernorm_eps,
-        rope_theta=float(config.rope_theta), hidden_act="silu", attention_bias=False, mlp_bias=False,
+        max_position_embeddings=config.seq_length, rms_norm_eps=config.layernorm_eps, hidden_act="silu",
         tie_word_embeddings=False, initializer_range=config.init_std, attention_dropout=config.dropout,
         bos_token_id=SPECIAL_IDS["bos"], eos_token_id=SPECIAL_IDS["eos"],
     )
+    if not shape.num_experts:
+        return LlamaConfig(**common, rope_theta=float(config.rope_theta), attention_bias=False, mlp_bias=False)
+    moe = config.moe
+    return MixtralConfig(
+        **common, rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        router_aux_loss_coef=moe.aux_loss_coeff / moe.top_k, output_router_logits=False, router_jitter_noise=0.0,
+    )
 
 
-def _check_supported(hf_dir: Path) -> None:
-    """Refuse, naming the config.json key, a Llama variant whose weights our blocks would compute differently."""
+def _check_supported(hf_dir: Path) -> type[PreTrainedModel]:
+    """The model class of `hf_dir`, or an error naming the config.json key of a Llama (or Mixtral) variant
+    whose weights our blocks would compute differently."""
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{config_file} does not exist; pass a directory saved by LlamaForCausalLM.save_pretrained")
     hf_config = json.loads(config_file.read_text())
     # transformers < 5 writes rope_scaling (null when plain); 5 writes rope_parameters with a rope_type.
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    model_type = hf_config.get("model_type")
+    if model_type not in ("llama", "mixtral"):
+        raise ValueError(f"{config_file} has model_type={model_type!r}; scaletrain's llama family imports "
+                         "model_type 'llama' (LlamaForCausalLM) and 'mixtral' (MixtralForCausalLM)")
     unsupported = {
-        "model_type": (hf_config.get("model_type"), "llama"),
         "hidden_act": (hf_config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (hf_config.get("attention_bias", False), False),
         "mlp_bias": (hf_config.get("mlp_bias", False), False),
         "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default"),
+        "sliding_window": (hf_config.get("sliding_window"), None),
     }
     for key, (found, supported) in unsupported.items():
         if found != supported:
             raise ValueError(
                 f"{config_file} has {key}={found!r}; scaletrain's llama family supports only {key}={supported!r}"
             )
+    return MixtralForCausalLM if model_type == "mixtral" else LlamaForCausalLM
 
 
 def _export(state: StateDict, config: Config, out_dir: Path) -> None:

@@ -162,15 +162,23 @@ def partition_by_stage_boundaries(pipeline_class: PipelineClass) -> PipelineClas
 
 
 def local_partition(parameter: torch.Tensor) -> torch.Tensor:
-    """The elements of a parameter that this rank holds: under ZeRO-3 its partition, else itself.
+    """The elements of a parameter that this rank holds: under ZeRO-3 the real elements of its partition,
+    else the parameter itself.
 
     Reads: `param.ds_tensor`, the ZeRO-3 partition DeepSpeed attaches to each parameter (whose own
     data is then an empty placeholder outside a gathered forward). The public
     `safe_get_local_fp32_param` reads the optimizer's fp32 copy instead, not the weights the model uses.
+    A partition of a parameter the ranks do not divide ends in padding that DeepSpeed allocates with
+    torch.empty and never writes (zero/partition_parameters.py `_partition_param`): uninitialised
+    memory, sometimes NaN, so only the first `zero3_partition_range` elements are returned (an ELECTRA
+    run under DP2 ZeRO-3 was stopped as diverged by garbage there).
     If it goes away: under ZeRO-3 the empty placeholders are checked instead, so
     `weights_are_finite` (train/nonfinite.py) would pass non-finite weights into a checkpoint.
     """
-    return getattr(parameter, "ds_tensor", parameter)
+    if not hasattr(parameter, "ds_tensor"):
+        return parameter
+    _, length = zero3_partition_range(parameter)
+    return parameter.ds_tensor.narrow(0, 0, length)
 
 
 # Where megatron allocates sequence-parallel buffers with device=torch.cuda.current_device():
@@ -277,9 +285,9 @@ def zero_fragment(parameter: nn.Parameter) -> tuple[int, dict[str, torch.Tensor]
 
 def zero3_partition_range(parameter: nn.Parameter) -> tuple[int, int]:
     """(offset, length) in the flattened parameter of this rank's ZeRO-3 partition: rank r of the
-    parameter's group holds [r*n, (r+1)*n) of it, zero padded at the end (n = `ds_tensor.numel()`,
-    zero/partition_parameters.py); a tail rank may hold only padding (length 0). Checked on deepspeed
-    0.19.8."""
+    parameter's group holds [r*n, (r+1)*n) of it, padded at the end with unwritten elements (n =
+    `ds_tensor.numel()`, zero/partition_parameters.py); a tail rank may hold only padding (length 0).
+    Checked on deepspeed 0.19.8."""
     group = internal(parameter, "ds_process_group", "ZeRO-3 partitions could not be placed")
     size = parameter.ds_tensor.numel()
     start = dist.get_rank(group=group) * size
@@ -289,9 +297,9 @@ def zero3_partition_range(parameter: nn.Parameter) -> tuple[int, int]:
 def set_working_weight(parameter: nn.Parameter, weight: torch.Tensor) -> None:
     """The copy the forward pass uses (bf16 under bf16) from the fp32 master `weight`. DeepSpeed's
     safe_set_full_fp32_param sets the master only. Under ZeRO-3 the working copy is this rank's flat
-    partition `ds_tensor` (rank r holds elements [r*n, (r+1)*n) of the flattened parameter, zero
-    padded at the end: zero/partition_parameters.py); elsewhere the parameter itself. Checked on
-    deepspeed 0.19.8."""
+    partition `ds_tensor` (rank r holds elements [r*n, (r+1)*n) of the flattened parameter, padded at
+    the end, which this zeroes: zero/partition_parameters.py); elsewhere the parameter itself. Checked
+    on deepspeed 0.19.8."""
     with torch.no_grad():
         if not hasattr(parameter, "ds_tensor"):
             parameter.copy_(weight.to(parameter.device, parameter.dtype))

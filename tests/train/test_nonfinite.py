@@ -196,3 +196,32 @@ def check_weights_on_ranks(rank: int, world_size: int) -> tuple[bool, bool]:
 def test_every_rank_sees_non_finite_weights_on_any_rank():
     """The check before each checkpoint: one rank's infinite weight stops the save on both."""
     assert run_on_ranks(check_weights_on_ranks, 2) == [(True, False), (True, False)]
+
+
+def check_zero3_padding(rank: int, world_size: int) -> tuple[bool, bool]:
+    """(finite with NaN in the padding, finite with NaN in a real element) of a ZeRO-3 engine whose 5-element
+    bias the 2 ranks do not divide: rank 1's partition is [bias[3], bias[4], padding]."""
+    import deepspeed
+
+    from scaletrain import upstream
+
+    module = torch.nn.Linear(4, 5)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters()), config=config)
+    bias = engine.module.bias
+    padding = bias.ds_tensor.numel() - upstream.local_partition(bias).numel()
+    assert padding == (1 if rank == 1 else 0)
+    if rank == 1:
+        bias.ds_tensor[-1] = float("nan")  # what torch.empty may leave there
+    with_nan_padding = weights_are_finite(engine.module, torch.device("cpu"))
+    if rank == 1:
+        bias.ds_tensor[0] = float("nan")
+    return with_nan_padding, weights_are_finite(engine.module, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_zero3_partition_padding_is_not_taken_for_a_weight():
+    """DeepSpeed never writes a ZeRO-3 partition's padding (torch.empty): garbage there is no divergence,
+    a NaN in a real element is."""
+    assert run_on_ranks(check_zero3_padding, 2) == [(True, False), (True, False)]

@@ -118,27 +118,46 @@ def main() -> None:
                                world_size_from_environment())
     topology = init_distributed(config)
     precision = resolve_precision(config, topology.device)
-    trainers = {"scaletrain": scaletrain_step_fn(config, topology)}
+    # Each trainer is built and warmed up alone, so its peak memory is its own (the other not yet resident).
+    peaks: dict[str, float] = {}
+    trainers = {"scaletrain": _warmed_up(lambda: scaletrain_step_fn(config, topology), args.warmup,
+                                         topology.device, peaks, "scaletrain")}
     only_data_parallel = topology.tensor_parallel_size == 1 and topology.pipeline_parallel_size == 1
     if only_data_parallel:
         plain = "plain PyTorch" if topology.world_size == 1 else "plain DDP"
-        trainers[plain] = reference_step_fn(config, topology.device, precision, topology.world_size > 1,
-                                            seed=topology.data_parallel_rank)
-    for step in trainers.values():
-        for _ in range(args.warmup):
-            step()
+        data_parallel, seed = topology.world_size > 1, topology.data_parallel_rank
+        trainers[plain] = _warmed_up(lambda: reference_step_fn(config, topology.device, precision, data_parallel, seed),
+                                     args.warmup, topology.device, peaks, plain)
     times: dict[str, list[float]] = {name: [] for name in trainers}
     for pair in range(args.pairs):
         order = list(trainers) if pair % 2 == 0 else list(reversed(trainers))
         for name in order:
             times[name].append(time_steps(trainers[name], args.steps, topology.device))
     if topology.rank == 0:
-        _report(config, topology, precision, times, args)
+        _report(config, topology, precision, times, peaks, args)
     destroy_distributed()
 
 
+def _warmed_up(build: Callable[[], Callable[[], None]], warmup: int, device: torch.device,
+               peaks: dict[str, float], name: str) -> Callable[[], None]:
+    """The step `build` makes, after `warmup` steps; on a GPU, peaks[name] is the most memory allocated
+    while it was built and warmed up, above what was allocated before (a trainer built earlier stays
+    resident and is not counted): its weights, optimizer state, gradients and activations."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    step = build()
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    return step
+
+
 def _report(config: Config, topology: Topology, precision: str, times: dict[str, list[float]],
-            args: argparse.Namespace) -> None:
+            peaks: dict[str, float], args: argparse.Namespace) -> None:
     tokens = config.global_batch_size(topology.data_parallel_size) * config.model.seq_length
     flops_per_token = model_flops_per_token(config.model, config.padded_vocab_size)
     device_name = torch.cuda.get_device_name() if topology.device.type == "cuda" else "cpu"
@@ -155,9 +174,8 @@ def _report(config: Config, topology: Topology, precision: str, times: dict[str,
         step_time = statistics.median(measured)
         mfu = f", MFU {flops_per_token * tokens / step_time / (peak * topology.world_size):.1%}" if peak else ""
         print(f"{name:>14}: {step_time * 1000:8.1f} ms/step (median), {tokens / step_time:10.0f} tokens/s{mfu}")
-    if topology.device.type == "cuda":
-        print(f"peak memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on rank 0 "
-              f"({'both trainers resident' if len(times) > 1 else 'scaletrain only'})")
+    for name, peak_gib in peaks.items():
+        print(f"{name:>14}: peak memory {peak_gib:.2f} GiB allocated on rank 0 (its warm-up steps, alone)")
     if len(times) == 2:
         ours_name, plain_name = times
         ratios = sorted(a / b for a, b in zip(times[ours_name], times[plain_name], strict=True))

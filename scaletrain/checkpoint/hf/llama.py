@@ -1,4 +1,5 @@
-"""Llama-family weights to and from Hugging Face `LlamaForCausalLM` (Touvron et al. 2023; Dubey et al. 2024).
+"""Llama-family weights to and from Hugging Face `LlamaForCausalLM` (Touvron et al. 2023; Dubey et al. 2024),
+or `MistralForCausalLM` (Jiang et al. 2023) for a model with a sliding window.
 
 Our blocks compute what HF's do with the same matrices: RMSNorm, rotate-half rotary embeddings (so
 q/k rows need no permutation), grouped-query attention, SwiGLU, no biases, an untied output layer.
@@ -6,6 +7,11 @@ Only the fusion differs: with num_kv_heads == num_heads our `attention.qkv` is [
 `attention.query` is q and `attention.key_value` is [k; v]; `mlp.fc` is [gate; up]. As for GPT, the
 HF vocabulary is our padded one (conversion.py explains why). Import takes plain rotary embeddings
 only: rope scaling (Llama 3.1's long context) is not in our model, so it is refused, not dropped.
+
+Mistral is Llama's architecture with the same weight names plus a sliding window, whose mask and rolling
+cache transformers builds as ours do (model/attention_masks.py): a llama with model.sliding_window exports
+as `MistralForCausalLM`, and a Mistral checkpoint imports as llama weights (train it with the
+sliding_window of its config.json; Mistral 7B v0.1 has 4096, later versions none).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel
 
 from scaletrain.checkpoint.hf.conversion import StateDict, check_all_taken, fp32, take, weights_only
 from scaletrain.config import Config, ModelConfig
@@ -23,6 +29,7 @@ from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
 
 FAMILY = "llama"
+MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
 
 
 @dataclass(frozen=True)
@@ -55,21 +62,24 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
     The HF model is built on the meta device and handed our tensors (assign=True), so a 70B export holds its
     weights once and skips a random init; its rotary tables stay on meta, as save_pretrained never writes them."""
     hf_state = _hf_state(weights_only(state), LlamaShape.from_model_config(config, vocab_size))
+    hf_config = _hf_config(config, vocab_size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(_hf_config(config, vocab_size))
+        model = MODEL_CLASSES[hf_config.model_type](hf_config)
     model.load_state_dict(hf_state, strict=True, assign=True)
     model.save_pretrained(out_dir)
     return Path(out_dir)
 
 
 def import_hf(hf_dir: str | Path) -> StateDict:
-    """Our TP=1 state dict from a `LlamaForCausalLM` directory; tied HF embeddings become two equal weights."""
+    """Our TP=1 state dict from a `LlamaForCausalLM` or `MistralForCausalLM` directory; tied HF embeddings
+    become two equal weights."""
     hf_dir = Path(hf_dir)
-    _check_supported(hf_dir)
-    hf_model, loading_info = LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    model_class = MODEL_CLASSES[_check_supported(hf_dir)]
+    hf_model, loading_info = model_class.from_pretrained(hf_dir, output_loading_info=True)
     missing = sorted(loading_info["missing_keys"])
     if missing:
-        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete LlamaForCausalLM checkpoint")
+        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete {model_class.__name__} "
+                         "checkpoint")
     hf_state = hf_model.state_dict()
     return {
         ours: fp32(torch.cat([hf_state[hf_name] for hf_name in hf_names], dim=0))
@@ -124,28 +134,36 @@ def _weight_layout(shape: LlamaShape) -> dict[str, tuple[tuple[str, ...], tuple[
     return layout
 
 
-def _hf_config(config: ModelConfig, vocab_size: int) -> LlamaConfig:
-    return LlamaConfig(
+def _hf_config(config: ModelConfig, vocab_size: int) -> LlamaConfig | MistralConfig:
+    """Llama's config, or Mistral's (no bias switches: it has none) when the model has a sliding window."""
+    shared = dict(
         vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, head_dim=config.attention_head_dim,
         max_position_embeddings=config.seq_length, rms_norm_eps=config.layernorm_eps,
-        rope_theta=float(config.rope_theta), hidden_act="silu", attention_bias=False, mlp_bias=False,
+        rope_theta=float(config.rope_theta), hidden_act="silu",
         tie_word_embeddings=False, initializer_range=config.init_std, attention_dropout=config.dropout,
         bos_token_id=SPECIAL_IDS["bos"], eos_token_id=SPECIAL_IDS["eos"],
     )
+    if config.sliding_window is not None:
+        return MistralConfig(**shared, sliding_window=config.sliding_window)
+    return LlamaConfig(**shared, attention_bias=False, mlp_bias=False)
 
 
-def _check_supported(hf_dir: Path) -> None:
-    """Refuse, naming the config.json key, a Llama variant whose weights our blocks would compute differently."""
+def _check_supported(hf_dir: Path) -> str:
+    """Refuse, naming the config.json key, a Llama variant whose weights our blocks would compute differently;
+    the model_type, llama or mistral, of one we can read."""
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{config_file} does not exist; pass a directory saved by LlamaForCausalLM.save_pretrained")
     hf_config = json.loads(config_file.read_text())
     # transformers < 5 writes rope_scaling (null when plain); 5 writes rope_parameters with a rope_type.
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    model_type = hf_config.get("model_type")
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"{config_file} has model_type={model_type!r}; scaletrain's llama family reads "
+                         f"{' or '.join(map(repr, MODEL_CLASSES))}")
     unsupported = {
-        "model_type": (hf_config.get("model_type"), "llama"),
         "hidden_act": (hf_config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (hf_config.get("attention_bias", False), False),
         "mlp_bias": (hf_config.get("mlp_bias", False), False),
@@ -156,6 +174,7 @@ def _check_supported(hf_dir: Path) -> None:
             raise ValueError(
                 f"{config_file} has {key}={found!r}; scaletrain's llama family supports only {key}={supported!r}"
             )
+    return model_type
 
 
 def _export(state: StateDict, config: Config, out_dir: Path) -> None:

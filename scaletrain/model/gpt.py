@@ -39,14 +39,15 @@ DECODER_BATCH = BatchSchema(inputs=("tokens",), labels=("labels",), optional_inp
 class DecoderConfig(ModelConfig):
     """The keys of every causal decoder (gpt, llama): what limits attention in a packed sequence."""
 
-    # Attend only within one's own document of the packed sequence (each document begins at the eos
-    # that separates it from the one before; attention_masks.py)
+    # attend only within one's own document of the packed sequence (a document begins at the eos that
+    # separates it from the one before; model/attention_masks.py)
     document_masking: bool = False
-    # Positions restart at 0 at each document of the packed sequence (learned positions for gpt,
-    # rotary for llama), so a packed document sees the positions it would see alone
+    # positions restart at 0 at each document of the packed sequence (learned for gpt, rotary for llama), so a
+    # packed document sees the positions it would see alone (rotary attention within a document is relative,
+    # so with document_masking it changes nothing for llama)
     document_positions: bool = False
-    # Sliding-window attention (Beltagy et al. 2020; Mistral, Jiang et al. 2023): a query sees itself and
-    # the sliding_window - 1 tokens before it, and generation keeps as many keys per layer; null: all
+    # sliding-window attention (Beltagy et al. 2020; Mistral, Jiang et al. 2023): a query sees itself and the
+    # sliding_window - 1 tokens before it, and generation caches as many keys per layer; null: no window
     sliding_window: int | None = None
 
     @property

@@ -7,7 +7,8 @@ between families is a handful of switches:
 
     attention   heads, key/value heads (grouped-query: Ainslie et al. 2023; multi-query: Shazeer
                 2019), head_dim, biases, score scale, positions (learned absolute in the
-                embedding, T5's relative bias as an additive mask, or rotary: Su et al. 2021)
+                embedding, T5's relative bias as an additive mask, or rotary: Su et al. 2021),
+                causal with an optional sliding window (model/attention_masks.py)
     MLP         activation, gated or not (GLU variants: Shazeer 2020), biases
     norm        LayerNorm or RMSNorm (Zhang & Sennrich 2019), before (GPT-2) or after (BERT)
 

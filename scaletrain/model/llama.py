@@ -2,7 +2,8 @@
 rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied output layer.
 
 Numerics follow Hugging Face's `LlamaForCausalLM` (rotate-half RoPE, fp32 RMS statistics), so
-checkpoint/hf/llama.py maps weights one to one.
+checkpoint/hf/llama.py maps weights one to one; with model.sliding_window the model is Mistral's
+(Jiang et al. 2023), exported as `MistralForCausalLM`.
 """
 
 from __future__ import annotations

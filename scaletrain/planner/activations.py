@@ -118,11 +118,11 @@ def block_activations(
         split=tokens * (4 * hidden + 2 * model.ffn_size) * act / tensor_parallel,
         attention=attention,
         norm_statistics=2 * 2 * tokens * STATISTIC_BYTES / sequence_split,
-        attention_mask=_attention_mask(model, micro_batch, settings),
+        attention_mask=attention_mask_bytes(model, micro_batch, settings),
     )
 
 
-def _attention_mask(model: ModelConfig, micro_batch: int, settings: ActivationSettings) -> float:
+def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: ActivationSettings) -> float:
     """The additive mask a fused kernel keeps per block (module docstring). The keys are the causal
     decoders' (model/gpt.py DecoderConfig), so other families' sections have none."""
     if settings.attention != "flash":

@@ -1,5 +1,5 @@
 """Document masking and sliding windows: the masks are Hugging Face's, a packed document computes what it
-computes alone (GPT and Llama, positions restarted or not, and under a prefix LM), and a window hides
+computes alone (GPT and Llama, positions restarted or not, behind a window, and under a prefix LM), and a window hides
 exactly the keys it should."""
 
 from __future__ import annotations
@@ -97,6 +97,14 @@ def test_document_ids_and_positions():
 # A packed document computes what it computes alone
 
 
+# A packed document alone: at position 0, or at its packed positions (run on); within a sliding window too.
+VARIANTS = {
+    "positions_restart": {"document_positions": True},
+    "positions_run_on": {"document_positions": False},
+    "window": {"document_positions": True, "sliding_window": 5},
+}
+
+
 def _packed_and_alone(rank: int, world_size: int) -> dict:
     parallel_state.initialize_model_parallel()
     tokens = packed_tokens()
@@ -104,8 +112,9 @@ def _packed_and_alone(rank: int, world_size: int) -> dict:
     labels = torch.roll(tokens, -1, dims=1)
     results = {}
     for family in SHAPES:
-        for restart in (True, False):
-            model = build_model(tiny_config(family, document_masking=True, document_positions=restart)).eval()
+        for variant, options in VARIANTS.items():
+            restart = options["document_positions"]
+            model = build_model(tiny_config(family, document_masking=True, **options)).eval()
             with torch.no_grad():
                 packed = model(tokens, document_ids=ids)
                 loss = model(tokens, labels, document_ids=ids)
@@ -118,7 +127,7 @@ def _packed_and_alone(rank: int, world_size: int) -> dict:
                                                                reduction="none")
                     alone[row, start, "losses"] = losses
                 plain = model(tokens)
-            results[family, restart] = {"packed": packed, "loss": loss, "alone": alone, "plain": plain}
+            results[family, variant] = {"packed": packed, "loss": loss, "alone": alone, "plain": plain}
     return results
 
 
@@ -128,9 +137,9 @@ def packed_and_alone() -> dict:
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
-@pytest.mark.parametrize("restart", [True, False], ids=["positions_restart", "positions_run_on"])
-def test_a_packed_document_computes_what_it_computes_alone(packed_and_alone: dict, family: str, restart: bool):
-    result = packed_and_alone[family, restart]
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_packed_document_computes_what_it_computes_alone(packed_and_alone: dict, family: str, variant: str):
+    result = packed_and_alone[family, variant]
     spans = documents(packed_tokens())
     assert len(spans) == 6
     for row, start, end in spans:

@@ -13,6 +13,7 @@ import torch
 
 IGNORE_INDEX = -100  # labels to skip: torch.nn.functional.cross_entropy's default ignore_index
 GLOBAL_INDEX = "global_index"  # the loader's bookkeeping, not a model input
+DOCUMENT_IDS = "document_ids"  # [batch, seq]: which packed document each token is in (data/objectives.py)
 
 Batch = dict[str, torch.Tensor]
 

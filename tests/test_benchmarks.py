@@ -28,6 +28,19 @@ def test_gpt_throughput_times_scaletrain_and_the_plain_reference(small_dataset: 
 
 
 @pytest.mark.slow
+def test_document_masking_times_causal_documents_and_a_window():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/document_masking.py", "configs/llama_tiny.yaml", "model.num_layers=2",
+         "model.hidden_size=64", "model.ffn_hidden_size=176", "model.seq_length=64", "train.micro_batch_size=2",
+         "--mean-document", "16", "--window", "8", "--steps", "1", "--pairs", "3", "--warmup", "1"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("causal", "document masking", "sliding window 8"):
+        assert re.search(rf"{name}: +[\d.]+ ms/step \(median\), +\d+ tokens/s", result.stdout), result.stdout
+
+
+@pytest.mark.slow
 def test_checkpoint_save_reports_stall_write_and_size_with_and_without_async(small_dataset: Path):
     for async_save in ("true", "false"):
         result = subprocess.run(

@@ -1,6 +1,6 @@
 """Generation: greedy decoding with the KV cache picks the tokens full recomputation picks (GPT past
-its learned positions, Llama at TP=1 and TP=2, T5's decoder), and a family that cannot generate
-says so."""
+its learned positions, Llama at TP=1 and TP=2, T5's decoder, GPT and Llama behind a sliding window whose
+cache holds only the window), and a family that cannot generate says so."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.generate import GENERATIONS, NotGeneratingError, generation_of
 from scaletrain.model import build_model
+from scaletrain.model.layers import KVCache
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.sharding import gather_last_dim
@@ -107,6 +108,64 @@ def test_sampling_with_the_cache_draws_what_recomputation_draws(decoded: dict) -
     """Temperature and top-k with one seed: the same tokens either way, sliding included."""
     cached, recomputed = decoded["sampled"]
     assert cached == recomputed
+
+
+WINDOW = 5
+
+
+class UnboundedCache(KVCache):
+    """The reference for a windowed model's cache: it keeps every key, and the window mask alone limits them."""
+
+    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor, keep: int | None = None):
+        return super().extend(layer, key, value)
+
+
+def _decode_windowed(rank: int, world_size: int) -> dict:
+    """Per family with model.sliding_window=WINDOW: logits of a prefill and then one token at a time behind
+    the bounded and an unbounded cache, against one full forward; greedy tokens with the cache and by
+    recomputation; the keys each layer holds."""
+    parallel_state.initialize_model_parallel()
+    tokens = torch.randint(7, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(4))
+    prompt = tokens[0, :5].tolist()
+    results = {}
+    for family in ("gpt", "llama"):
+        config = tiny_config(family)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, sliding_window=WINDOW))
+        model = build_model(config).eval()
+        with torch.no_grad():
+            full = model(tokens)
+            steps = {}
+            for cache in (KVCache.empty(), UnboundedCache.empty()):
+                logits = [model(tokens[:, :7], cache=cache)]
+                logits += [model(tokens[:, position:position + 1], cache=cache) for position in range(7, CONTEXT)]
+                held = [keys.shape[2] for keys in cache.keys.values()]
+                steps[type(cache).__name__] = (torch.cat(logits, dim=1), held)
+        results[family] = {
+            "full": full, "steps": steps,
+            "greedy": tuple(_greedy(model, prompt, 2 * CONTEXT, use_cache) for use_cache in (True, False)),
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def decoded_windowed() -> dict:
+    return run_on_ranks(_decode_windowed, 1)[0]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_sliding_window_bounds_the_cache_and_decodes_what_the_full_forward_computes(
+    decoded_windowed: dict, family: str
+):
+    """Mistral's rolling cache (Jiang et al. 2023, sec. 2): each layer keeps the last WINDOW - 1 keys, and
+    decoding behind it computes the logits of the full windowed forward and of a cache that keeps all."""
+    result = decoded_windowed[family]
+    bounded, held = result["steps"]["KVCache"]
+    unbounded, held_unbounded = result["steps"]["UnboundedCache"]
+    assert held == [WINDOW - 1, WINDOW - 1] and held_unbounded == [CONTEXT, CONTEXT]
+    torch.testing.assert_close(bounded, result["full"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unbounded, result["full"], rtol=1e-5, atol=1e-5)
+    cached, recomputed = result["greedy"]
+    assert cached == recomputed and len(set(cached)) > 1
 
 
 @pytest.mark.slow  # trains a one-step BERT run (~2 min on 2 cores)

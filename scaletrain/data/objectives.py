@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from scaletrain.batch import IGNORE_INDEX
+from scaletrain.batch import DOCUMENT_IDS, IGNORE_INDEX
 from scaletrain.data.errors import DataError
 from scaletrain.data.tokenizer import Tokenizer
 
@@ -45,14 +45,30 @@ def causal_lm_collate(items: Sequence[dict]) -> dict[str, torch.Tensor]:
     }
 
 
-class CausalLMCollator:
-    """causal_lm_collate for a loader of seq_length tokens per sequence (it reads S + 1)."""
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[batch, seq] int64: which packed document each input token is in, counting from 0 per sequence.
 
-    def __init__(self, seq_length: int) -> None:
-        self.packed_seq_length = seq_length
+    The loader joins documents with an eos after each (data/dataset.py). The eos opens the document
+    after it rather than closing the one before: its label is that document's first token, which it
+    then predicts from itself alone, as `scaletrain generate` starts a text from [eos, prompt...]; and
+    the eos is still every document's last label, predicted from within it. A sequence's first ids
+    belong to the tail of a document cut by the packing (0).
+    """
+    return torch.cumsum(tokens == eos_id, dim=1)
+
+
+class CausalLMCollator:
+    """causal_lm_collate for a loader of seq_length tokens per sequence (it reads S + 1); with an
+    `eos_id`, also the `document_ids` of the packed documents, for models that mask or position by them."""
+
+    def __init__(self, seq_length: int, eos_id: int | None = None) -> None:
+        self.packed_seq_length, self.eos_id = seq_length, eos_id
 
     def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
-        return causal_lm_collate(items)
+        batch = causal_lm_collate(items)
+        if self.eos_id is not None:
+            batch[DOCUMENT_IDS] = document_ids(batch["tokens"], self.eos_id)
+        return batch
 
 
 class NoiseTag(enum.IntEnum):
@@ -176,13 +192,15 @@ class PrefixLMCollator:
     tokens = item[:-1] and labels = item[1:] as for causal LM (the loader's
     seq_length is S), with labels[t] = -100 for t < P - 1: those predict prefix
     tokens, which the prefix's bidirectional attention lets position t see.
-    Position P - 1 keeps its label, the first target token, still unseen there.
+    Position P - 1 keeps its label, the first target token, still unseen there. With an `eos_id` the
+    batch also holds `document_ids`, as CausalLMCollator's.
     """
 
-    def __init__(self, seed: int, seq_length: int) -> None:
+    def __init__(self, seed: int, seq_length: int, eos_id: int | None = None) -> None:
         if seq_length < 2:
             raise DataError(f"seq_length={seq_length} leaves no split point for a prefix LM; use >= 2")
         self.seed, self.seq_length, self.packed_seq_length = seed, seq_length, seq_length
+        self.eos_id = eos_id
 
     def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
         batch = causal_lm_collate(items)
@@ -196,9 +214,11 @@ class PrefixLMCollator:
         positions = torch.arange(self.seq_length)
         batch["labels"] = batch["labels"].masked_fill(positions[None, :] < prefix_lengths[:, None] - 1, IGNORE_INDEX)
         batch["prefix_lengths"] = prefix_lengths
+        if self.eos_id is not None:
+            batch[DOCUMENT_IDS] = document_ids(batch["tokens"], self.eos_id)
         return batch
 
 
-def prefix_lm_collator(seed: int, seq_length: int) -> PrefixLMCollator:
+def prefix_lm_collator(seed: int, seq_length: int, eos_id: int | None = None) -> PrefixLMCollator:
     """The prefix-LM collator; `.packed_seq_length` is the loader's seq_length (equal to seq_length)."""
-    return PrefixLMCollator(seed, seq_length)
+    return PrefixLMCollator(seed, seq_length, eos_id)

@@ -1,16 +1,21 @@
 """GPT decoder (Radford et al. 2018/2019, Brown et al. 2020): learned positions, pre-LN blocks with
-biases and GELU, final LayerNorm, output layer tied to the word embedding."""
+biases and GELU, final LayerNorm, output layer tied to the word embedding.
+
+Also what every causal decoder shares (Llama's file imports it): the `DecoderConfig` keys of packed
+documents and sliding windows, the block runner, and the `DecoderLM` forward."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from megatron.core import tensor_parallel
 from torch import nn
 
-from scaletrain.batch import BatchSchema
+from scaletrain.batch import DOCUMENT_IDS, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.model.attention_masks import DocumentAttention, decoder_attention_mask, positions_in_document
 from scaletrain.model.counts import MLPCounts, ModelCounts, mlp_counts
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
@@ -31,10 +36,38 @@ DECODER_BATCH = BatchSchema(inputs=("tokens",), labels=("labels",), optional_inp
 
 
 @dataclass
-class GPTConfig(ModelConfig):
-    """GPT's keys beyond the shared ones: its MLPs may be mixtures of experts (Switch-style GELU experts)."""
+class DecoderConfig(ModelConfig):
+    """The keys of every causal decoder (gpt, llama): what limits attention in a packed sequence, and
+    mixture-of-experts MLPs (GELU experts for gpt, Switch-style with top_k 1; SwiGLU for llama, Mixtral)."""
 
+    # attend only within one's own document of the packed sequence (a document begins at the eos that
+    # separates it from the one before; model/attention_masks.py)
+    document_masking: bool = False
+    # positions restart at 0 at each document of the packed sequence (learned for gpt, rotary for llama), so a
+    # packed document sees the positions it would see alone (rotary attention within a document is relative,
+    # so with document_masking it changes nothing for llama)
+    document_positions: bool = False
+    # sliding-window attention (Beltagy et al. 2020; Mistral, Jiang et al. 2023): a query sees itself and the
+    # sliding_window - 1 tokens before it, and generation caches as many keys per layer; null: no window
+    sliding_window: int | None = None
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model/moe.py)
+
+    @property
+    def document_attention(self) -> DocumentAttention:
+        return DocumentAttention(masking=self.document_masking, positions=self.document_positions)
+
+
+def decoder_batch(config: Config) -> BatchSchema:
+    """Tokens and labels, a prefix LM's prefix_lengths, and the document ids when the model reads them."""
+    if not config.model.document_attention.reads_document_ids:
+        return DECODER_BATCH
+    return BatchSchema(inputs=DECODER_BATCH.inputs, labels=DECODER_BATCH.labels,
+                       optional_inputs=(*DECODER_BATCH.optional_inputs, DOCUMENT_IDS))
+
+
+@dataclass
+class GPTConfig(DecoderConfig):
+    """GPT has no keys beyond the shared decoder ones."""
 
 
 class GPTEmbedding(nn.Module):
@@ -53,8 +86,10 @@ class GPTEmbedding(nn.Module):
         self.dropout = nn.Dropout(model.dropout)
         self.sequence_parallel = config.parallel.sequence_parallel
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [batch, seq] when not start..start+seq-1 (restarting at every packed document)."""
+        if positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         embedded = (self.word(tokens) + self.position(positions)).transpose(0, 1).contiguous()
         if self.sequence_parallel:
             embedded = scatter_to_sequence_parallel(embedded)
@@ -74,7 +109,7 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
     mp_config = model_parallel_config(config)
     attention = ParallelAttention(
         model.hidden_size, model.num_heads, mp_config, lambda part: init(part, "attention"),
-        causal=True, dropout=model.dropout, layer_index=layer,
+        causal=True, dropout=model.dropout, layer_index=layer, sliding_window=model.sliding_window,
     )
     mlp = block_mlp(model.moe, layer, model.hidden_size, model.ffn_size, mp_config, lambda part: init(part, "mlp"),
                     config.train.grad_accum, activation=gelu_tanh)
@@ -91,29 +126,43 @@ def sequence_parallel_region(config: Config, module: nn.Module) -> nn.Module:
     return module
 
 
-def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """SDPA boolean mask [batch, 1, seq, seq]: query i sees key j if j <= i (causal) or j is in the prefix
-    (a prefix LM, Raffel et al. 2020, sec. 3.2.3)."""
-    positions = torch.arange(seq_length, device=prefix_lengths.device)
-    causal = positions[None, :] <= positions[:, None]
-    in_prefix = positions[None, None, :] < prefix_lengths[:, None, None]
-    return (causal[None] | in_prefix)[:, None]
+# Activations between layers: (hidden [seq, batch, h], *extras), the extras what the batch carried beside
+# the tokens: a prefix LM's prefix_lengths [batch], the document ids [batch, seq], or both. They travel
+# with the hidden state through every pipeline stage (as integers, train/pipeline.py), so each block
+# builds its mask and positions from them; their shapes tell them apart.
+
+NO_DOCUMENTS = DocumentAttention()
 
 
-# Activations between layers: (hidden [seq, batch, h],) or (hidden, prefix_lengths) for a prefix LM.
+def decoder_extras(extras: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(prefix_lengths [batch], document_ids [batch, seq]) from what travels beside the hidden state."""
+    prefix_lengths = next((extra for extra in extras if extra.dim() == 1), None)
+    document_ids = next((extra for extra in extras if extra.dim() == 2), None)
+    return prefix_lengths, document_ids
 
 
-def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None,
+           documents: DocumentAttention = NO_DOCUMENTS, **_) -> tuple:
     tokens, *rest = activations
-    return (embedding(tokens, start=cache.length if cache is not None else 0), *rest)
+    _, document_ids = decoder_extras(rest)
+    positions = positions_in_document(document_ids) if documents.positions and document_ids is not None else None
+    return (embedding(tokens, start=cache.length if cache is not None else 0, positions=positions), *rest)
 
 
-def run_decoder_block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
-    """A causal block on (hidden, [prefix_lengths]); shared by every decoder family."""
+def run_decoder_block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None,
+                      documents: DocumentAttention = NO_DOCUMENTS, rotary: bool = False, **_) -> tuple:
+    """A causal block on (hidden, *extras); shared by every decoder family. `documents` says whether the
+    document ids mask attention; `rotary` that the block takes positions restarted per document from them
+    (a family with learned positions adds those in its embedding instead)."""
     hidden, *rest = activations
+    prefix_lengths, document_ids = decoder_extras(rest)
     seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
-    mask = prefix_lm_attention_mask(rest[0], seq_length) if rest else None
-    return (block(hidden, mask, cache=cache), *rest)
+    mask = decoder_attention_mask(seq_length, hidden.device, prefix_lengths,
+                                  document_ids if documents.masking else None)
+    positions = None
+    if rotary and documents.positions and document_ids is not None:
+        positions = positions_in_document(document_ids)
+    return (block(hidden, mask, cache=cache, positions=positions), *rest)
 
 
 def run_final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
@@ -127,9 +176,11 @@ def _tied_output(embedding: GPTEmbedding, activations: tuple, cache: KVCache | N
 
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
+    run_block = functools.partial(run_decoder_block, documents=model.document_attention)
     return [
-        PipelineLayer("embedding", lambda: GPTEmbedding(config), _embed),
-        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_decoder_block,
+        PipelineLayer("embedding", lambda: GPTEmbedding(config),
+                      functools.partial(_embed, documents=model.document_attention)),
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_block,
                         is_block=True) for layer in range(model.num_layers)),
         PipelineLayer("final_norm", lambda: sequence_parallel_region(
             config, nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)), run_final_norm),
@@ -145,17 +196,20 @@ def lm_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
 
 class DecoderLM(LayeredModel):
     """A causal LM's forward: loss with labels, vocab-parallel logits [batch, seq, vocab / TP] without.
-    With prefix_lengths [batch] it is a prefix LM; with a KVCache it decodes incrementally."""
+    With prefix_lengths [batch] it is a prefix LM; document_ids [batch, seq] mark the packed documents
+    (used as the model's document_masking / document_positions say); with a KVCache it decodes
+    incrementally (one document: generation starts at an eos and stops at the next)."""
 
     def forward(
         self,
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
         prefix_lengths: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        inputs = (tokens,) if prefix_lengths is None else (tokens, prefix_lengths)
-        (logits,) = self.run_layers(inputs, cache=cache)
+        extras = (extra for extra in (prefix_lengths, document_ids) if extra is not None)
+        (logits,) = self.run_layers((tokens, *extras), cache=cache)
         if cache is not None:
             cache.length += tokens.shape[1]
         if labels is None:
@@ -213,12 +267,25 @@ def _moe_formula(moe: MoEConfig) -> str:
             "experts and the router)")
 
 
-def validate(config: Config) -> None:
-    if config.model.ffn_size < 1:
-        raise ConfigError(f"model.ffn_hidden_size={config.model.ffn_hidden_size} must be >= 1")
+def validate_decoder(config: Config) -> None:
+    """The rules on DecoderConfig's keys, for every causal family."""
     problems = validate_moe(config.model.moe, config.parallel.sequence_parallel)
     if problems:
         raise ConfigError(problems[0])
+    window = config.model.sliding_window
+    if window is not None and window < 1:
+        raise ConfigError(f"model.sliding_window={window} must be >= 1 (the query itself), or null for full "
+                          "causal attention")
+    if window is not None and config.objective.kind == "prefix_lm":
+        raise ConfigError(f"model.sliding_window={window} with objective.kind=prefix_lm: a window over a "
+                          "bidirectional prefix is not defined here; train a prefix LM with model.sliding_window=null, "
+                          "or the window with objective.kind=causal_lm (document masking works with both)")
+
+
+def validate(config: Config) -> None:
+    if config.model.ffn_size < 1:
+        raise ConfigError(f"model.ffn_hidden_size={config.model.ffn_hidden_size} must be >= 1")
+    validate_decoder(config)
 
 
 FAMILY = ModelFamily(
@@ -230,7 +297,7 @@ FAMILY = ModelFamily(
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
     sequence_parallel=True,
-    batch_schema=lambda config: DECODER_BATCH,
+    batch_schema=decoder_batch,
     counts=counts,
     validate=validate,
     hf=lazy("scaletrain.checkpoint.hf.gpt:ADAPTER"),

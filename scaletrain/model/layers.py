@@ -7,7 +7,8 @@ between families is a handful of switches:
 
     attention   heads, key/value heads (grouped-query: Ainslie et al. 2023; multi-query: Shazeer
                 2019), head_dim, biases, score scale, positions (learned absolute in the
-                embedding, T5's relative bias as an additive mask, or rotary: Su et al. 2021)
+                embedding, T5's relative bias as an additive mask, or rotary: Su et al. 2021),
+                causal with an optional sliding window (model/attention_masks.py)
     MLP         activation, gated or not (GLU variants: Shazeer 2020), biases
     norm        LayerNorm or RMSNorm (Zhang & Sennrich 2019), before (GPT-2) or after (BERT)
 
@@ -29,6 +30,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX
+from scaletrain.model.attention_masks import causal_mask, sliding_window_mask
 from scaletrain.model.init import InitMethod
 from scaletrain.parallel.sequence_parallel import sequence_parallel_lm_logits
 
@@ -84,9 +86,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """query/key [batch, heads, seq, head_dim]; positions [seq]."""
-        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        """query/key [batch, heads, seq, head_dim]; positions [seq], or [batch, seq] when each sequence
+        has its own (positions restarting at every packed document)."""
+        angles = positions.float()[..., None] * self.inv_freq.float()
         angles = torch.cat([angles, angles], dim=-1)
+        if angles.dim() == 3:
+            angles = angles[:, None]  # one table per sequence, shared by its heads
         cos, sin = angles.cos().to(query.dtype), angles.sin().to(query.dtype)
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
@@ -103,21 +108,30 @@ def _rotate_half(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass
 class KVCache:
     """Keys and values of the positions decoded so far, one entry per attention layer, for
-    incremental decoding: each new token attends to them instead of recomputing the prefix."""
+    incremental decoding: each new token attends to them instead of recomputing the prefix.
+
+    The stored keys are always the newest ones: behind a sliding window of W a layer keeps only the
+    last W - 1 (all the next query may see besides itself, as transformers' DynamicSlidingWindowLayer
+    does), so its cache stays bounded however long the text grows."""
 
     keys: dict[int, torch.Tensor]
     values: dict[int, torch.Tensor]
-    length: int = 0  # positions already in the cache
+    length: int = 0  # positions already decoded (the stored keys are the last of them)
 
     @classmethod
     def empty(cls) -> KVCache:
         return cls({}, {})
 
-    def extend(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, keep: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's stored keys and values followed by the new ones, for this step's attention;
+        stores them all, or only the last `keep`."""
         if layer in self.keys:
             key = torch.cat([self.keys[layer], key], dim=2)
             value = torch.cat([self.values[layer], value], dim=2)
-        self.keys[layer], self.values[layer] = key, value
+        first = 0 if keep is None else max(key.shape[2] - keep, 0)
+        self.keys[layer], self.values[layer] = key[:, :, first:], value[:, :, first:]
         return key, value
 
 
@@ -150,6 +164,7 @@ class ParallelAttention(nn.Module):
         rotary: RotaryEmbedding | None = None,
         cross: bool = False,
         layer_index: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         tp = mp_config.tensor_model_parallel_size
@@ -158,6 +173,7 @@ class ParallelAttention(nn.Module):
         self.heads_per_rank = num_heads // tp
         self.sequence_parallel = mp_config.sequence_parallel  # hidden arrives as a 1/tp slice of the sequence
         self.causal, self.dropout, self.scale, self.rotary = causal, dropout, scale, rotary
+        self.sliding_window = sliding_window  # causal only: query i sees keys i - W < j <= i (attention_masks.py)
         self.layer_index = layer_index  # its slot in a KVCache
         inner, kv_inner = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.fused = not cross and self.num_kv_heads == num_heads
@@ -197,8 +213,9 @@ class ParallelAttention(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """hidden [seq, batch, hidden]; mask: SDPA's boolean (True: may attend) or additive float
-        mask, broadcastable to [batch, heads, seq, keys]; positions [seq] for rotary (default
-        0..seq-1, offset by the cache length)."""
+        mask, broadcastable to [batch, heads, seq, keys] (for a causal layer it replaces the causal
+        mask, and the sliding window still applies); positions [seq] or [batch, seq] for rotary
+        (default 0..seq-1, offset by the cache length)."""
         query, key, value = self._project(hidden, encoder_output)
         if self.rotary is not None:
             if positions is None:  # the query's length: under sequence parallelism hidden is a slice
@@ -206,12 +223,9 @@ class ParallelAttention(nn.Module):
                 positions = torch.arange(start, start + query.shape[2], device=hidden.device)
             query, key = self.rotary(query, key, positions)
         if cache is not None:
-            key, value = cache.extend(self.layer_index, key, value)
-        causal = self.causal and mask is None
-        if causal and key.shape[2] != query.shape[2]:
-            # Incremental decoding: the new queries sit at the end, each sees every earlier key.
-            mask = _bottom_right_causal(query.shape[2], key.shape[2], hidden.device)
-            causal = False
+            keep = None if self.sliding_window is None else self.sliding_window - 1
+            key, value = cache.extend(self.layer_index, key, value, keep)
+        mask, causal = self._causal_limits(mask, query.shape[2], key.shape[2], hidden.device)
         context = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, scale=self.scale, enable_gqa=key.shape[1] != query.shape[1],
@@ -219,6 +233,23 @@ class ParallelAttention(nn.Module):
         batch_size, _, seq_length, _ = context.shape  # the whole sequence, also under sequence parallelism
         output, _ = self.output(context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1))
         return output
+
+    def _causal_limits(
+        self, mask: torch.Tensor | None, query_length: int, key_length: int, device: torch.device
+    ) -> tuple[torch.Tensor | None, bool]:
+        """SDPA's (attn_mask, is_causal). A causal layer without a mask of its own uses SDPA's
+        is_causal where it can (no window, or one no query reaches past); behind a KV cache the new
+        queries are the last positions of the keys (bottom-right aligned)."""
+        if not self.causal:
+            return mask, False
+        window = self.sliding_window if self.sliding_window is not None and self.sliding_window < key_length else None
+        if mask is not None:
+            if window is None:
+                return mask, False
+            return mask & sliding_window_mask(query_length, key_length, device, window), False
+        if window is None and query_length == key_length:
+            return None, True
+        return causal_mask(query_length, key_length, device, window), False
 
     def _project(self, hidden: torch.Tensor, encoder_output: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """Query, key, value as [batch, local heads, seq, head_dim]."""
@@ -270,12 +301,6 @@ class _ReplicatedLinear(nn.Module):
 def full_sequence_length(hidden: torch.Tensor, sequence_parallel: bool) -> int:
     """Tokens per sequence when `hidden` [seq, batch, h] may be this rank's 1/tp sequence slice."""
     return hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1)
-
-
-def _bottom_right_causal(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    keys = torch.arange(key_length, device=device)
-    queries = torch.arange(key_length - query_length, key_length, device=device)
-    return keys[None, :] <= queries[:, None]
 
 
 def key_padding_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
@@ -370,14 +395,18 @@ class TransformerBlock(nn.Module):
         encoder_output: torch.Tensor | None = None,
         cross_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """positions: the rotary positions of self-attention, when not 0..seq-1 (ParallelAttention)."""
         if not self.pre_norm:
-            hidden = self.attention_norm(hidden + self.dropout(self.attention(hidden, mask, cache=cache)))
+            attended = self.attention(hidden, mask, cache=cache, positions=positions)
+            hidden = self.attention_norm(hidden + self.dropout(attended))
             if encoder_output is not None:  # BART's decoder (Lewis et al. 2020), the Transformer's
                 attended = self.cross_attention(hidden, cross_mask, encoder_output=encoder_output)
                 hidden = self.cross_attention_norm(hidden + self.dropout(attended))
             return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
-        hidden = hidden + self.dropout(self.attention(self.attention_norm(hidden), mask, cache=cache))
+        attended = self.attention(self.attention_norm(hidden), mask, cache=cache, positions=positions)
+        hidden = hidden + self.dropout(attended)
         if encoder_output is not None:
             attended = self.cross_attention(
                 self.cross_attention_norm(hidden), cross_mask, encoder_output=encoder_output

@@ -2,28 +2,32 @@
 rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied output layer.
 
 Numerics follow Hugging Face's `LlamaForCausalLM` (rotate-half RoPE, fp32 RMS statistics), so
-checkpoint/hf/llama.py maps weights one to one.
+checkpoint/hf/llama.py maps weights one to one; with model.sliding_window the model is Mistral's
+(Jiang et al. 2023), exported as `MistralForCausalLM`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from megatron.core import tensor_parallel
 from torch import nn
 
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError
 from scaletrain.model.counts import ModelCounts, mlp_counts
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
 from scaletrain.model.gpt import (
-    DECODER_BATCH,
+    DecoderConfig,
     DecoderLM,
+    decoder_batch,
     lm_loss,
     run_decoder_block,
     run_final_norm,
     sequence_parallel_region,
+    validate_decoder,
 )
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
@@ -32,18 +36,16 @@ from scaletrain.model.layers import (
     RotaryEmbedding,
     TransformerBlock,
 )
-from scaletrain.model.moe import MoEConfig, block_mlp, validate_moe
+from scaletrain.model.moe import block_mlp
 from scaletrain.model.parallel_config import model_parallel_config
 from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
 
 
 @dataclass
-class LlamaConfig(ModelConfig):
+class LlamaConfig(DecoderConfig):
     num_kv_heads: int | None = None  # None: num_heads (multi-head); fewer: grouped-query; 1: multi-query
     rope_theta: float = 10000.0  # Llama 2: 1e4; Llama 3: 5e5
     layernorm_eps: float = 1e-5  # RMSNorm eps
-    # mixture-of-experts MLPs (model/moe.py): SwiGLU experts, as Mixtral (Jiang et al. 2024)
-    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def ffn_size(self) -> int:
@@ -93,6 +95,7 @@ def build_block(config: Config, layer: int) -> TransformerBlock:
         model.hidden_size, model.num_heads, mp_config, init("attention"),
         num_kv_heads=model.num_query_groups, head_dim=model.attention_head_dim, bias=False, causal=True,
         dropout=model.dropout, rotary=RotaryEmbedding(model.attention_head_dim, model.rope_theta), layer_index=layer,
+        sliding_window=model.sliding_window,
     )
     mlp = block_mlp(model.moe, layer, model.hidden_size, model.ffn_size, mp_config, init("mlp"),
                     config.train.grad_accum, activation=torch.nn.functional.silu, gated=True, bias=False)
@@ -110,7 +113,7 @@ def output_layer(config: Config) -> tensor_parallel.ColumnParallelLinear:
     )
 
 
-# Activations as in GPT: (hidden,) or (hidden, prefix_lengths) for a prefix LM.
+# Activations as in GPT: (hidden, *extras), the extras a prefix LM's prefix_lengths and the document ids.
 
 
 def _embed(embedding: LlamaEmbedding, activations: tuple, **_) -> tuple:
@@ -125,9 +128,11 @@ def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, **
 
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
+    # rotary positions restart per document inside each block (GPT adds learned ones in its embedding)
+    run_block = functools.partial(run_decoder_block, documents=model.document_attention, rotary=True)
     return [
         PipelineLayer("embedding", lambda: LlamaEmbedding(config), _embed),
-        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_decoder_block,
+        *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_block,
                         is_block=True) for layer in range(model.num_layers)),
         PipelineLayer("final_norm", lambda: sequence_parallel_region(
             config, RMSNorm(model.hidden_size, model.layernorm_eps)), run_final_norm),
@@ -185,9 +190,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"head dimension {model.attention_head_dim} must be even for rotary embeddings")
     if model.rope_theta <= 0:
         raise ConfigError(f"model.rope_theta={model.rope_theta} must be > 0")
-    problems = validate_moe(model.moe, config.parallel.sequence_parallel)
-    if problems:
-        raise ConfigError(problems[0])
+    validate_decoder(config)
 
 
 FAMILY = ModelFamily(
@@ -199,7 +202,7 @@ FAMILY = ModelFamily(
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
     sequence_parallel=True,
-    batch_schema=lambda config: DECODER_BATCH,
+    batch_schema=decoder_batch,
     counts=counts,
     validate=validate,
     hf=lazy("scaletrain.checkpoint.hf.llama:ADAPTER"),

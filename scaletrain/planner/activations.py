@@ -17,6 +17,12 @@ be checked against a CPU fp32 run (tests/planner/test_memory.py):
   output when dropout > 0; "flash" (SDPA's flash / memory-efficient kernels, which our model uses
   on GPU, and the CPU kernel when dropout = 0) keeps only a fp32 logsumexp per head and row;
 - LayerNorm mean and rstd (fp32, 2 per norm), which the paper omits as small.
+An explicit attention mask (model/attention_masks.py: document masking, or a sliding window narrower
+than the sequence; plain causal attention uses SDPA's is_causal and has none) costs a fused kernel one
+more tensor: SDPA turns the boolean mask into an additive one of the activation dtype and keeps it for
+backward, [b, 1, s, s] for documents (one per sequence) or [s, s] for a window alone, per block and
+replicated over TP ranks (measured on CPU; CUDA's memory-efficient kernel, the one that takes a mask,
+keeps its attention bias the same way). The math kernel adds the mask to the scores and keeps nothing.
 The attention output needs no copy of its own: SDPA returns it in the query's [s, b, heads, d]
 memory layout, so the reshape for the output projection is a view (measured on CPU; a kernel
 that returned another layout would add s*b*h/t per block).
@@ -74,10 +80,11 @@ class BlockActivations:
     split: float
     attention: float
     norm_statistics: float
+    attention_mask: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.replicated + self.split + self.attention + self.norm_statistics
+        return self.replicated + self.split + self.attention + self.norm_statistics + self.attention_mask
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,20 @@ def block_activations(
         split=tokens * (4 * hidden + 2 * model.ffn_size) * act / tensor_parallel,
         attention=attention,
         norm_statistics=2 * 2 * tokens * STATISTIC_BYTES / sequence_split,
+        attention_mask=attention_mask_bytes(model, micro_batch, settings),
     )
+
+
+def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: ActivationSettings) -> float:
+    """The additive mask a fused kernel keeps per block (module docstring). The keys are the causal
+    decoders' (model/gpt.py DecoderConfig), so other families' sections have none."""
+    if settings.attention != "flash":
+        return 0.0
+    seq = model.seq_length
+    if getattr(model, "document_masking", False):
+        return micro_batch * seq * seq * settings.activation_bytes
+    window = getattr(model, "sliding_window", None)
+    return seq * seq * settings.activation_bytes if window is not None and window < seq else 0.0
 
 
 def stage_activations(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from scaletrain.config import Config
 from scaletrain.model.counts import model_counts
+from scaletrain.planner.activations import attention_mask_bytes
 from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
 from scaletrain.planner.layouts import Layout, layout_settings
 from scaletrain.planner.params import LayerParameters, model_parameters, stage_layers, stage_parameters
@@ -168,13 +169,23 @@ def _memory_model(plan: Plan) -> str:
         "3 also the weights; ZeRO-0 with PP > 1 is DeepSpeed's BF16_Optimizer (optimizer state partitioned "
         "as in ZeRO-1, plus full fp32 gradients)",
         f"activations per block and micro-batch, modelled for decoder blocks (GPT formula, charged to every "
-        f"family's blocks), ranked with the {attention}; dropout masks only when model.dropout > 0",
+        f"family's blocks), ranked with the {attention}; dropout masks only when model.dropout > 0"
+        f"{_attention_mask_note(plan)}",
         "recomp yes = full recomputation (train.activation_checkpoint_interval=1): 2sbh per block kept, plus one "
         "block's activations rebuilt at a time in backward",
         "pipeline buffers: 1F1B keeps min(PP - stage, m) micro-batches in flight (Narayanan et al. 2021), plus "
         "the outputs sent downstream; stages hold equal block counts (parallel.pipeline_partition=blocks); "
         "the fullest stage is reported",
     ])
+
+
+def _attention_mask_note(plan: Plan) -> str:
+    """The explicit mask's share, when the model attends through one (planner/activations.py)."""
+    if not attention_mask_bytes(plan.config.model, 1, plan.activations):
+        return ""
+    shape = "b*s*s (document masking)" if getattr(plan.config.model, "document_masking", False) else \
+        "s*s (sliding window)"
+    return f"; plus the additive attention mask the fused kernel keeps, {shape} in the activation dtype"
 
 
 def _table(plan: Plan, top: int) -> str:

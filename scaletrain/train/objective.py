@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, Dataset
 
+from scaletrain.batch import DOCUMENT_IDS
 from scaletrain.config import Config, ConfigError
 from scaletrain.data.bart_noising import DenoisingCollator, DenoisingNoise
 from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
@@ -124,8 +125,14 @@ class TrainingObjective:
     collator: Callable[[Config, TokenizerInfo, ModelFamily], Collator]
 
 
+def _document_separator(config: Config, info: TokenizerInfo, family: ModelFamily) -> int | None:
+    """The eos id when the family's model reads document ids (model.document_masking / document_positions):
+    the collator then marks the packed documents by it."""
+    return info.eos_id if DOCUMENT_IDS in family.batch_schema(config).optional_inputs else None
+
+
 def _causal_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
-    return CausalLMCollator(config.model.seq_length)
+    return CausalLMCollator(config.model.seq_length, _document_separator(config, info, family))
 
 
 def _prefix_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
@@ -133,7 +140,7 @@ def _prefix_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Coll
     reads it with its encoder and predicts the rest with its decoder (data/seq2seq.py)."""
     if family.encoder_decoder:
         return EncoderDecoderPrefixLMCollator(info, config.train.seed, config.model.seq_length)
-    return prefix_lm_collator(config.train.seed, config.model.seq_length)
+    return prefix_lm_collator(config.train.seed, config.model.seq_length, _document_separator(config, info, family))
 
 
 def _masked_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:

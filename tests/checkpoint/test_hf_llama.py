@@ -40,6 +40,7 @@ class LlamaModelConfig:
     dropout: float = 0.0
     family: str = "llama"
     moe: MoEConfig = field(default_factory=MoEConfig)
+    sliding_window: int | None = None  # a window exports as MistralForCausalLM (test_hf_mistral.py)
 
     @property
     def attention_head_dim(self) -> int:
@@ -225,7 +226,8 @@ UNSUPPORTED_CONFIGS = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                       "rope_parameters": None}, "rope_type='llama3'"),
     "attention_bias": ({"attention_bias": True}, "attention_bias=True"),
-    "model_type": ({"model_type": "mistral"}, "model_type='mistral'"),
+    "model_type": ({"model_type": "qwen2"}, "model_type='qwen2'; scaletrain's llama family reads 'llama' or "
+                                            "'mistral'"),
 }
 
 

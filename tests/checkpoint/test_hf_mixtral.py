@@ -123,7 +123,14 @@ def test_other_model_types_are_refused_naming_the_key(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
     with pytest.raises(ValueError, match="model_type='qwen2_moe'"):
         import_hf(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral", "sliding_window": 4096}))
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        import_hf(tmp_path)
 
+
+
+def test_a_windowed_mixture_of_experts_exports_its_window():
+    """Mixtral has Mistral's sliding window: a llama with experts and a window exports both."""
+    from scaletrain.checkpoint.hf.llama import LlamaShape, _hf_config
+
+    config = load_config(CONFIG, [*TINY, "model.sliding_window=16"])
+    shape = LlamaShape.from_model_config(config.model, config.padded_vocab_size)
+    hf_config = _hf_config(config.model, config.padded_vocab_size, shape)
+    assert (hf_config.model_type, hf_config.sliding_window, hf_config.num_local_experts) == ("mixtral", 16, 4)

@@ -45,6 +45,8 @@ SINGLE_RANK_CASES = {
     "flash": (ACTIVATION_MODEL, {}, {}),
     "math": ({**ACTIVATION_MODEL, "dropout": 0.1}, {}, {}),
     "recompute": (ACTIVATION_MODEL, {}, {"activation_checkpoint_interval": 1}),
+    "documents": ({**ACTIVATION_MODEL, "document_masking": True}, {}, {}),
+    "window": ({**ACTIVATION_MODEL, "sliding_window": 8}, {}, {}),
 }
 TWO_RANK_CASES = {
     "dp2_zero1": (ZERO_MODEL, {"zero_stage": 1}, {}),
@@ -88,8 +90,11 @@ def _measure_case(config: Config, world_size: int) -> dict[str, int]:
     engine = build_engine(build_model(config), config, topology)
     tokens = torch.randint(0, config.data.vocab_size, (MICRO_BATCH, config.model.seq_length),
                            generator=torch.Generator().manual_seed(0))
+    # three documents per sequence when the model masks by them
+    documents = {"document_ids": torch.arange(config.model.seq_length).expand_as(tokens) * 3 // config.model.seq_length}
     with _SavedActivations(engine.module) as activations:
-        loss = engine(tokens, torch.roll(tokens, -1, dims=1))
+        loss = engine(tokens, torch.roll(tokens, -1, dims=1),
+                      **(documents if getattr(config.model, "document_masking", False) else {}))
     engine.backward(loss)
     gradients = sum(_nbytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
     engine.step()

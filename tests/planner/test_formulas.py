@@ -112,3 +112,19 @@ def test_first_stage_holds_p_micro_batches_in_flight(gpt3_175b):
     assert memory.pipeline_buffers == pytest.approx(15 * stored + 16 * sent)
     few = stage_memory(gpt3_175b, layout, 0, 3, MIXED_BF16, settings)
     assert few.pipeline_buffers == pytest.approx(2 * stored + 3 * sent)
+
+
+def test_an_explicit_attention_mask_adds_its_additive_copy_per_block(gpt3_175b):
+    """Document masking keeps [b, s, s] per block in a fused kernel, a narrow window [s, s], a window as
+    long as the sequence nothing (SDPA's is_causal then), and the math kernel nothing at all."""
+    flash = dataclasses.replace(KORTHIKANTI, attention="flash")
+    model, seq = gpt3_175b.model, gpt3_175b.model.seq_length
+
+    def extra(settings: ActivationSettings = flash, **changes) -> float:
+        masked = block_activations(dataclasses.replace(model, **changes), 2, 8, settings).total
+        return masked - block_activations(model, 2, 8, settings).total
+
+    assert extra(document_masking=True) == 2 * seq * seq * 2
+    assert extra(sliding_window=seq // 2) == seq * seq * 2
+    assert extra(sliding_window=seq) == 0
+    assert extra(KORTHIKANTI, document_masking=True) == 0

@@ -84,7 +84,7 @@ def test_gradients_without_zero_are_one_per_weight(single_rank_measurements):
     assert measured["gradients_after_backward"] == measured["weights"]
 
 
-@pytest.mark.parametrize("case", ["zero0", "flash", "math", "recompute"])
+@pytest.mark.parametrize("case", ["zero0", "flash", "math", "recompute", "documents", "window"])
 def test_single_rank_activations(case, single_rank_measurements):
     expected = _expected_activations(SINGLE_RANK_CASES[case], 1)
     measured = single_rank_measurements[case]["activations"]

@@ -4,6 +4,7 @@ and one that is not is a single error listing the known ones."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict
@@ -13,7 +14,7 @@ from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import SpanCorruptionCollator
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.model.registry import FAMILY_MODULES, get_family
-from scaletrain.train.objective import OBJECTIVES, training_objective
+from scaletrain.train.objective import OBJECTIVES, build_objective, training_objective
 
 
 def test_every_objective_a_family_names_is_registered():
@@ -41,3 +42,23 @@ def test_each_objective_builds_its_collator(small_dataset, family: str, kind: st
     info = TokenizerInfo.from_tokenizer(Tokenizer.load(small_dataset / "tokenizer.model"))
     collator = training_objective(kind).collator(config, info, get_family(family))
     assert isinstance(collator, collator_class)
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "prefix_lm"])
+@pytest.mark.parametrize("model", [{"document_masking": True}, {"document_positions": True}, {}])
+def test_decoder_batches_carry_document_ids_when_the_model_reads_them(small_dataset, kind: str, model: dict):
+    """The packed samples of the real dataset, with document ids counted from the eos separators."""
+    config = config_from_dict({"model": {"family": "llama", "seq_length": 32, **model}, "objective": {"kind": kind},
+                               "data": {"dir": str(small_dataset), "vocab_size": 1024, "num_sentinels": 16}})
+    objective = build_objective(config)
+    eos_id = TokenizerInfo.from_tokenizer(Tokenizer.load(small_dataset / "tokenizer.model")).eos_id
+    dataset = objective.dataset("train", shuffle=False)
+    # the documents are whole plays: pick the samples that cross a boundary, and one that does not
+    crossing = [index for index in range(dataset.order.num_samples) if eos_id in dataset[index]["tokens"][:-1]]
+    batch = objective.collate([dataset[index] for index in [0, *crossing[:3]]])
+    if not model:
+        assert "document_ids" not in batch
+        return
+    eos = batch["tokens"] == eos_id
+    assert eos[1:].any(dim=1).all() and not eos[0].any()
+    assert torch.equal(batch["document_ids"], eos.cumsum(dim=1))

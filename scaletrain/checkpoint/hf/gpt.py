@@ -29,6 +29,13 @@ FAMILY = "gpt"
 def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + model.safetensors) loadable with `from_pretrained(out_dir)`.
     vocab_size is the padded vocabulary the model was built with (`Config.padded_vocab_size`)."""
+    if config.sliding_window is not None:
+        raise ValueError(
+            f"this gpt model attends through a sliding window (model.sliding_window={config.sliding_window}), which "
+            "GPT2LMHeadModel cannot: transformers has no GPT-2 model type with one, and its full attention would "
+            "compute other logits. Export a llama with model.sliding_window instead (as MistralForCausalLM), "
+            "or use the run's checkpoints with `scaletrain generate`"
+        )
     weights = weights_only(state)
     check_vocabulary_rows(weights, "embedding.word.weight", vocab_size)
     to_hf(weights, config, vocab_size).save_pretrained(out_dir)

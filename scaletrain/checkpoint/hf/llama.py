@@ -1,5 +1,6 @@
 """Llama-family weights to and from Hugging Face `LlamaForCausalLM` (Touvron et al. 2023; Dubey et al. 2024),
-and `MixtralForCausalLM` (Jiang et al. 2024) for a llama whose every MLP is a mixture of experts.
+or `MistralForCausalLM` (Jiang et al. 2023) for a model with a sliding window, and `MixtralForCausalLM`
+(Jiang et al. 2024) for one whose every MLP is a mixture of experts.
 
 Our blocks compute what HF's do with the same matrices: RMSNorm, rotate-half rotary embeddings (so
 q/k rows need no permutation), grouped-query attention, SwiGLU, no biases, an untied output layer.
@@ -7,6 +8,11 @@ Only the fusion differs: with num_kv_heads == num_heads our `attention.qkv` is [
 `attention.query` is q and `attention.key_value` is [k; v]; `mlp.fc` is [gate; up]. As for GPT, the
 HF vocabulary is our padded one (conversion.py explains why). Import takes plain rotary embeddings
 only: rope scaling (Llama 3.1's long context) is not in our model, so it is refused, not dropped.
+
+Mistral is Llama's architecture with the same weight names plus a sliding window, whose mask and rolling
+cache transformers builds as ours do (model/attention_masks.py): a llama with model.sliding_window exports
+as `MistralForCausalLM`, and a Mistral checkpoint imports as llama weights (train it with the
+sliding_window of its config.json; Mistral 7B v0.1 has 4096, later versions none).
 
 Mixtral: our `mlp.router` is HF's `mlp.gate`; expert e's `mlp.experts.e.fc` ([gate; up]) and `.proj` are
 row e of HF's stacked `experts.gate_up_proj` ([E, 2f, h], gate then up) and `experts.down_proj` (save_pretrained
@@ -22,7 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+)
 
 from scaletrain.checkpoint.hf.conversion import StateDict, check_all_taken, fp32, take, weights_only
 from scaletrain.config import Config, ModelConfig
@@ -30,6 +44,9 @@ from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
 
 FAMILY = "llama"
+MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "mixtral": MixtralForCausalLM,
+}
 
 
 @dataclass(frozen=True)
@@ -66,10 +83,6 @@ class LlamaShape:
                    hf_config.num_attention_heads, hf_config.num_key_value_heads or hf_config.num_attention_heads,
                    head_dim, hf_config.intermediate_size, getattr(hf_config, "num_local_experts", 0))
 
-    @property
-    def model_class(self) -> type[PreTrainedModel]:
-        return MixtralForCausalLM if self.num_experts else LlamaForCausalLM
-
 
 def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + safetensors) from our TP=1 weights, each checked for name and shape first.
@@ -77,22 +90,25 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
     weights once and skips a random init; its rotary tables stay on meta, as save_pretrained never writes them."""
     shape = LlamaShape.from_model_config(config, vocab_size)
     hf_state = _hf_state(weights_only(state), shape)
+    hf_config = _hf_config(config, vocab_size, shape)
     with torch.device("meta"):
-        model = shape.model_class(_hf_config(config, vocab_size, shape))
+        model = MODEL_CLASSES[hf_config.model_type](hf_config)
     model.load_state_dict(hf_state, strict=True, assign=True)
     model.save_pretrained(out_dir)
     return Path(out_dir)
 
 
 def import_hf(hf_dir: str | Path) -> StateDict:
-    """Our TP=1 state dict from a `LlamaForCausalLM` or `MixtralForCausalLM` directory; tied HF embeddings
-    become two equal weights."""
+    """Our TP=1 state dict from a `LlamaForCausalLM`, `MistralForCausalLM` or `MixtralForCausalLM`
+    directory; tied HF
+    embeddings become two equal weights."""
     hf_dir = Path(hf_dir)
-    model_class = _check_supported(hf_dir)
+    model_class = MODEL_CLASSES[_check_supported(hf_dir)]
     hf_model, loading_info = model_class.from_pretrained(hf_dir, output_loading_info=True)
     missing = sorted(loading_info["missing_keys"])
     if missing:
-        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete {model_class.__name__} checkpoint")
+        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete {model_class.__name__} "
+                         "checkpoint")
     hf_state = hf_model.state_dict()
     shape = LlamaShape.from_hf_config(hf_model.config)
     state = {
@@ -176,8 +192,10 @@ def _expert_layout(shape: LlamaShape) -> dict[str, tuple[list[str], tuple[int, .
     return layout
 
 
-def _hf_config(config: ModelConfig, vocab_size: int, shape: LlamaShape) -> LlamaConfig | MixtralConfig:
-    common = dict(
+def _hf_config(config: ModelConfig, vocab_size: int, shape: LlamaShape) -> LlamaConfig | MistralConfig | MixtralConfig:
+    """Mixtral's config for a mixture of experts (with its window, if any), else Mistral's (no bias switches:
+    it has none) when the model has a sliding window, else Llama's."""
+    shared = dict(
         vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=shape.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, head_dim=config.attention_head_dim,
@@ -185,19 +203,21 @@ def _hf_config(config: ModelConfig, vocab_size: int, shape: LlamaShape) -> Llama
         tie_word_embeddings=False, initializer_range=config.init_std, attention_dropout=config.dropout,
         bos_token_id=SPECIAL_IDS["bos"], eos_token_id=SPECIAL_IDS["eos"],
     )
-    if not shape.num_experts:
-        return LlamaConfig(**common, rope_theta=float(config.rope_theta), attention_bias=False, mlp_bias=False)
-    moe = config.moe
-    return MixtralConfig(
-        **common, rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
-        num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-        router_aux_loss_coef=moe.aux_loss_coeff / moe.top_k, output_router_logits=False, router_jitter_noise=0.0,
-    )
+    if shape.num_experts:
+        moe = config.moe
+        return MixtralConfig(
+            **shared, rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+            sliding_window=config.sliding_window, num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+            router_aux_loss_coef=moe.aux_loss_coeff / moe.top_k, output_router_logits=False, router_jitter_noise=0.0,
+        )
+    if config.sliding_window is not None:
+        return MistralConfig(**shared, rope_theta=float(config.rope_theta), sliding_window=config.sliding_window)
+    return LlamaConfig(**shared, rope_theta=float(config.rope_theta), attention_bias=False, mlp_bias=False)
 
 
-def _check_supported(hf_dir: Path) -> type[PreTrainedModel]:
-    """The model class of `hf_dir`, or an error naming the config.json key of a Llama (or Mixtral) variant
-    whose weights our blocks would compute differently."""
+def _check_supported(hf_dir: Path) -> str:
+    """Refuse, naming the config.json key, a Llama variant whose weights our blocks would compute differently;
+    the model_type, llama, mistral or mixtral, of one we can read."""
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{config_file} does not exist; pass a directory saved by LlamaForCausalLM.save_pretrained")
@@ -205,22 +225,21 @@ def _check_supported(hf_dir: Path) -> type[PreTrainedModel]:
     # transformers < 5 writes rope_scaling (null when plain); 5 writes rope_parameters with a rope_type.
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     model_type = hf_config.get("model_type")
-    if model_type not in ("llama", "mixtral"):
-        raise ValueError(f"{config_file} has model_type={model_type!r}; scaletrain's llama family imports "
-                         "model_type 'llama' (LlamaForCausalLM) and 'mixtral' (MixtralForCausalLM)")
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"{config_file} has model_type={model_type!r}; scaletrain's llama family reads "
+                         f"{' or '.join(map(repr, MODEL_CLASSES))}")
     unsupported = {
         "hidden_act": (hf_config.get("hidden_act", "silu"), "silu"),
         "attention_bias": (hf_config.get("attention_bias", False), False),
         "mlp_bias": (hf_config.get("mlp_bias", False), False),
         "rope_type": (rope.get("rope_type", rope.get("type", "default")), "default"),
-        "sliding_window": (hf_config.get("sliding_window"), None),
     }
     for key, (found, supported) in unsupported.items():
         if found != supported:
             raise ValueError(
                 f"{config_file} has {key}={found!r}; scaletrain's llama family supports only {key}={supported!r}"
             )
-    return MixtralForCausalLM if model_type == "mixtral" else LlamaForCausalLM
+    return model_type
 
 
 def _export(state: StateDict, config: Config, out_dir: Path) -> None:

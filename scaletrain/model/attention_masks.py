@@ -1,0 +1,98 @@
+"""Which keys a causal decoder's queries may attend: packed documents, a prefix, a sliding window.
+
+Every mask here is SDPA's boolean form (True: may attend), [query, key] or [batch, 1, query, key].
+Three independent limits compose by AND, and every query always keeps its own key, so no softmax
+row is empty:
+
+    causal           key j <= query i (GPT; Radford et al. 2018)
+    documents        i and j lie in the same packed document (Megatron's `reset_attention_mask`;
+                     Llama 3 masks attention between documents, Dubey et al. 2024, sec. 3.2)
+    sliding window   j > i - W: a query sees itself and the W - 1 keys before it (Longformer's local
+                     attention, Beltagy et al. 2020, made causal by Mistral, Jiang et al. 2023). This is
+                     Hugging Face's convention (transformers' masking_utils.sliding_window_overlay:
+                     `kv_idx > q_idx - sliding_window`), so a Mistral export computes what we do.
+
+A prefix LM (Raffel et al. 2020, sec. 3.2.3) replaces "causal" by "causal or j in the prefix".
+
+Documents are given as `document_ids` [batch, seq]: equal ids mark one document, and a new document
+starts where the id changes (data/objectives.py makes them from the eos separators). Positions may
+restart at each document start (Megatron's `reset_position_ids`, Hugging Face's packed `position_ids`),
+so a document in a pack sees exactly the positions it would see alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def causal_mask(query_length: int, key_length: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[query, key]: the queries are the last `query_length` of `key_length` positions (bottom-right
+    aligned, as in incremental decoding behind a KV cache); query i sees key j if j <= i and, with a
+    window W, j > i - W."""
+    keys = torch.arange(key_length, device=device)
+    queries = torch.arange(key_length - query_length, key_length, device=device)
+    visible = keys[None, :] <= queries[:, None]
+    if window is not None:
+        visible &= sliding_window_mask(query_length, key_length, device, window)
+    return visible
+
+
+def sliding_window_mask(query_length: int, key_length: int, device: torch.device, window: int) -> torch.Tensor:
+    """[query, key], bottom-right aligned: key j is less than `window` positions behind query i
+    (j > i - W), with no causal limit of its own, to AND with a mask that already has one."""
+    keys = torch.arange(key_length, device=device)
+    queries = torch.arange(key_length - query_length, key_length, device=device)
+    return keys[None, :] > queries[:, None] - window
+
+
+def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """[batch, 1, seq, seq]: query i sees key j if j <= i (causal) or j is in the prefix (a prefix LM,
+    Raffel et al. 2020, sec. 3.2.3)."""
+    positions = torch.arange(seq_length, device=prefix_lengths.device)
+    causal = positions[None, :] <= positions[:, None]
+    in_prefix = positions[None, None, :] < prefix_lengths[:, None, None]
+    return (causal[None] | in_prefix)[:, None]
+
+
+def same_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq]: query i and key j belong to the same document (no causal limit)."""
+    return (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+
+
+def positions_in_document(document_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] int64: each token's distance from the first token of its document."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def decoder_attention_mask(
+    seq_length: int, device: torch.device, prefix_lengths: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The mask of a training forward before any sliding window (the attention layer adds that):
+    causal or prefix LM, within documents when `document_ids` are given; None for plain causal,
+    which SDPA computes without a mask (`is_causal`)."""
+    if prefix_lengths is None and document_ids is None:
+        return None
+    if prefix_lengths is not None:
+        mask = prefix_lm_attention_mask(prefix_lengths, seq_length)
+    else:
+        mask = causal_mask(seq_length, seq_length, device)[None, None]
+    return mask if document_ids is None else mask & same_document_mask(document_ids)
+
+
+@dataclass(frozen=True)
+class DocumentAttention:
+    """What a decoder does with the document ids of a packed batch: mask attention to the document,
+    restart positions at each document, both, or neither (then the batch carries no ids)."""
+
+    masking: bool = False
+    positions: bool = False
+
+    @property
+    def reads_document_ids(self) -> bool:
+        return self.masking or self.positions

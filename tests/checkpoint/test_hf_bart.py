@@ -3,7 +3,6 @@ greedy tokens; import inverts export; `scaletrain generate` on a run says what H
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from scaletrain.model.sampling import sample_seq2seq
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_bart import ARCHITECTURE, EOS, SEED, bart_batch
 from tests.model.test_t5 import mp_config
-from tests.train.runs import REPO, launcher, run_scaletrain, scaletrain_environment, tiny_overrides
+from tests.train.runs import REPO, run_scaletrain, tiny_overrides
 
 LAYOUTS = (1, 2)  # tensor-parallel sizes
 # Larger weights than the 0.02 init, so greedy decoding does not repeat one token from the start.
@@ -107,14 +106,12 @@ def test_scaletrain_generate_says_what_the_export_decodes(small_dataset: Path, t
                              "model.ffn_hidden_size=128", "train.steps=4", "train.eval_every=4"])
     run_scaletrain("export", [str(run_dir), str(hf_dir)])
     prompt = "Now is the winter of our discontent"
-    result = subprocess.run([*launcher(1), "generate", str(run_dir), "--prompt", prompt, "--temperature", "0",
-                             "--max-new-tokens", str(NEW_TOKENS)], cwd=REPO, env=scaletrain_environment(),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout = run_scaletrain("generate", [str(run_dir), "--prompt", prompt, "--temperature", "0",
+                                         "--max-new-tokens", str(NEW_TOKENS)], timeout=300)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = BartForConditionalGeneration.from_pretrained(hf_dir).eval()
     inputs = tokenizer(prompt, return_tensors="pt")
     assert inputs.input_ids[0, -1].item() == EOS  # framed as the encoder saw text in training
     generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, num_beams=1)
     expected = prompt + tokenizer.decode(generated[0, 1:], skip_special_tokens=True)
-    assert result.stdout.rstrip("\n").endswith(expected)
+    assert stdout.rstrip("\n").endswith(expected)

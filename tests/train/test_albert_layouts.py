@@ -12,37 +12,16 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import (
-    STEPS,
-    LayoutRuns,
-    assert_matches_single_rank,
-    assert_resume_is_exact,
-    train_twice,
-)
+from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
 
 CONFIG = str(REPO / "configs" / "albert_tiny.yaml")
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.embedding_size=32", "model.seq_length=64",
         "model.ffn_hidden_size=128", "model.sharing=all"]
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-}
 
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, LayoutRuns] = {}
-
-    def get(layout: str) -> LayoutRuns:
-        if layout not in cache:
-            nproc, overrides = LAYOUTS[layout]
-            root = tmp_path_factory.mktemp(f"albert_{layout}")
-            cache[layout] = train_twice(small_dataset, root, nproc, [*TINY, *overrides], config=CONFIG)
-        return cache[layout]
-
-    return get
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "albert")
 
 
 @pytest.mark.slow

@@ -11,36 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import (
-    STEPS,
-    LayoutRuns,
-    assert_matches_single_rank,
-    assert_resume_is_exact,
-    train_twice,
-)
+from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
 
 CONFIG = str(REPO / "configs" / "bart_tiny.yaml")
 TINY = ["model.num_decoder_layers=2", "model.ffn_hidden_size=128", "model.seq_length=64"]
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-}
 
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, LayoutRuns] = {}
-
-    def get(layout: str) -> LayoutRuns:
-        if layout not in cache:
-            nproc, overrides = LAYOUTS[layout]
-            cache[layout] = train_twice(small_dataset, tmp_path_factory.mktemp(f"bart_{layout}"), nproc,
-                                        [*TINY, *overrides], config=CONFIG)
-        return cache[layout]
-
-    return get
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "bart")
 
 
 @pytest.mark.slow

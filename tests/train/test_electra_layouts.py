@@ -13,32 +13,18 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics, run_scaletrain
-from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank, assert_resume_is_exact, train_twice
+from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
 
 CONFIG = str(REPO / "configs" / "electra_tiny.yaml")
 # tiny_overrides' hidden 64 and 4 heads; a 32-wide generator with 2 heads (TP2 splits them), E = 32
 OVERRIDES = ["model.embedding_size=32", "model.generator_hidden_size=32", "model.generator_num_heads=2"]
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
-}
 METRICS = ("val_discriminator_accuracy", "val_replaced_accuracy", "val_discriminator_auc",
            "val_generator_masked_accuracy")
 
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, LayoutRuns] = {}
-
-    def get(layout: str) -> LayoutRuns:
-        if layout not in cache:
-            nproc, overrides = LAYOUTS[layout]
-            cache[layout] = train_twice(small_dataset, tmp_path_factory.mktemp(f"electra_{layout}"), nproc,
-                                        [*OVERRIDES, *overrides], config=CONFIG)
-        return cache[layout]
-
-    return get
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, OVERRIDES, "electra")
 
 
 def validation_records(run_dir: Path) -> dict[int, dict]:

@@ -10,13 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import (
-    STEPS,
-    LayoutRuns,
-    assert_matches_single_rank,
-    assert_resume_is_exact,
-    train_twice,
-)
+from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
 
 FAMILIES = {
     "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
@@ -25,15 +19,6 @@ FAMILIES = {
     "llama": [f"base={REPO / 'configs' / 'llama_tiny.yaml'}", "model.num_layers=2", "model.ffn_hidden_size=176"],
     "t5_prefix_lm": [f"base={REPO / 'configs' / 't5_tiny.yaml'}", "model.num_decoder_layers=2",
                      "model.ffn_hidden_size=128", "objective.kind=prefix_lm"],
-}
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
-    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-    "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
-    "pp2_recompute": (2, ["parallel.pipeline=2", "train.activation_checkpoint_interval=1"]),
 }
 CASES = [
     ("llama", "tp2"), ("llama", "pp2"), ("llama", "tp2_pp2"), ("llama", "dp2_zero3"), ("llama", "dp2_zero1"),
@@ -54,18 +39,9 @@ def family_config(family: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[tuple[str, str], LayoutRuns] = {}
-
-    def get(family: str, layout: str) -> LayoutRuns:
-        if (family, layout) not in cache:
-            nproc, overrides = LAYOUTS[layout]
-            root = tmp_path_factory.mktemp(f"{family}_{layout}")
-            cache[family, layout] = train_twice(
-                small_dataset, root, nproc, [*family_overrides(family), *overrides], config=family_config(family)
-            )
-        return cache[family, layout]
-
-    return get
+    by_family = {family: cached_layout_runs(small_dataset, tmp_path_factory, family_config(family),
+                                            family_overrides(family), family) for family in FAMILIES}
+    return lambda family, layout: by_family[family](layout)
 
 
 @pytest.mark.slow

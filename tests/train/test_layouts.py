@@ -10,6 +10,7 @@ in test_robustness.py and test_signals.py; here two processes per layout do what
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,23 @@ def train_twice(
     checkpoint = straight / "checkpoints" / f"step_{RESUME_AT:08d}"
     run_scaletrain("train", [config, *tiny_overrides(data_dir, resumed), *common, f"train.resume={checkpoint}"], nproc)
     return LayoutRuns(straight, resumed)
+
+
+def cached_layout_runs(
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, config: str, overrides: list[str], label: str
+) -> Callable[[str], LayoutRuns]:
+    """One model's runs by layout name ("single" for one rank, or a key of LAYOUTS), each layout trained
+    twice (train_twice) when first asked for and kept: the single-rank reference serves every layout."""
+    cache: dict[str, LayoutRuns] = {}
+
+    def get(layout: str) -> LayoutRuns:
+        if layout not in cache:
+            nproc, layout_overrides = (1, []) if layout == "single" else LAYOUTS[layout]
+            cache[layout] = train_twice(data_dir, tmp_path_factory.mktemp(f"{label}_{layout}"), nproc,
+                                        [*overrides, *layout_overrides], config=config)
+        return cache[layout]
+
+    return get
 
 
 @pytest.fixture(scope="module")

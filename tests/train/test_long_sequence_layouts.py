@@ -18,7 +18,7 @@ from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.prepare import prepare_dataset
 from tests.conftest import SMALL_DATASET_SETTINGS
 from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides
-from tests.train.test_layouts import LayoutRuns, assert_matches_single_rank, assert_resume_is_exact, train_twice
+from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
 
 LINES_PER_DOCUMENT = 2  # about 20 tokens: most 32-token sequences hold one or two document starts
 LONG_SEQUENCE_OPTIONS = ["model.document_masking=true", "model.document_positions=true"]
@@ -27,15 +27,6 @@ CONFIGS = {
     "llama": (REPO / "configs" / "llama_tiny.yaml", [*LONG_SEQUENCE_OPTIONS, "model.sliding_window=8",
                                                      "model.num_layers=2", "model.ffn_hidden_size=176"]),
     "gpt_prefix_lm": (DEMO_CONFIG, [*LONG_SEQUENCE_OPTIONS, "objective.kind=prefix_lm"]),
-}
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "tp2_sequence_parallel": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-    "tp2_pp2": (4, ["parallel.tensor=2", "parallel.pipeline=2"]),
-    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
-    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
 }
 CASES = [
     ("llama", "tp2"), ("llama", "pp2"), ("llama", "dp2_zero3"), ("llama", "tp2_sequence_parallel"),
@@ -60,17 +51,9 @@ def short_documents(small_dataset: Path, small_dataset_raw: list[Path], tmp_path
 
 @pytest.fixture(scope="module")
 def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[tuple[str, str], LayoutRuns] = {}
-
-    def get(name: str, layout: str) -> LayoutRuns:
-        if (name, layout) not in cache:
-            config, options = CONFIGS[name]
-            nproc, overrides = LAYOUTS[layout]
-            root = tmp_path_factory.mktemp(f"{name}_{layout}")
-            cache[name, layout] = train_twice(short_documents, root, nproc, [*options, *overrides], config=str(config))
-        return cache[name, layout]
-
-    return get
+    by_name = {name: cached_layout_runs(short_documents, tmp_path_factory, str(config), options, name)
+               for name, (config, options) in CONFIGS.items()}
+    return lambda name, layout: by_name[name](layout)
 
 
 @pytest.mark.slow

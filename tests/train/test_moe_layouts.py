@@ -14,33 +14,17 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank, assert_resume_is_exact, train_twice
+from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
 
 CONFIG = str(REPO / "configs" / "mixtral_tiny.yaml")
 # tiny_overrides' 2 layers of hidden 64; 4 experts of width 32, top-2
 TINY = ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "model.moe.capacity_factor=1.0",
         "model.moe.aux_loss_coeff=0.05"]
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tensor=2"]),
-    "dp2_zero1": (2, ["parallel.zero_stage=1"]),
-    "dp2_zero3": (2, ["parallel.zero_stage=3"]),
-    "pp2": (2, ["parallel.pipeline=2"]),
-}
 
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, LayoutRuns] = {}
-
-    def get(layout: str) -> LayoutRuns:
-        if layout not in cache:
-            nproc, overrides = LAYOUTS[layout]
-            root = tmp_path_factory.mktemp(f"moe_{layout}")
-            cache[layout] = train_twice(small_dataset, root, nproc, [*TINY, *overrides], config=CONFIG)
-        return cache[layout]
-
-    return get
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "moe")
 
 
 def routing_records(run_dir: Path) -> dict[int, dict]:

@@ -237,7 +237,7 @@ def model_flops_per_token(model: ModelConfig, vocab_size: int) -> float:
 
 
 def _mlp(model: GPTConfig, layer: int) -> MLPCounts:
-    ffn = (model.moe.ffn_hidden_size or model.ffn_size) if model.moe.is_moe_layer(layer) else model.ffn_size
+    ffn = model.moe.layer_ffn(layer, model.ffn_size)
     return mlp_counts(model.moe, layer, model.hidden_size, 2 * model.hidden_size * ffn, ffn + model.hidden_size)
 
 

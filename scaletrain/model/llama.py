@@ -154,7 +154,7 @@ def counts(config: Config) -> ModelCounts:
     hidden, seq = model.hidden_size, model.seq_length
     inner, kv_inner = model.num_heads * model.attention_head_dim, model.num_query_groups * model.attention_head_dim
     attention = 2 * hidden * inner + 2 * hidden * kv_inner
-    mlps = [mlp_counts(model.moe, layer, hidden, 3 * hidden * _ffn(model, layer), 0)
+    mlps = [mlp_counts(model.moe, layer, hidden, 3 * hidden * model.moe.layer_ffn(layer, model.ffn_size), 0)
             for layer in range(model.num_layers)]
     outside_mlps = 2 * vocab * hidden + model.num_layers * (attention + 2 * hidden) + hidden
     forward = sum(2 * attention + 4 * seq * inner + mlp.forward_flops for mlp in mlps) + 2 * hidden * vocab
@@ -167,10 +167,6 @@ def counts(config: Config) -> ModelCounts:
         active_params=outside_mlps + sum(mlp.active_params for mlp in mlps),
         embedding_params=vocab * hidden, flops_per_token=3.0 * forward, flops_formula=formula,
     )
-
-
-def _ffn(model: LlamaConfig, layer: int) -> int:
-    return (model.moe.ffn_hidden_size or model.ffn_size) if model.moe.is_moe_layer(layer) else model.ffn_size
 
 
 def validate(config: Config) -> None:

@@ -61,6 +61,10 @@ class MoEConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.enabled and layer % self.every == 0
 
+    def layer_ffn(self, layer: int, dense_ffn: int) -> int:
+        """The hidden size of block `layer`'s MLP: an expert's in a MoE layer, else the dense `dense_ffn`."""
+        return (self.ffn_hidden_size or dense_ffn) if self.is_moe_layer(layer) else dense_ffn
+
     def moe_layers(self, num_layers: int) -> list[int]:
         return [layer for layer in range(num_layers) if self.is_moe_layer(layer)]
 
@@ -104,6 +108,7 @@ class Routing:
     kept: torch.Tensor  # [T, k] True where the assignment is within its expert's capacity
     probabilities: torch.Tensor  # [T, E] the router's softmax (fp32)
     logits: torch.Tensor  # [T, E] (fp32)
+    assigned: torch.Tensor  # [E] assignments the router made to each expert, before capacity (int64)
 
 
 def route(logits: torch.Tensor, top_k: int, capacity: int | None) -> Routing:
@@ -117,17 +122,16 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None) -> Routing:
         choice_major = F.one_hot(experts.t().reshape(-1), logits.shape[-1])  # [k·T, E]: first choices first
         position = (choice_major.cumsum(dim=0) * choice_major).sum(dim=-1) - 1  # its place in its expert's queue
         kept = (position < capacity).reshape(top_k, -1).t()
-    return Routing(experts, weights, kept, probabilities, logits)
+    assigned = F.one_hot(experts, logits.shape[-1]).sum(dim=(0, 1))  # no bincount: it syncs with the GPU
+    return Routing(experts, weights, kept, probabilities, logits, assigned)
 
 
 def load_balancing_loss(routing: Routing) -> torch.Tensor:
     """Switch eq. 4 over k assignments per token: E · Σ_e f_e · P_e, with f_e the share of assignments to
     expert e (before capacity: what the router asked for) and P_e the mean router probability of e.
     1 when both are uniform. (transformers' Mixtral loss is k times this: its f sums to k.)"""
-    num_experts = routing.probabilities.shape[-1]
-    assigned = F.one_hot(routing.experts, num_experts).sum(dim=(0, 1)).float()
-    share = assigned / routing.experts.numel()
-    return num_experts * (share * routing.probabilities.mean(dim=0)).sum()
+    share = routing.assigned.float() / routing.experts.numel()
+    return routing.probabilities.shape[-1] * (share * routing.probabilities.mean(dim=0)).sum()
 
 
 def router_z_loss(routing: Routing) -> torch.Tensor:
@@ -178,9 +182,8 @@ class RoutingStatistics:
 
     def add(self, routing: Routing, aux_loss: torch.Tensor, z_loss: torch.Tensor) -> None:
         with torch.no_grad():
-            assigned = F.one_hot(routing.experts, self.num_experts).sum(dim=(0, 1)).double()
             dropped = (~routing.kept).sum().double()
-            row = torch.cat([torch.stack([aux_loss.double(), z_loss.double()]), assigned,
+            row = torch.cat([torch.stack([aux_loss.double(), z_loss.double()]), routing.assigned.double(),
                              torch.stack([dropped, torch.ones_like(dropped)])])
             self._sums = row if self._sums is None else self._sums + row
 
@@ -261,9 +264,10 @@ def block_mlp(
     grad_accum: int,
     **mlp_options,
 ) -> nn.Module:
-    """Block `layer`'s MLP: a MoELayer where `moe` puts one (experts of moe.ffn_hidden_size, else
-    `ffn_hidden_size`), else the dense ParallelMLP; `mlp_options` (activation, gated, bias) shape both."""
+    """Block `layer`'s MLP: a MoELayer where `moe` puts one (experts of moe.layer_ffn), else the dense
+    ParallelMLP of `ffn_hidden_size`; `mlp_options` (activation, gated, bias) shape both."""
+    ffn = moe.layer_ffn(layer, ffn_hidden_size)
     if not moe.is_moe_layer(layer):
-        return ParallelMLP(hidden_size, ffn_hidden_size, mp_config, init, **mlp_options)
-    return MoELayer(hidden_size, moe.ffn_hidden_size or ffn_hidden_size, moe, mp_config, init,
-                    layer_index=layer, aux_loss_scale=1.0 / grad_accum, **mlp_options)
+        return ParallelMLP(hidden_size, ffn, mp_config, init, **mlp_options)
+    return MoELayer(hidden_size, ffn, moe, mp_config, init, layer_index=layer, aux_loss_scale=1.0 / grad_accum,
+                    **mlp_options)

@@ -72,9 +72,8 @@ class LlamaShape:
             raise ValueError("model.moe.top_k=1: MixtralForCausalLM renormalises the top-k weights, which at k=1 "
                              "makes every weight 1 where ours is the router probability (Switch); use top_k >= 2 "
                              "to export")
-        ffn = (moe.ffn_hidden_size or config.ffn_size) if moe.enabled else config.ffn_size
         return cls(vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
-                   config.attention_head_dim, ffn, moe.num_experts)
+                   config.attention_head_dim, moe.layer_ffn(0, config.ffn_size), moe.num_experts)  # every=1 above
 
     @classmethod
     def from_hf_config(cls, hf_config: LlamaConfig | MixtralConfig) -> LlamaShape:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
-from scaletrain.model.moe import moe_layers_of
+from scaletrain.model.moe import MoELayer, moe_layers_of
 from scaletrain.train.hooks import Hook
 from scaletrain.train.state import TrainState
 
@@ -28,21 +28,19 @@ class ExpertStatistics(Hook):
     replica contributes its layers' sums, and one all-reduce over the world adds them up.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self._device = device
-        self._local = {layer.layer_index: layer for layer in moe_layers_of(model)}
-        experts = next(iter(self._local.values())).moe.num_experts if self._local else 0
-        everyone: list[Any] = [None] * dist.get_world_size()  # each stage names its layers
-        dist.all_gather_object(everyone, (sorted(self._local), experts))
-        self._layers = sorted({index for indices, _ in everyone for index in indices})
-        self._num_experts = max(experts for _, experts in everyone)
+    def __init__(self, local: dict[int, MoELayer], layers: list[int], num_experts: int, device: torch.device) -> None:
+        self._local, self._layers, self._num_experts, self._device = local, layers, num_experts, device
 
     @classmethod
     def for_model(cls, model: nn.Module, device: torch.device) -> ExpertStatistics | None:
-        """The hook if any rank holds a MoE layer (every rank asks: it is a collective), else None."""
-        holds = torch.tensor([int(bool(moe_layers_of(model)))], device=device)
-        dist.all_reduce(holds, op=dist.ReduceOp.MAX)
-        return cls(model, device) if holds.item() else None
+        """The hook if any rank holds a MoE layer, else None. Every rank asks (a collective): each names its
+        layers (a pipeline stage holds its own), so all agree on the rows of the step's all-reduce."""
+        local = {layer.layer_index: layer for layer in moe_layers_of(model)}
+        experts = next(iter(local.values())).moe.num_experts if local else 0
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (sorted(local), experts))
+        layers = sorted({index for indices, _ in everyone for index in indices})
+        return cls(local, layers, max(experts for _, experts in everyone), device) if layers else None
 
     def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
         sums = torch.zeros(len(self._layers), self._num_experts + 4, dtype=torch.float64, device=self._device)

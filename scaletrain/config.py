@@ -148,6 +148,13 @@ class ParallelConfig:
     # Sequence parallelism (Korthikanti et al. 2022): norms, dropout and residuals of each block work on
     # 1/tensor of the sequence; megatron's linears all-gather / reduce-scatter instead of all-reducing.
     sequence_parallel: bool = False
+    # Expert parallelism: each MoE layer's experts are split over this many data-parallel ranks, which
+    # exchange tokens by all-to-all (GShard; DeepSpeed-MoE). Carved out of the data-parallel ranks, as
+    # DeepSpeed and Megatron do: it must divide them and model.moe.num_experts; the world size is unchanged.
+    expert: int = 1
+    # Context parallelism: each sequence split over this many ranks, attention computed by ring attention
+    # (Liu et al. 2023). A grid dimension of its own between TP and DP (Megatron's order tp-cp-dp-pp).
+    context: int = 1
     # How long a collective may wait for another rank before it fails (torch.distributed's process-group
     # timeout). A rank lost with its host (link down, node dead) is detected only this way: every other
     # rank waits this long, then exits naming it (train/peer_loss.py). Long enough for the slowest
@@ -613,7 +620,7 @@ def _validate_objective(objective: ObjectiveConfig) -> None:
 
 def _validate_parallel(parallel: ParallelConfig) -> None:
     """The sizes' ranges; what a layout may combine is parallel/layout_rules.py's."""
-    for key in ("tensor", "pipeline"):
+    for key in ("tensor", "pipeline", "expert", "context"):
         if getattr(parallel, key) < 1:
             raise ConfigError(f"parallel.{key}={getattr(parallel, key)} must be >= 1")
     if parallel.data is not None and parallel.data < 1:

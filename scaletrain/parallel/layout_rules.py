@@ -31,6 +31,12 @@ def validate_layout(config: Config) -> None:
             "every stage needs at least one block"
         )
     _validate_pipeline_partition(config)
+    if parallel.context > 1:
+        raise ConfigError(f"parallel.context={parallel.context}: context parallelism is not built yet; "
+                          "set parallel.context=1")
+    if parallel.expert > 1:
+        raise ConfigError(f"parallel.expert={parallel.expert}: expert parallelism is not built yet; "
+                          "set parallel.expert=1")
     if parallel.sequence_parallel:
         _validate_sequence_parallel(config)
 

@@ -789,6 +789,12 @@ def resolve_for_world(config: Config, world_size: int) -> Config:
             f"{config.parallel.tensor} x {config.parallel.pipeline} x {config.parallel.data}; "
             f"launch {model_parallel * config.parallel.data} processes or set parallel.data={data_parallel}"
         )
+    if data_parallel % config.parallel.expert:
+        raise ConfigError(
+            f"parallel.expert={config.parallel.expert} must divide the data-parallel size {data_parallel} (world size "
+            f"{world_size} / (parallel.tensor x parallel.pipeline)): experts are split over data-parallel ranks; "
+            f"launch a multiple of {model_parallel * config.parallel.expert} processes or lower parallel.expert"
+        )
     grad_accum = config.train.grad_accum
     if config.train.global_batch_size is not None:
         per_step = config.train.micro_batch_size * data_parallel

@@ -96,13 +96,16 @@ def watch_pipeline_loss(engine: Any, watch: Callable[[torch.Tensor], torch.Tenso
     engine.module.loss_fn = watched_loss
 
 
-def keep_clipping_norm(engine: Any) -> None:
+def keep_clipping_norm(engine: Any, norm_of: Callable[[list[nn.Parameter]], torch.Tensor] | None = None) -> None:
     """Keep the global gradient norm that DeepSpeed's clipping computes, for `get_global_grad_norm()`.
 
     Replaces: `DeepSpeedEngine.clip_fp32_gradients()`, which `_take_model_step` calls without ZeRO,
     fp16 or bf16 and which drops the return of `deepspeed.runtime.utils.clip_grad_norm_`; writes
     `engine._global_grad_norm`, what `get_global_grad_norm()` returns (the ZeRO and bf16 optimizers
     set it themselves). The replacement clips exactly as DeepSpeed's does and keeps the norm.
+    `norm_of` (the parameters -> their global gradient norm) replaces DeepSpeed's norm, which under
+    expert parallelism averages the norms of the data-parallel ranks' different experts; the clip
+    coefficient is then DeepSpeed's, min(1, max_norm / (norm + 1e-6)).
     If it goes away (renamed, or no longer called): `get_global_grad_norm()` says None and the
     step's `grad_norm` silently vanishes from the metrics of ZeRO-0 fp32 runs.
     """
@@ -112,8 +115,16 @@ def keep_clipping_norm(engine: Any) -> None:
     internal(engine, "_global_grad_norm", "grad_norm would be None in ZeRO-0 fp32 runs")
 
     def clip_and_keep_norm() -> None:
-        engine._global_grad_norm = clip_grad_norm_(
-            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        if norm_of is None:
+            engine._global_grad_norm = clip_grad_norm_(
+                parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+            return
+        parameters = [parameter for parameter in engine.module.parameters() if parameter.grad is not None]
+        norm = norm_of(parameters)
+        coefficient = torch.clamp(engine.gradient_clipping() / (norm + 1e-6), max=1.0)
+        for parameter in parameters:
+            parameter.grad.mul_(coefficient)
+        engine._global_grad_norm = norm
 
     engine.clip_fp32_gradients = clip_and_keep_norm
 
@@ -130,6 +141,52 @@ def turn_off_backward_allreduce(engine: Any) -> None:
     """
     internal(engine, "enable_backward_allreduce", "every step would all-reduce over a group of one")
     engine.enable_backward_allreduce = False
+
+
+EXPERT_GROUPS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS")
+
+
+@contextmanager
+def expert_parallel_engine(model: nn.Module, moe_layer_class: type, expert_group: Any, expert_data_group: Any,
+                           expert_parallel_size: int) -> Iterator[None]:
+    """Around `deepspeed.initialize`: make DeepSpeed average the gradients of the experts that expert
+    parallelism splits over their expert-data-parallel group, as it does for its own MoE layers.
+
+    DeepSpeed handles expert parameters (`allreduce = False`, the mark megatron's MoE layers also
+    use; parallel/expert_parallel.py sets it) only when `engine.has_moe_layers`, which
+    `_configure_distributed_model` sets from `isinstance(module, deepspeed.moe.layer.MoE)`; then it
+    reduces them over the groups in `deepspeed.utils.groups` named by the parameter's `group_name`
+    (`ep_size_P`), dividing by the whole data-parallel size (engine `_reduce_expert_gradients`;
+    ZeRO-1/2 partition their state over that group: stage_1_and_2 `_configure_moe_settings`).
+    Replaces, for the duration: the module global `MoE` of deepspeed.runtime.engine by the tuple
+    (MoE, moe_layer_class), so that isinstance check also accepts our layers (which carry
+    `num_experts`, the one attribute it reads). Writes: `group_name` on each expert parameter, and
+    megatron's expert groups into groups' private dicts (EXPERT_GROUPS) under `ep_size_P`, so
+    DeepSpeed reduces over the very groups the model exchanges tokens in instead of building its own.
+    Why: DeepSpeed offers expert-gradient handling only to its own MoE class; our layers are the
+    model's (no DeepSpeed in model files). If it goes away: expert gradients would be averaged over
+    the whole data-parallel group with other ranks' different experts (wrong weights), or, with
+    `allreduce = False` and no MoE layers seen, not reduced at all. A contract test checks both.
+    """
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{expert_parallel_size}"
+    for parameter in model.parameters():
+        if not getattr(parameter, "allreduce", True):
+            parameter.group_name = name
+    tables = [internal(groups, table, "expert gradients would be reduced over the wrong ranks")
+              for table in EXPERT_GROUPS]
+    for table, value in zip(tables, (expert_group, dist.get_process_group_ranks(expert_group), expert_data_group,
+                                     dist.get_process_group_ranks(expert_data_group)), strict=True):
+        table[name] = value
+    deepspeed_moe = internal(engine_module, "MoE", "expert gradients would not be reduced at all")
+    engine_module.MoE = (deepspeed_moe, moe_layer_class)
+    try:
+        yield
+    finally:
+        engine_module.MoE = deepspeed_moe
 
 
 IGNORED_PARTITION = "an explicit parallel.pipeline_partition (3,1) would not reach DeepSpeed's PipelineModule"

@@ -408,3 +408,64 @@ def test_each_rank_s_part_of_the_zero_state_is_where_deepspeed_keeps_it(observed
         assert state["local_part"], _broken(internal, f"{kind}: no parameter is partitioned")
         wrong = [name for name, same in state["local_part"].items() if not same]
         assert not wrong, _broken(internal, f"{kind}: this rank's part of {wrong} is not the state DeepSpeed holds")
+
+
+class _Experts(torch.nn.Module):
+    """Stands for our MoE layer: this rank's experts (a different weight on each rank) and `num_experts`."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.num_experts = 2
+        self.weight = torch.nn.Parameter(torch.full((4,), float(rank + 1)))
+
+
+def _expert_parallel_engines(rank: int, world_size: int) -> dict[str, Any]:
+    """Under expert_parallel_engine, on two ranks of one expert-parallel group: a dense weight and a
+    per-rank expert weight, each given the gradient rank+1 ones; ZeRO-0 and ZeRO-1 engines."""
+    import deepspeed
+    from deepspeed.runtime import engine as engine_module
+    from megatron.core import parallel_state
+
+    from scaletrain.parallel.expert_parallel import mark_expert_parameters
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    seen: dict[str, Any] = {}
+    for stage in (0, 1):
+        model = torch.nn.Module()
+        model.dense, model.experts = torch.nn.Linear(4, 1, bias=False), _Experts(rank)
+        mark_expert_parameters(model.experts)
+        with upstream.expert_parallel_engine(model, _Experts, parallel_state.get_expert_model_parallel_group(),
+                                             parallel_state.get_expert_data_parallel_group(), 2):
+            from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+            groups = split_params_into_different_moe_groups_for_optimizer([{"name": "all",
+                                                                             "params": list(model.parameters())}])
+            optimizer = torch.optim.SGD(groups, lr=1.0)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+                **BASE_CONFIG, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": stage}})
+        seen[f"zero{stage}_moe_layers"] = engine.has_moe_layers
+        seen["moe_restored"] = not isinstance(engine_module.MoE, tuple)
+        before = [p.detach().clone() for p in (model.dense.weight, model.experts.weight)]
+        loss = (rank + 1) * (model.dense.weight.sum() + model.experts.weight.sum())
+        engine.backward(loss)
+        engine.step()
+        seen[f"zero{stage}_steps"] = [(b - p.detach()).tolist() for b, p in zip(
+            before, (model.dense.weight, model.experts.weight), strict=True)]
+    return seen
+
+
+def test_expert_parameters_are_reduced_over_their_own_ranks():
+    internal = "deepspeed.runtime.engine.MoE / deepspeed.utils.groups._EXPERT_*_GROUP*"
+    seen = run_on_ranks(_expert_parallel_engines, 2)
+    for rank, observed_here in enumerate(seen):
+        assert observed_here["moe_restored"], _broken(internal, "engine.MoE was not restored after initialize")
+        for stage in (0, 1):
+            assert observed_here[f"zero{stage}_moe_layers"], _broken(
+                internal, f"ZeRO-{stage}: the engine did not see our layer as a MoE layer")
+            dense_step, expert_step = observed_here[f"zero{stage}_steps"]
+            # SGD at lr 1 steps by the gradient: the dense one averaged over both ranks ((1 + 2) / 2), the
+            # expert's this rank's own divided by the data-parallel size (DeepSpeed's _reduce_expert_gradients)
+            assert dense_step[0] == pytest.approx([1.5] * 4), _broken(internal, f"dense step {dense_step}")
+            assert expert_step == pytest.approx([(rank + 1) / 2] * 4), _broken(
+                internal, f"ZeRO-{stage}: rank {rank}'s expert stepped {expert_step}, not its own gradient / 2")

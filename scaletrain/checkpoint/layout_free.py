@@ -49,6 +49,7 @@ from scaletrain.checkpoint.optimizer_state import (
     write_parameter_state,
 )
 from scaletrain.checkpoint.safe_load import CheckedFiles
+from scaletrain.parallel.expert_parallel import is_expert_parameter
 from scaletrain.parallel.groups import Topology
 from scaletrain.parallel.sharding import is_tensor_parallel, merge_shards, split_for_rank
 
@@ -110,7 +111,11 @@ def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
     holders = _first_holders([name for name, _ in parameters], topology)
     collected = RankPieces(adam_step=adam_step(engine))
     link_optimizer_state(engine)
-    turn = 0
+    # turns among the ranks holding the same whole parameters: every data-parallel rank for dense
+    # ones, the expert-data-parallel ranks (data-parallel rank // EP) for experts split by EP
+    turns = {False: _Turns(topology.data_parallel_size, topology.data_parallel_rank),
+             True: _Turns(topology.data_parallel_size // topology.expert_parallel_size,
+                          topology.data_parallel_rank // topology.expert_parallel_size)}
     for name, parameter in parameters:
         if holders[name] != topology.pipeline_parallel_rank:
             continue  # a tied copy: the first stage holding it writes it
@@ -120,8 +125,7 @@ def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
         if is_partitioned(parameter):
             part = read_local_part(parameter)
         else:
-            turn += 1
-            if (turn - 1) % topology.data_parallel_size != topology.data_parallel_rank:
+            if not turns[is_expert_parameter(parameter)].mine():
                 continue
             part = 0, {key: tensor.reshape(-1) for key, tensor in read_parameter_state(engine, parameter).items()}
         if part is None or not part[1]["weight"].numel():
@@ -136,6 +140,17 @@ def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
             "tensors": {key: tensors[key].detach().to("cpu", torch.float32, copy=True) for key in STATE_KEYS},
         })
     return collected
+
+
+class _Turns:
+    """Whose turn it is to write the next whole parameter, among `size` ranks holding it."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank, self.count = size, rank, 0
+
+    def mine(self) -> bool:
+        self.count += 1
+        return (self.count - 1) % self.size == self.rank
 
 
 def write_rank_file(collected: RankPieces, checkpoint: Path, rank: int, save: Any) -> None:

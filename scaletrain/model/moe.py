@@ -38,6 +38,12 @@ from torch import nn
 
 from scaletrain.model.init import InitMethod
 from scaletrain.model.layers import ParallelMLP, PartInit
+from scaletrain.parallel.expert_parallel import (
+    all_to_all,
+    exchange_counts,
+    expert_parallel_group,
+    mark_expert_parameters,
+)
 
 
 @dataclass
@@ -212,11 +218,17 @@ class MoELayer(nn.Module):
         super().__init__()
         self.moe, self.layer_index, self.aux_loss_scale = moe, layer_index, aux_loss_scale
         self.router = Router(hidden_size, moe.num_experts, init("router"))
-        self.experts = nn.ModuleList(
-            ParallelMLP(hidden_size, ffn_hidden_size, mp_config,
-                        lambda part, expert=expert: init(f"experts.{expert}.{part}"), **mlp_options)
-            for expert in range(moe.num_experts)
-        )
+        # This rank's experts, named by global id (experts.5.fc.weight), so a checkpoint is the same
+        # whatever the expert-parallel size; every expert is initialised from its own name's seed.
+        self.expert_group = expert_parallel_group()
+        self.experts = nn.ModuleDict({
+            str(expert): ParallelMLP(hidden_size, ffn_hidden_size, mp_config,
+                                     lambda part, expert=expert: init(f"experts.{expert}.{part}"), **mlp_options)
+            for expert in self.expert_group.local_experts(moe.num_experts)
+        })
+        if self.expert_group.size > 1:
+            mark_expert_parameters(self.experts)
+        self.num_experts = moe.num_experts  # DeepSpeed's name for it (upstream.expert_parallel_engine)
         self.statistics = RoutingStatistics(moe.num_experts)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -235,18 +247,35 @@ class MoELayer(nn.Module):
         return output
 
     def _combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Σ over a token's kept assignments of weight · expert(token). Every expert runs, with no tokens
-        if none came: its tensor-parallel collectives and ZeRO-3's gathers happen on every step alike."""
-        output = torch.zeros_like(tokens)
+        """Σ over a token's kept assignments of weight · expert(token).
+
+        The kept assignments, ordered by expert, go to the ranks holding their experts (an identity
+        without expert parallelism; parallel/expert_parallel.py), each expert runs on the rows it
+        received from every rank, and the outputs come back in the order they left. Every local
+        expert runs, with no rows if none came: its tensor-parallel collectives and ZeRO-3's gathers
+        happen on every step alike."""
+        group, num_experts = self.expert_group, self.moe.num_experts
         token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.moe.top_k)
-        experts, weights, kept = routing.experts.reshape(-1), routing.weights.reshape(-1), routing.kept.reshape(-1)
-        for expert_id, expert in enumerate(self.experts):
-            assignments = ((experts == expert_id) & kept).nonzero().squeeze(-1)
-            token_index = token_of[assignments]
-            # megatron's linears take [seq, batch, h]: the routed tokens as a batch of one
-            expert_output = expert(tokens[token_index].unsqueeze(1)).squeeze(1)
-            output.index_add_(0, token_index, expert_output * weights[assignments, None].to(tokens.dtype))
-        return output
+        kept = routing.kept.reshape(-1).nonzero().squeeze(-1)
+        expert_of = routing.experts.reshape(-1)[kept]
+        assignments = kept[expert_of.argsort(stable=True)]  # by expert, then choice-major token order
+        per_expert = F.one_hot(routing.experts.reshape(-1)[assignments], num_experts).sum(dim=0)
+        received = exchange_counts(per_expert, group)  # [source rank, local expert]
+        send_counts = per_expert.reshape(group.size, -1).sum(dim=1).tolist()
+        receive_counts = received.sum(dim=1).tolist()
+        rows = all_to_all(tokens[token_of[assignments]], send_counts, receive_counts, group)
+        # received rows come source by source, each source's by expert: regroup them by expert
+        local_expert_of_row = torch.arange(received.shape[1], device=tokens.device).repeat(group.size)
+        by_expert = local_expert_of_row.repeat_interleave(received.reshape(-1)).argsort(stable=True)
+        # megatron's linears take [seq, batch, h]: each expert's rows as a batch of one
+        outputs = [expert(chunk.unsqueeze(1)).squeeze(1)
+                   for expert, chunk in zip(self.experts.values(), rows[by_expert].split(received.sum(dim=0).tolist()),
+                                            strict=True)]
+        in_expert_order = torch.cat(outputs)
+        expert_rows = in_expert_order.new_empty(in_expert_order.shape).index_copy(0, by_expert, in_expert_order)
+        returned = all_to_all(expert_rows, receive_counts, send_counts, group)
+        weights = routing.weights.reshape(-1)[assignments, None].to(tokens.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_of[assignments], returned * weights)
 
 
 def moe_layers_of(module: nn.Module) -> list[MoELayer]:

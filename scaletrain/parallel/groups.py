@@ -27,6 +27,10 @@ class Topology:
     pipeline_parallel_size: int
     pipeline_parallel_rank: int
     device: torch.device
+    # Expert parallelism is carved out of the data-parallel ranks (it does not add a grid dimension):
+    # data-parallel ranks k·EP .. k·EP+EP-1 of one TP rank and stage split each MoE layer's experts.
+    expert_parallel_size: int = 1
+    expert_parallel_rank: int = 0
 
     @property
     def is_logging_rank(self) -> bool:
@@ -50,6 +54,7 @@ def init_distributed(config: Config) -> Topology:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.parallel.tensor,
             pipeline_model_parallel_size=config.parallel.pipeline,
+            expert_model_parallel_size=config.parallel.expert,
             distributed_timeout_minutes=config.parallel.timeout_s / 60,  # a timedelta's minutes: fractions do
         )
     if config.parallel.sequence_parallel:
@@ -66,6 +71,8 @@ def init_distributed(config: Config) -> Topology:
         pipeline_parallel_size=config.parallel.pipeline,
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         device=device,
+        expert_parallel_size=config.parallel.expert,
+        expert_parallel_rank=parallel_state.get_expert_model_parallel_rank(),
     )
 
 

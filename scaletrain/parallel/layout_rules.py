@@ -35,8 +35,7 @@ def validate_layout(config: Config) -> None:
         raise ConfigError(f"parallel.context={parallel.context}: context parallelism is not built yet; "
                           "set parallel.context=1")
     if parallel.expert > 1:
-        raise ConfigError(f"parallel.expert={parallel.expert}: expert parallelism is not built yet; "
-                          "set parallel.expert=1")
+        _validate_expert_parallel(config)
     if parallel.sequence_parallel:
         _validate_sequence_parallel(config)
 
@@ -60,6 +59,26 @@ def _validate_pipeline_partition(config: Config) -> None:
             f"{config.parallel.pipeline} comma-separated block counts (each >= 1) summing to "
             f"model.num_layers={config.model.num_layers}"
         )
+
+
+def _validate_expert_parallel(config: Config) -> None:
+    """Expert parallelism (expert_parallel.py) splits MoE experts over data-parallel ranks, with
+    DeepSpeed's expert-gradient path, which refuses ZeRO-3 ("Native DeepSpeed MoE is not supported
+    with ZeRO Stage 3", engine._validate_zero3_moe_compatibility, DeepSpeed 0.19)."""
+    parallel = config.parallel
+    moe = getattr(config.model, "moe", None)
+    if moe is None or not moe.enabled:
+        raise ConfigError(f"parallel.expert={parallel.expert} splits MoE experts over ranks, but the model has no "
+                          "experts; set model.moe.num_experts (gpt, llama) or parallel.expert=1")
+    if moe.num_experts % parallel.expert:
+        raise ConfigError(f"parallel.expert={parallel.expert} must divide model.moe.num_experts={moe.num_experts}: "
+                          "each rank holds the same number of experts")
+    if parallel.zero_stage == 3:
+        raise ConfigError(f"parallel.expert={parallel.expert} with parallel.zero_stage=3: DeepSpeed reduces split "
+                          "experts' gradients with ZeRO-0/1/2 only; use parallel.zero_stage=1 or 2")
+    if parallel.data is not None and parallel.data % parallel.expert:
+        raise ConfigError(f"parallel.expert={parallel.expert} must divide parallel.data={parallel.data}: experts are "
+                          "split over data-parallel ranks")
 
 
 def _validate_sequence_parallel(config: Config) -> None:

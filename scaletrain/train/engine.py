@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from torch import nn
 
 from scaletrain import upstream
 from scaletrain.config import Config
 from scaletrain.model import build_model
+from scaletrain.model.moe import MoELayer
 from scaletrain.notices import OP_BUILT, without_stdout_lines
+from scaletrain.parallel.expert_parallel import (
+    ExpertParallelGroup,
+    expert_parallel_group,
+    global_gradient_norm,
+    is_expert_parameter,
+)
 from scaletrain.parallel.groups import Topology, resolve_precision
 from scaletrain.parallel.mpu import MegatronMPU
 
@@ -34,9 +44,14 @@ def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> t
     decayed = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     not_decayed = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
-        {"params": decayed, "weight_decay": config.train.weight_decay},
-        {"params": not_decayed, "weight_decay": 0.0},
+        {"name": "decayed", "params": decayed, "weight_decay": config.train.weight_decay},
+        {"name": "not_decayed", "params": not_decayed, "weight_decay": 0.0},
     ]
+    if any(is_expert_parameter(parameter) for parameter in model.parameters()):
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        # DeepSpeed's ZeRO partitions an expert group's state over its expert-data-parallel ranks
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
     betas = (config.train.beta1, config.train.beta2)
     if device.type == "cuda":
         apex_adam = _apex_fused_adam()
@@ -82,7 +97,6 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
 
     precision = resolve_precision(config, topology.device)
     model.to(topology.device)
-    optimizer = build_optimizer(model, config, topology.device)
     if config.parallel.sequence_parallel:
         # norms see one sequence slice per TP rank: sum their gradients over TP before ZeRO sees them
         from scaletrain.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
@@ -93,7 +107,10 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         # must be announced, or the borrowing module sees an empty partition.
         for module, parameter in model.borrowed_parameters():  # every family model has it; no ZeRO-3 with stages
             deepspeed.zero.register_external_parameter(module, parameter)
-    with without_stdout_lines(OP_BUILT):  # without pipeline stages, its comm layer starts (and loads its CPU op) here
+    expert_group = expert_parallel_group()
+    with without_stdout_lines(OP_BUILT), _expert_parallel(model, expert_group):
+        # without pipeline stages, DeepSpeed's comm layer starts (and loads its CPU op) here
+        optimizer = build_optimizer(model, config, topology.device)
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -107,5 +124,14 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         upstream.turn_off_backward_allreduce(engine)
     # Without ZeRO or bf16 DeepSpeed clips with the global gradient norm but does not keep it; the
     # step's `grad_norm` needs it.
-    upstream.keep_clipping_norm(engine)
+    upstream.keep_clipping_norm(
+        engine, None if expert_group.size == 1 else functools.partial(global_gradient_norm, expert_group=expert_group))
     return engine
+
+
+def _expert_parallel(model: nn.Module, group: ExpertParallelGroup) -> contextlib.AbstractContextManager:
+    """DeepSpeed set up to average split experts' gradients over their own ranks (upstream.py)."""
+    if group.size == 1:
+        return contextlib.nullcontext()
+    expert_data_group = parallel_state.get_expert_data_parallel_group()
+    return upstream.expert_parallel_engine(model, MoELayer, group.group, expert_data_group, group.size)

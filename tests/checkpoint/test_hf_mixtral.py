@@ -32,7 +32,7 @@ def _train(data_dir: Path, run_dir: Path, extra: list[str], nproc: int) -> None:
 def exported(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("mixtral")
     run_dir, hf_dir = root / "run", root / "hf"
-    _train(small_dataset, run_dir, [f"train.steps={STEPS}", "parallel.tensor=2"], nproc=2)
+    _train(small_dataset, run_dir, [f"train.steps={STEPS}", "parallel.expert=2"], nproc=2)  # 2 experts per rank
     run_scaletrain("export", [str(run_dir), str(hf_dir)])
     return run_dir, hf_dir
 

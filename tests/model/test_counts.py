@@ -188,7 +188,7 @@ def test_active_params_are_the_total_less_the_experts_a_token_skips(measured: di
     """Active = every parameter less, in each MoE layer, the E - k experts a token does not run."""
     config = tiny_config(name, small_dataset)
     counts, moe = model_counts(config), config.model.moe
-    expert = build_model(config).blocks[0].mlp.experts[0]  # block 0 is a MoE layer at any `every`
+    expert = build_model(config).blocks[0].mlp.experts["0"]  # block 0 is a MoE layer at any `every`
     skipped = (moe.num_experts - moe.top_k) * sum(p.numel() for p in expert.parameters())
     moe_layers = len(moe.moe_layers(config.model.num_layers))
     assert counts.active_params == measured[name]["total"] - moe_layers * skipped < counts.total_params

@@ -106,7 +106,7 @@ def _reference(layer: MoELayer, hidden: torch.Tensor, capacity: int | None) -> t
         for choice in range(layer.moe.top_k):
             if not routing.kept[token, choice]:
                 continue
-            expert = layer.experts[int(routing.experts[token, choice])]
+            expert = layer.experts[str(int(routing.experts[token, choice]))]
             gate, up = F.linear(tokens[token], expert.fc.weight).chunk(2)
             output[token] += routing.weights[token, choice] * F.linear(F.silu(gate) * up, expert.proj.weight)
     return output.reshape(batch, seq, width).transpose(0, 1)
@@ -210,6 +210,45 @@ def test_tensor_parallel_moe_model_matches_single_rank():
     assert dropped > 0  # capacity factor 1.0 on a random router drops some assignments
 
 
+def _expert_parallel_forward_backward(rank: int, world_size: int) -> dict:
+    """Two halves of a batch through a dropless MoE model: one rank takes both, one after the other;
+    under expert parallelism each of two ranks takes one half and holds half of the experts."""
+    moe = {**TINY_MOE["model"]["moe"], "capacity_factor": None}
+    config = config_from_dict({**TINY_MOE, "model": {**TINY_MOE["model"], "moe": moe},
+                               "parallel": {"expert": world_size}})
+    validate(config)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world_size)
+    model = build_model(config).train()
+    tokens = torch.randint(0, config.data.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    halves = [tokens[:2], tokens[2:]] if world_size == 1 else [tokens[2 * rank:2 * rank + 2]]
+    losses = []
+    for half in halves:
+        loss = model(half, torch.roll(half, -1, dims=1))
+        loss.backward()
+        losses.append(loss.detach())
+    model.eval()
+    return {"losses": losses, "logits": [model(half).detach() for half in halves],
+            "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+
+
+def test_expert_parallel_moe_model_matches_single_rank():
+    """Experts split over two ranks exchanging tokens by all-to-all: each half's loss and logits are
+    the single rank's, each expert's gradient sums both ranks' tokens, the dense ones each rank's own."""
+    reference = run_on_ranks(_expert_parallel_forward_backward, 1)[0]
+    ranks = run_on_ranks(_expert_parallel_forward_backward, 2)
+    held = [{name for name in rank["grads"] if ".experts." in name} for rank in ranks]
+    assert not held[0] & held[1] and held[0] | held[1] == {n for n in reference["grads"] if ".experts." in n}
+    assert all(".experts.0." in name or ".experts.1." in name for name in held[0])  # rank 0: experts 0, 1
+    for rank, ours in enumerate(ranks):
+        assert abs(ours["losses"][0].item() - reference["losses"][rank].item()) <= 1e-5
+        assert (ours["logits"][0] - reference["logits"][rank]).abs().max().item() <= 1e-5
+        for name in held[rank]:
+            assert (ours["grads"][name] - reference["grads"][name]).abs().max().item() <= 1e-5, name
+    for name, grad in reference["grads"].items():
+        if ".experts." not in name:
+            assert (ranks[0]["grads"][name] + ranks[1]["grads"][name] - grad).abs().max().item() <= 1e-5, name
+
+
 def test_routing_metrics_are_shares_and_means_over_forwards():
     statistics = RoutingStatistics(num_experts=2)
     routing = route(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]), top_k=1, capacity=1)
@@ -245,3 +284,26 @@ def test_sequence_parallelism_with_experts_is_refused_with_the_fix():
     config = config_from_dict({**TINY_MOE, "parallel": {"tensor": 2, "sequence_parallel": True}})
     with pytest.raises(ConfigError, match="set parallel.sequence_parallel=false"):
         validate(config)
+
+
+@pytest.mark.parametrize(("model", "parallel", "fragment"), [
+    ({"moe": {"num_experts": 0}}, {"expert": 2}, "the model has no experts; set model.moe.num_experts"),
+    ({}, {"expert": 3}, "parallel.expert=3 must divide model.moe.num_experts=4"),
+    ({}, {"expert": 2, "zero_stage": 3}, "use parallel.zero_stage=1 or 2"),
+    ({}, {"expert": 4, "data": 2}, "parallel.expert=4 must divide parallel.data=2"),
+])
+def test_bad_expert_parallel_layouts_are_refused_naming_the_key(model: dict, parallel: dict, fragment: str):
+    from scaletrain.config import ConfigError
+
+    config = config_from_dict({**TINY_MOE, "model": {**TINY_MOE["model"], **model}, "parallel": parallel})
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        validate(config)
+
+
+def test_expert_parallel_size_must_divide_the_launched_data_parallel_ranks():
+    from scaletrain.config import ConfigError, resolve_for_world
+
+    config = config_from_dict({**TINY_MOE, "parallel": {"expert": 4, "tensor": 2}})
+    with pytest.raises(ConfigError, match=r"parallel\.expert=4 must divide the data-parallel size 2 \(world size 4"):
+        resolve_for_world(config, 4)
+    assert resolve_for_world(config, 8).parallel.data == 4

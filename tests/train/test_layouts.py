@@ -35,6 +35,14 @@ LAYOUTS = {
     "tp2_recompute": (2, ["parallel.tensor=2", "train.activation_checkpoint_interval=1"]),
     "tp2_sequence_parallel": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
 }
+# layouts of MoE models only (tests/train/test_moe_layouts.py): experts split over data-parallel ranks,
+# with ZeRO-0 (our clipping norm), ZeRO-1 beside TP and ZeRO-2 with two ranks per expert
+EXPERT_LAYOUTS = {
+    "ep2_zero0": (2, ["parallel.expert=2", "parallel.zero_stage=0"]),
+    "ep2_tp2": (4, ["parallel.expert=2", "parallel.tensor=2"]),
+    "ep2_dp2_zero2": (4, ["parallel.expert=2", "parallel.zero_stage=2"]),
+    "ep2_pp2": (4, ["parallel.expert=2", "parallel.pipeline=2"]),
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ def cached_layout_runs(
 
     def get(layout: str) -> LayoutRuns:
         if layout not in cache:
-            nproc, layout_overrides = (1, []) if layout == "single" else LAYOUTS[layout]
+            nproc, layout_overrides = (1, []) if layout == "single" else {**LAYOUTS, **EXPERT_LAYOUTS}[layout]
             cache[layout] = train_twice(data_dir, tmp_path_factory.mktemp(f"{label}_{layout}"), nproc,
                                         [*overrides, *layout_overrides], config=config)
         return cache[layout]

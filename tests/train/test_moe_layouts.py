@@ -1,5 +1,7 @@
 """A Mixtral-style MoE decoder (configs/mixtral_tiny.yaml, tiny shapes) trains, logs its routing, resumes
-bit-identically, and matches the single rank in TP2, DP2 ZeRO-1, DP2 ZeRO-3 and PP2. Capacity factor 1.0,
+bit-identically, and matches the single rank in TP2, DP2 ZeRO-1, DP2 ZeRO-3 and PP2, and with its experts
+split over two ranks (parallel.expert=2) alone (ZeRO-0), beside TP2 (ZeRO-1) and over four data-parallel
+ranks (ZeRO-2, two ranks per expert). Capacity factor 1.0,
 so assignments are dropped: routing and capacity are per micro-batch, which every layout shares with the
 single rank (micro-batch 4, two of them per step there); the auxiliary losses train in every stage.
 
@@ -25,6 +27,11 @@ TINY = ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "model.moe.ca
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
     return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "moe")
+
+
+@pytest.fixture(scope="module")
+def runs_of_16(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, [*TINY, "train.global_batch_size=16"], "moe16")
 
 
 def routing_records(run_dir: Path) -> dict[int, dict]:
@@ -53,12 +60,16 @@ def test_single_rank_learns_resumes_and_logs_its_routing(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "dp2_zero1", "dp2_zero3", "pp2"])
-def test_layout_resumes_exactly_and_matches_single_rank(runs, layout: str):
-    ours = runs(layout)
+@pytest.mark.parametrize("layout", ["tp2", "dp2_zero1", "dp2_zero3", "pp2", "ep2_zero0", "ep2_tp2", "ep2_dp2_zero2",
+                                    "ep2_pp2"])
+def test_layout_resumes_exactly_and_matches_single_rank(runs, runs_of_16, layout: str):
+    # four data-parallel ranks of micro-batch 4 take a global batch of 16; the reference then takes
+    # the same micro-batches (4 x 4 accumulated), so capacity and the balancing loss see the same tokens
+    layout_runs = runs_of_16 if layout == "ep2_dp2_zero2" else runs
+    ours = layout_runs(layout)
     assert_resume_is_exact(ours)
-    assert_matches_single_rank(ours, runs("single"))
-    reference = routing_records(runs("single").straight)
+    assert_matches_single_rank(ours, layout_runs("single"))
+    reference = routing_records(layout_runs("single").straight)
     for step, record in routing_records(ours.straight).items():
         assert record["moe/aux_loss"] == pytest.approx(reference[step]["moe/aux_loss"], rel=1e-4), step
         assert record["moe/dropped_fraction"] == pytest.approx(reference[step]["moe/dropped_fraction"], abs=5e-3)

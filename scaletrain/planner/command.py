@@ -28,14 +28,19 @@ from scaletrain.planner.step_time import (
 DEFAULT_PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (tracking/flops.py)
 DEFAULT_TOP = 20
 MEMORY_UNITS = {
-    "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
 
 
 def parse_memory_size(text: str) -> int:
-    """'80GiB' -> bytes; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10."""
+    """'80GiB' -> bytes; KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10. A bare number is
+    refused rather than read as bytes: `--gpu-memory 80` meant 80 GB, and as 80 bytes nothing fits."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match and not match.group(2):
+        number = match.group(1)
+        raise ConfigError(f"--gpu-memory {text!r} has no unit; use {number}GB or {number}GiB (or B, KB, MB, TB, "
+                          "KiB, MiB, TiB)")
     unit = match.group(2).upper() if match else ""
     if not match or unit not in MEMORY_UNITS or float(match.group(1)) <= 0:
         raise ConfigError(f"--gpu-memory {text!r} is not a memory size; write e.g. 80GiB, 40GB or 141GB")

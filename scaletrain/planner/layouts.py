@@ -1,4 +1,4 @@
-"""Candidate parallel layouts (TP, PP, DP, ZeRO stage, micro-batch, recomputation) for a GPU count.
+"""Candidate parallel layouts (TP, PP, DP, EP, ZeRO stage, micro-batch, recomputation) for a GPU count.
 
 The rules are the ones our stack imposes, not preferences:
 - TP divides the heads, the FFN size and model.vocab_divisible_by (config validation), and stays
@@ -6,7 +6,10 @@ The rules are the ones our stack imposes, not preferences:
   (Shoeybi et al. 2019, sec. 3), which only NVLink bandwidth makes affordable;
 - PP divides the layers (stages hold equal numbers of blocks);
 - TP * PP * DP = GPUs, and the global batch is a whole number of micro-batches per DP rank;
-- DeepSpeed's pipeline engine supports ZeRO-0/1 only, so PP > 1 excludes ZeRO-2/3.
+- DeepSpeed's pipeline engine supports ZeRO-0/1 only, so PP > 1 excludes ZeRO-2/3;
+- for a mixture of experts, EP (parallel.expert) is carved out of the DP ranks: it divides DP and
+  model.moe.num_experts, and excludes ZeRO-3 (DeepSpeed refuses ZeRO-3 with expert parallelism); a
+  dense model has EP = 1 only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
+
+# DeepSpeed refuses ZeRO-3 with its native MoE layers ("Native DeepSpeed MoE is not supported with ZeRO
+# Stage 3", deepspeed/runtime/engine.py, 0.19), and so does our EP; the pipeline's ZeRO-0/1 rule applies on top.
+EXPERT_ZERO_STAGES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,7 @@ class Layout:
     zero_stage: int
     micro_batch: int
     recompute: bool
+    expert: int = 1  # EP: ranks among the DP ones that split each MoE layer's experts
 
     @property
     def model_parallel(self) -> int:
@@ -59,6 +67,8 @@ def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
         "parallel.tensor": layout.tensor, "parallel.pipeline": layout.pipeline, "parallel.data": layout.data,
         "parallel.zero_stage": layout.zero_stage,
     }
+    if num_experts(config) or config.parallel.expert != 1:
+        settings["parallel.expert"] = layout.expert
     if layout.pipeline > 1:
         settings["parallel.pipeline_partition"] = "blocks"
     settings["train.micro_batch_size"] = layout.micro_batch
@@ -68,6 +78,20 @@ def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
         settings["train.grad_accum"] = layout.micro_batches(global_batch)
     settings["train.activation_checkpoint_interval"] = 1 if layout.recompute else 0
     return settings
+
+
+def num_experts(config: Config) -> int:
+    """Experts per MoE layer of the causal decoders' `model.moe` (model/moe.py); 0 for a dense model."""
+    moe = getattr(config.model, "moe", None)
+    return moe.num_experts if moe is not None and moe.enabled else 0
+
+
+def expert_parallel_sizes(config: Config, data_parallel: int) -> list[int]:
+    """EP sizes for `data_parallel` DP ranks: the divisors of DP that divide the experts; [1] if dense."""
+    experts = num_experts(config)
+    if not experts:
+        return [1]
+    return [ep for ep in range(1, data_parallel + 1) if data_parallel % ep == 0 and experts % ep == 0]
 
 
 def tensor_parallel_sizes(config: Config, gpus_per_node: int) -> list[int]:
@@ -90,6 +114,7 @@ def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_b
             for micro_batch in range(1, max_micro_batch + 1):
                 if global_batch % (micro_batch * dp):
                     continue
-                for zero_stage in zero_stages:
-                    for recompute in (False, True):
-                        yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute)
+                for ep in expert_parallel_sizes(config, dp):
+                    for zero_stage in (z for z in zero_stages if ep == 1 or z in EXPERT_ZERO_STAGES):
+                        for recompute in (False, True):
+                            yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute, ep)

@@ -15,7 +15,15 @@ gradients, stage 3 also the weights. The byte counts are made exact for our Deep
   (`_do_optimizer_sanity_check` in runtime/engine.py), which partitions the master weights and
   moments over DP as ZeRO-1 does but keeps full fp32 gradients (4 bytes per parameter) to
   accumulate micro-batches in.
-Not modelled: DeepSpeed's communication buckets, the transient fp32 gradient partition it builds
+Expert parallelism (EP, carved out of the DP ranks as in DeepSpeed-MoE, Rajbhandari et al. 2022, and
+Megatron): each rank holds num_experts / EP experts of every MoE layer (each still split over TP like a
+dense MLP) and all dense weights and routers. Expert gradients are reduced over the DP / EP ranks that
+hold the same experts (the expert-data-parallel group), so ZeRO-1/2 partition the dense groups over DP
+and the expert groups, AdamW's matrices and vectors again, padded the same way, over DP / EP (DeepSpeed's
+`split_params_into_different_moe_groups_for_optimizer`); ZeRO-2's expert gradients likewise. ZeRO-3 with
+EP is refused (layouts.py), as DeepSpeed refuses it. At EP = 1 the experts stay in the dense groups.
+Not modelled: the MoE layers' activations beyond a dense MLP's (a token's k experts and the dispatched
+copies); DeepSpeed's communication buckets, the transient fp32 gradient partition it builds
 at the optimizer step (after activations are freed, so it does not raise the peak when
 activations are larger), and ZeRO-3's per-parameter partition padding; the planner's memory
 reserve covers these, the CUDA context and allocator fragmentation.
@@ -95,18 +103,54 @@ def uses_pipeline_bf16_optimizer(layout: Layout, precision: Precision) -> bool:
     return layout.pipeline > 1 and layout.zero_stage == 0 and precision.weight_bytes < MASTER_WEIGHT_BYTES
 
 
-def weight_bytes(config: Config, params: ParameterCount, layout: Layout, precision: Precision) -> float:
-    """Weights on one GPU; ZeRO-3 adds the gathered weights of the module computing and the one prefetched."""
+@dataclass(frozen=True)
+class RankParameters:
+    """Parameters on one GPU: the dense ones (ZeRO partitions them over DP) and this rank's experts
+    (num_experts / EP per MoE layer; ZeRO partitions them over the DP / EP expert-data-parallel ranks)."""
+
+    dense: ParameterCount
+    experts: ParameterCount
+
+    @property
+    def total(self) -> int:
+        return self.dense.total + self.experts.total
+
+
+def rank_parameters(config: Config, layout: Layout, stage: int) -> RankParameters:
+    """One GPU's parameters on stage `stage`; at EP = 1 the experts count as dense (module docstring)."""
+    params = stage_parameters(config, layout.tensor, layout.pipeline, stage)
+    if layout.expert == 1:
+        return RankParameters(params, ParameterCount())
+    experts = stage_parameters(config, layout.tensor, layout.pipeline, stage, experts_only=True)
+    return RankParameters(params - experts, experts.share(layout.expert))
+
+
+def expert_data_parallel(layout: Layout) -> int:
+    """The ranks holding the same experts, over which their gradients and ZeRO's partitions go."""
+    return layout.data // layout.expert
+
+
+def weight_bytes(config: Config, params: RankParameters, layout: Layout, precision: Precision) -> float:
+    """Weights on one GPU; ZeRO-3 (never with EP) adds the gathered weights of the module computing and the
+    one prefetched."""
     if layout.zero_stage < 3:
         return precision.weight_bytes * params.total
     largest_module = largest_gathered_module(config, layout.tensor).total
     return precision.weight_bytes * (math.ceil(params.total / layout.data) + 2 * largest_module)
 
 
-def gradient_bytes(params: ParameterCount, layout: Layout, precision: Precision) -> float:
+def gradient_bytes(params: RankParameters, layout: Layout, precision: Precision) -> float:
     if layout.zero_stage < 2:
         return precision.grad_bytes * params.total
-    return precision.grad_bytes * math.ceil(params.total / layout.data)
+    partitioned = math.ceil(params.dense.total / layout.data)
+    partitioned += math.ceil(params.experts.total / expert_data_parallel(layout))
+    return precision.grad_bytes * partitioned
+
+
+def rank_optimizer_bytes(params: RankParameters, zero_stage: int, layout: Layout, precision: Precision) -> int:
+    """Optimizer state of the dense groups partitioned over DP plus the expert groups over DP / EP."""
+    return (optimizer_state_bytes(params.dense, zero_stage, layout.data, precision)
+            + optimizer_state_bytes(params.experts, zero_stage, expert_data_parallel(layout), precision))
 
 
 def stage_memory(
@@ -114,7 +158,7 @@ def stage_memory(
 ) -> MemoryBreakdown:
     """Memory of one GPU of pipeline stage `stage` when each pipeline runs `micro_batches` per step."""
     model, pp = config.model, layout.pipeline
-    params = stage_parameters(config, layout.tensor, pp, stage)
+    params = rank_parameters(config, layout, stage)
     last = stage == pp - 1
     activations = stage_activations(
         model, config.padded_vocab_size, layout.micro_batch, layout.tensor, num_blocks(config) // pp,
@@ -127,7 +171,7 @@ def stage_memory(
     return MemoryBreakdown(
         weights=weight_bytes(config, params, layout, precision),
         gradients=gradient_bytes(params, layout, precision) + fp32_gradients,
-        optimizer=optimizer_state_bytes(params, 1 if bf16_optimizer else layout.zero_stage, layout.data, precision),
+        optimizer=rank_optimizer_bytes(params, 1 if bf16_optimizer else layout.zero_stage, layout, precision),
         activations=activations.peak,
         pipeline_buffers=(in_flight - 1) * activations.stored + in_flight * sent_output,
     )

@@ -18,8 +18,10 @@ memory.
 
 Parameters are split into matrices (dim >= 2) and vectors (dim < 2) because that is how
 train/engine.py groups them for AdamW (decay on matrices only), and DeepSpeed's ZeRO pads and
-partitions each group separately. Counts are cached per model (planning evaluates thousands of
-layouts).
+partitions each group separately. The experts of a MoE layer (model/moe.py `MoELayer.experts`; not its
+router) are marked, because expert parallelism holds num_experts / EP of them on each rank and ZeRO
+partitions their optimizer state over other ranks than the dense weights' (memory.py). Counts are
+cached per model (planning evaluates thousands of layouts).
 """
 
 from __future__ import annotations
@@ -54,8 +56,19 @@ class ParameterCount:
             self.matrices + other.matrices, self.vectors + other.vectors, self.tensors + other.tensors
         )
 
+    def __sub__(self, other: ParameterCount) -> ParameterCount:
+        return ParameterCount(
+            self.matrices - other.matrices, self.vectors - other.vectors, self.tensors - other.tensors
+        )
+
     def __mul__(self, times: int) -> ParameterCount:
         return ParameterCount(self.matrices * times, self.vectors * times, self.tensors * times)
+
+    def share(self, ways: int) -> ParameterCount:
+        """One of `ways` equal shares: a rank's experts when EP = `ways` splits whole experts evenly."""
+        if self.matrices % ways or self.vectors % ways or self.tensors % ways:
+            raise ValueError(f"{self} does not split into {ways} equal shares")
+        return ParameterCount(self.matrices // ways, self.vectors // ways, self.tensors // ways)
 
 
 @dataclass(frozen=True)
@@ -65,11 +78,13 @@ class TensorShape:
     numel: int
     matrix: bool  # dim >= 2: AdamW's decayed group
     split: bool  # megatron's tensor_model_parallel: each TP rank holds numel / TP
+    expert: bool = False  # a MoE layer's expert weight: each EP rank holds num_experts / EP experts
 
 
-def count_tensors(tensors: tuple[TensorShape, ...], tensor_parallel: int) -> ParameterCount:
-    """The tensors' elements on one TP rank."""
+def count_tensors(tensors: tuple[TensorShape, ...], tensor_parallel: int, experts_only: bool = False) -> ParameterCount:
+    """The tensors' elements on one TP rank (only the experts' if `experts_only`)."""
     matrices = vectors = 0
+    tensors = tuple(tensor for tensor in tensors if tensor.expert) if experts_only else tensors
     for tensor in tensors:
         numel = tensor.numel // tensor_parallel if tensor.split else tensor.numel
         if tensor.matrix:
@@ -90,8 +105,8 @@ class LayerParameters:
     # What ZeRO-3 gathers at once: a whole transformer block, else each module's own parameters.
     gather_units: tuple[tuple[TensorShape, ...], ...]
 
-    def count(self, tensor_parallel: int) -> ParameterCount:
-        return count_tensors(self.tensors, tensor_parallel)
+    def count(self, tensor_parallel: int, experts_only: bool = False) -> ParameterCount:
+        return count_tensors(self.tensors, tensor_parallel, experts_only)
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,7 @@ class ModelParameters:
 
 # Keyed by what the modules' shapes depend on (Config itself is mutable and unhashable).
 _MODELS: dict[str, ModelParameters] = {}
-_STAGES: dict[tuple[str, int, int, int], ParameterCount] = {}
+_STAGES: dict[tuple[str, int, int, int, bool], ParameterCount] = {}
 
 
 def model_parameters(config: Config) -> ModelParameters:
@@ -116,15 +131,23 @@ def model_parameters(config: Config) -> ModelParameters:
     return _MODELS[key]
 
 
-def stage_parameters(config: Config, tensor_parallel: int, pipeline_parallel: int, stage: int) -> ParameterCount:
-    """Parameters held by one GPU (one TP rank) of pipeline stage `stage`."""
-    key = (_cache_key(config), tensor_parallel, pipeline_parallel, stage)
+def stage_parameters(
+    config: Config, tensor_parallel: int, pipeline_parallel: int, stage: int, experts_only: bool = False
+) -> ParameterCount:
+    """Parameters held by one GPU (one TP rank) of pipeline stage `stage` without expert parallelism;
+    with `experts_only`, those of its MoE layers' experts among them (all num_experts of each layer)."""
+    key = (_cache_key(config), tensor_parallel, pipeline_parallel, stage, experts_only)
     if key not in _STAGES:
         count = ParameterCount()
         for layer in stage_layers(config, pipeline_parallel, stage):
-            count = count + layer.count(tensor_parallel)
+            count = count + layer.count(tensor_parallel, experts_only)
         _STAGES[key] = count
     return _STAGES[key]
+
+
+def expert_parameters(config: Config) -> int:
+    """Parameters of all MoE layers' experts (TP=1; the routers are not experts): 0 for a dense model."""
+    return stage_parameters(config, tensor_parallel=1, pipeline_parallel=1, stage=0, experts_only=True).total
 
 
 def total_parameters(config: Config) -> int:
@@ -178,7 +201,7 @@ def _cache_key(config: Config) -> str:
 
 def _count_model(config: Config) -> ModelParameters:
     family = get_family(config.model.family)
-    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=1))
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, tensor=1, expert=1))
     layers = family.pipeline_layers(config)
     with _meta_build_at_tensor_parallel_1():
         built: dict[str, nn.Module] = {}
@@ -213,13 +236,17 @@ def _meta_build_at_tensor_parallel_1() -> Iterator[None]:
         yield
 
 
-def _shape(parameter: nn.Parameter) -> TensorShape:
+def _shape(parameter: nn.Parameter, expert: bool = False) -> TensorShape:
     split = bool(getattr(parameter, "tensor_model_parallel", False))  # megatron's attribute, absent on plain tensors
-    return TensorShape(parameter.numel(), parameter.dim() >= 2, split)
+    return TensorShape(parameter.numel(), parameter.dim() >= 2, split, expert)
 
 
 def _tensors(module: nn.Module) -> tuple[TensorShape, ...]:
-    return tuple(_shape(parameter) for parameter in module.parameters())
+    # Imported here for start-up speed, as in _gather_units.
+    from scaletrain.model.moe import moe_layers_of
+
+    experts = {id(parameter) for layer in moe_layers_of(module) for parameter in layer.experts.parameters()}
+    return tuple(_shape(parameter, id(parameter) in experts) for parameter in module.parameters())
 
 
 def _gather_units(module: nn.Module) -> tuple[tuple[TensorShape, ...], ...]:

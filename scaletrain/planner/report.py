@@ -10,8 +10,15 @@ from scaletrain.config import Config
 from scaletrain.model.counts import model_counts
 from scaletrain.planner.activations import attention_mask_bytes
 from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
-from scaletrain.planner.layouts import Layout, layout_settings
-from scaletrain.planner.params import LayerParameters, model_parameters, stage_layers, stage_parameters
+from scaletrain.planner.layouts import Layout, layout_settings, num_experts
+from scaletrain.planner.memory import rank_parameters
+from scaletrain.planner.params import (
+    LayerParameters,
+    expert_parameters,
+    model_parameters,
+    stage_layers,
+    stage_parameters,
+)
 from scaletrain.planner.search import Plan, PlannedLayout, runnable_now
 
 GIB = 2**30
@@ -53,14 +60,19 @@ def _parameters(plan: Plan) -> str:
         f"  {_layer_summary(counted.layers)}",
     ]
     if counts.sparse:  # a mixture of experts: a token meets its routed experts only
-        lines.insert(1, f"active parameters per token: {counts.active_params:,} ({counts.active_params / 1e9:.2f} B; "
-                        "the routed experts of each MoE layer, not all of them)")
+        lines[1:1] = [
+            f"active parameters per token: {counts.active_params:,} ({counts.active_params / 1e9:.2f} B; "
+            "the routed experts of each MoE layer, not all of them)",
+            f"  experts: {expert_parameters(config):,} of the total, {num_experts(config)} per MoE layer; "
+            "expert parallelism (EP) holds 1/EP of them on each GPU",
+        ]
     shown = plan.chosen or (plan.feasible[0] if plan.feasible else None)
     if shown is not None:
         layout = shown.layout
         which = "chosen" if shown is plan.chosen else "fastest fitting"
+        experts = f", EP={layout.expert}" if num_experts(config) else ""
         lines.append(f"  per stage at the {which} layout's PP={layout.pipeline} (whole stage; per GPU at "
-                     f"TP={layout.tensor}):")
+                     f"TP={layout.tensor}{experts}):")
         lines.extend(f"    {line}" for line in stage_lines(config, layout))
     return "\n".join(lines)
 
@@ -71,7 +83,7 @@ def stage_lines(config: Config, layout: Layout) -> list[str]:
     described = []
     for stage in range(layout.pipeline):
         whole = stage_parameters(config, 1, layout.pipeline, stage).total
-        per_gpu = stage_parameters(config, layout.tensor, layout.pipeline, stage).total
+        per_gpu = rank_parameters(config, layout, stage).total
         contents = _stage_contents(stage_layers(config, layout.pipeline, stage), layout)
         described.append(f"{whole:,} ({per_gpu:,} per GPU)  [{contents}]")
     lines = []
@@ -142,9 +154,12 @@ def _flops(plan: Plan) -> str:
     tokens = plan.global_batch * config.model.seq_length
     per_token = model_flops_per_token(config)
     recomputed = hardware_flops_per_token(config, recompute=True)
+    counts = model_counts(config)
+    active = (f" (from the {counts.active_params / 1e9:.2f} B active parameters: each token's routed experts "
+              "and the router, not all experts)" if counts.sparse else "")
     return "\n".join([
-        f"FLOPs per token (model FLOPs, what MFU counts): {per_token / 1e12:.4f} TFLOP",
-        f"  = {model_counts(config).flops_formula}",
+        f"FLOPs per token (model FLOPs, what MFU counts): {per_token / 1e12:.4f} TFLOP{active}",
+        f"  = {counts.flops_formula}",
         f"FLOPs per token with full recomputation (hardware FLOPs): {recomputed / 1e12:.4f} TFLOP",
         f"  = model FLOPs + one more forward of the blocks (model FLOPs less the output layer's 6hV = "
         f"{logits_flops_per_token(config) / 1e12:.4f} TFLOP, divided by 3)",
@@ -176,7 +191,23 @@ def _memory_model(plan: Plan) -> str:
         "pipeline buffers: 1F1B keeps min(PP - stage, m) micro-batches in flight (Narayanan et al. 2021), plus "
         "the outputs sent downstream; stages hold equal block counts (parallel.pipeline_partition=blocks); "
         "the fullest stage is reported",
+        *_expert_note(plan),
     ])
+
+
+def _expert_note(plan: Plan) -> list[str]:
+    """How expert parallelism enters memory and time, for a mixture of experts."""
+    if not num_experts(plan.config):
+        return []
+    return [
+        "EP = parallel.expert, carved out of the DP ranks: each GPU holds num_experts/EP experts of every MoE "
+        "layer (split over TP like a dense MLP) and all dense weights; ZeRO-1/2 partition the dense optimizer "
+        "state (ZeRO-2 also the gradients) over DP and the experts' over the DP/EP ranks holding the same "
+        "experts; no ZeRO-3 with EP (DeepSpeed refuses it); MoE activations are charged as a dense MLP's",
+        "a2a = the MoE layers' token all-to-alls: 2 forward (dispatch, combine) and 2 backward per MoE layer and "
+        "micro-batch (2 more with recomputation), each top_k*s*b*h activations per GPU, (EP-1)/EP of them "
+        "leaving it; included in comm",
+    ]
 
 
 def _attention_mask_note(plan: Plan) -> str:
@@ -192,10 +223,11 @@ def _table(plan: Plan, top: int) -> str:
     feasible = plan.feasible
     shown = feasible[:top] if feasible else plan.layouts[:top]
     heading = "feasible layouts, fastest first" if feasible else "no layout fits; the smallest ones"
+    experts = bool(num_experts(plan.config))
     header = (
-        f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>5} {'ZeRO':>4} {'mb':>3} {'recomp':>6} | {'weights':>7} {'grads':>6} "
-        f"{'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB {'stage':>5} | "
-        f"{'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6} {'MFU':>4}"
+        f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>5}{' EP' if experts else ''} {'ZeRO':>4} {'mb':>3} {'recomp':>6} | "
+        f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB {'stage':>5} | "
+        f"{'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6}{'    a2a' if experts else ''} {'MFU':>4}"
     )
     reasons: list[str] = []
     rows = []
@@ -204,25 +236,29 @@ def _table(plan: Plan, top: int) -> str:
         if reason is not None and reason not in reasons:
             reasons.append(reason)
         mark = f" [{reasons.index(reason) + 1}]" if reason is not None else ""
-        rows.append(_row(rank, planned) + mark)
+        rows.append(_row(rank, planned, experts) + mark)
     notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
         f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*PP*DP = {plan.gpus}, "
-        f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1); {len(feasible)} fit in "
+        f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1"
+        f"{', EP divides DP and the experts, no ZeRO-3 with EP > 1' if experts else ''}); {len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
     )
     return "\n".join([f"{heading}:", header, *rows, *notes, summary])
 
 
-def _row(rank: int, planned: PlannedLayout) -> str:
+def _row(rank: int, planned: PlannedLayout, experts: bool) -> str:
     layout, memory, time = planned.layout, planned.memory, planned.step_time
+    expert_parallel = f" {layout.expert:>2}" if experts else ""
+    all_to_all = f" {time.expert_parallel:>6.2f}" if experts else ""
     return (
-        f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>5} {layout.zero_stage:>4} "
+        f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>5}{expert_parallel} {layout.zero_stage:>4} "
         f"{layout.micro_batch:>3} {'yes' if layout.recompute else 'no':>6} | {memory.weights / GIB:>7.2f} "
         f"{memory.gradients / GIB:>6.2f} {memory.optimizer / GIB:>6.2f} {memory.activations / GIB:>6.2f} "
         f"{memory.pipeline_buffers / GIB:>6.2f} {memory.total / GIB:>6.2f}     {planned.peak_stage:>5} | "
-        f"{time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} {time.communication:>6.2f} {planned.mfu:>4.0%}"
+        f"{time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} {time.communication:>6.2f}{all_to_all} "
+        f"{planned.mfu:>4.0%}"
     )
 
 

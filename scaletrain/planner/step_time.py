@@ -19,11 +19,19 @@ Assumptions (deliberately simple; the ranking, not the absolute time, is the pro
   backward, over the inter-node network unless the whole job fits in one node (ranks are
   ordered TP, then DP, then PP, so neighbouring stages are TP*DP ranks apart). The
   tied-embedding gradient all-reduce between the first and last stage (once per step) is ignored.
+- EP: per MoE layer and micro-batch, two all-to-alls forward (dispatch the tokens to their experts'
+  ranks, combine the results back) and two backward (Lepikhin et al. 2021, GShard, sec. 2.2;
+  Rajbhandari et al. 2022, DeepSpeed-MoE, sec. 5), 2 more with recomputation; each moves a token's
+  k copies, k*s*b*h activations per rank, of which (e-1)/e leave the rank. Every TP rank moves its own
+  (no sequence parallelism with MoE). The EP group is e consecutive DP ranks, TP*e global ranks apart
+  at most, so over NVLink when TP*e fits in a node, else the inter-node network. Not overlapped with
+  compute; routing imbalance (an expert's rank waiting for the busiest) is not modelled.
 - DP: once per step, gradients are all-reduced (ZeRO-0) or reduce-scattered with the updated
   weights all-gathered (ZeRO-1/2): 2(d-1)/d of the gradient bytes; ZeRO-3 also all-gathers the
   weights in backward, 3(d-1)/d (Rajbhandari et al. 2020, sec. 7). Over NVLink when the DP group
   fits in a node, else the inter-node network; not overlapped with backward (DeepSpeed's
-  overlap_comm is off by default for ZeRO-1/2), which is pessimistic.
+  overlap_comm is off by default for ZeRO-1/2), which is pessimistic. Under EP the dense gradients
+  go over the d DP ranks and a rank's experts' (1/e of them) over the d/e ranks holding the same experts.
 - Bandwidths are per GPU and per direction, achievable rather than nominal: NVLink 4 is
   450 GB/s per direction on H100 SXM (NVIDIA datasheet, 900 GB/s bidirectional), 360 GB/s
   assumed; one 400 Gb/s NDR InfiniBand port per GPU (DGX H100) is 50 GB/s, 40 GB/s assumed.
@@ -36,7 +44,8 @@ from dataclasses import dataclass
 from scaletrain.config import Config
 from scaletrain.planner.flops import blocks_forward_flops_per_token, logits_flops_per_token
 from scaletrain.planner.layouts import Layout
-from scaletrain.planner.params import num_blocks, stage_parameters
+from scaletrain.planner.memory import expert_data_parallel, rank_parameters
+from scaletrain.planner.params import num_blocks
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 DEFAULT_INTRA_NODE_BANDWIDTH = 360e9  # bytes/s per GPU per direction, NVLink
@@ -62,19 +71,25 @@ class StepTime:
     tensor_parallel: float
     pipeline_parallel: float
     data_parallel: float
+    expert_parallel: float = 0.0  # the MoE layers' token all-to-alls
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tensor_parallel + self.pipeline_parallel + self.data_parallel
+        return self.compute + self.bubble + self.communication
 
     @property
     def communication(self) -> float:
-        return self.tensor_parallel + self.pipeline_parallel + self.data_parallel
+        return self.tensor_parallel + self.pipeline_parallel + self.data_parallel + self.expert_parallel
 
 
 def ring_all_reduce_seconds(num_bytes: float, ranks: int, bandwidth: float) -> float:
     """Each rank sends and receives 2(n-1)/n of the buffer in a ring all-reduce."""
     return 2 * (ranks - 1) / ranks * num_bytes / bandwidth if ranks > 1 else 0.0
+
+
+def all_to_all_seconds(num_bytes: float, ranks: int, bandwidth: float) -> float:
+    """Each rank keeps 1/n of its buffer and sends (n-1)/n of it (receiving as much) in an all-to-all."""
+    return (ranks - 1) / ranks * num_bytes / bandwidth if ranks > 1 else 0.0
 
 
 def predict_step_time(
@@ -100,24 +115,42 @@ def predict_step_time(
         bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
         pipeline_parallel = 2 * activation / bandwidth
 
-    per_micro_batch = compute + tensor_parallel + pipeline_parallel
+    expert_parallel = _expert_parallel_seconds(config, layout, hardware, activation_bytes)
+    per_micro_batch = compute + tensor_parallel + pipeline_parallel + expert_parallel
     return StepTime(
         compute=micro_batches * compute,
         bubble=(layout.pipeline - 1) * per_micro_batch,
         tensor_parallel=micro_batches * tensor_parallel,
         pipeline_parallel=micro_batches * pipeline_parallel,
         data_parallel=_data_parallel_seconds(config, layout, hardware, grad_bytes),
+        expert_parallel=micro_batches * expert_parallel,
     )
+
+
+def _expert_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, activation_bytes: int) -> float:
+    """The all-to-alls of one micro-batch on the last stage (the one the compute term times)."""
+    if layout.expert == 1:
+        return 0.0
+    moe, blocks = config.model.moe, num_blocks(config)
+    per_stage = blocks // layout.pipeline
+    moe_layers = sum(moe.is_moe_layer(block) for block in range(blocks - per_stage, blocks))
+    dispatched = moe.top_k * config.model.seq_length * layout.micro_batch * config.model.hidden_size * activation_bytes
+    in_node = layout.tensor * layout.expert <= hardware.gpus_per_node
+    bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
+    all_to_alls = moe_layers * (6 if layout.recompute else 4)
+    return all_to_alls * all_to_all_seconds(dispatched, layout.expert, bandwidth)
 
 
 def _data_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, grad_bytes: int) -> float:
     if layout.data == 1:
         return 0.0
-    params = max(
-        stage_parameters(config, layout.tensor, layout.pipeline, stage).total
-        for stage in {0, layout.pipeline - 1}
-    )
     in_node = layout.tensor * layout.data <= hardware.gpus_per_node
     bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
-    seconds = ring_all_reduce_seconds(params * grad_bytes, layout.data, bandwidth)
+
+    def stage_seconds(stage: int) -> float:
+        params = rank_parameters(config, layout, stage)
+        return (ring_all_reduce_seconds(params.dense.total * grad_bytes, layout.data, bandwidth)
+                + ring_all_reduce_seconds(params.experts.total * grad_bytes, expert_data_parallel(layout), bandwidth))
+
+    seconds = max(stage_seconds(stage) for stage in {0, layout.pipeline - 1})
     return seconds * 1.5 if layout.zero_stage == 3 else seconds

@@ -6,7 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-PARAMS_COLUMNS = ("params", "non_embedding_params")
+# Which N: a mixture of experts' active parameters (what a token meets) or its total, each with or without
+# embeddings; a dense model's active and total are equal. An active column a CSV lacks (results written
+# before it existed) falls back to its total (fit_inputs.py).
+PARAMS_COLUMNS = ("active_params", "active_non_embedding_params", "params", "non_embedding_params")
+DEFAULT_PARAMS_COLUMN = "active_params"
 DEFAULT_BOOTSTRAP = 100
 OBJECTIVES = ("huber", "least_squares")  # laws.OBJECTIVES, repeated so `--help` needs no scipy
 
@@ -35,8 +39,10 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resampling")
     parser.add_argument("--out", type=Path,
                         help="output directory (default: SWEEP/fit, or CSV_STEM_fit beside the CSV)")
-    parser.add_argument("--params-column", choices=PARAMS_COLUMNS, default="params",
-                        help="N: all parameters (Chinchilla) or without embeddings (Kaplan et al. 2020)")
+    parser.add_argument("--params-column", choices=PARAMS_COLUMNS, default=DEFAULT_PARAMS_COLUMN,
+                        help="N: the active parameters (a mixture of experts' routed experts only; a dense model's "
+                        "all) with embeddings (Chinchilla) or without (Kaplan et al. 2020), or the totals params, "
+                        f"non_embedding_params (default: {DEFAULT_PARAMS_COLUMN})")
     parser.add_argument("--objective", choices=OBJECTIVES, default="huber",
                         help="the laws' fitting objective on ln L (default huber: robust to a few outlying runs)")
     parser.add_argument("--huber-delta", type=huber_delta, default=None, metavar="X|auto",

@@ -6,6 +6,11 @@ stable runs, which are never cooled down: their branches are the points), with v
 each run's training curve (metrics.jsonl, for the plots) and plan.json's train_tokens as the unique
 tokens. A CSV gives its rows (a sweep's results.csv: its done points), columns params,tokens,loss or
 val_loss, optional flops (default 6ND), budget, seed, unique_tokens, data_fingerprint.
+
+N is the active parameters by default (fit_arguments.PARAMS_COLUMNS): a mixture of experts' results
+record active_params beside params (the total), and its FLOPs per token, so its compute, follow the
+active ones. A row without an active count (a CSV written before the column existed, or one with only
+params) has active = total, which is exact for the dense models such rows come from.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.scaling.fit import Curve, FitData, Point, smooth_training_curve
+from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RESULTS_FILE
 
 SWEEP_COLUMNS = ("name", "status", "budget", "tokens", "flops", "flops_per_token", "val_loss")
@@ -44,11 +50,11 @@ class Runs:
         return next((value for value in self.fingerprints if value), None)
 
 
-def read_source(source: Path, params_column: str = "params") -> FitData:
+def read_source(source: Path, params_column: str = DEFAULT_PARAMS_COLUMN) -> FitData:
     return read_runs(source, params_column).data
 
 
-def read_runs(source: Path, params_column: str = "params") -> Runs:
+def read_runs(source: Path, params_column: str = DEFAULT_PARAMS_COLUMN) -> Runs:
     """A sweep directory (its results.csv's done rows, training curves, plan.json's train_tokens) or a
     CSV (a sweep's results.csv too: then its done rows, with val_loss as the loss)."""
     source = Path(source)
@@ -64,7 +70,7 @@ def read_runs(source: Path, params_column: str = "params") -> Runs:
 
 
 def _read_csv(path: Path, params_column: str) -> Runs:
-    rows, header = _csv_rows(path, (params_column, "tokens"), CSV_HINT)
+    rows, header = _csv_rows(path, (total_column(params_column), "tokens"), CSV_HINT)
     if "loss" not in header and "val_loss" not in header:
         raise ValueError(f"{path} lacks column(s) loss (found: {', '.join(header)}); {CSV_HINT}")
     if "status" in header:
@@ -80,7 +86,7 @@ def _read_sweep(sweep_dir: Path, params_column: str) -> Runs:
     if not results.is_file():
         raise ValueError(f"{sweep_dir} has no results.csv; pass a sweep directory (`scaletrain sweep status` "
                          "writes results.csv) or a CSV with columns params,tokens,loss")
-    rows, _ = _csv_rows(results, (*SWEEP_COLUMNS, params_column), "a sweep's results.csv is written by "
+    rows, _ = _csv_rows(results, (*SWEEP_COLUMNS, total_column(params_column)), "a sweep's results.csv is written by "
                         "`scaletrain sweep status`")
     done = _done_rows(rows, results)
     unique_tokens = _train_tokens(sweep_dir)
@@ -107,6 +113,8 @@ def _point(row: dict[str, str], line: int, path: Path, params_column: str, loss_
            unique_tokens: float | None) -> Point:
     """One run; FLOPs default to 6ND (Kaplan et al. 2020, sec. 2.1) where the row has none. A row's own
     unique_tokens (a CSV's column) wins over the sweep's train_tokens."""
+    if not row.get(params_column):
+        params_column = total_column(params_column)  # written before active counts were recorded: dense
     params, tokens, loss = (_positive(row, column, path, line) for column in (params_column, "tokens", loss_column))
     flops = _positive(row, "flops", path, line) if row.get("flops") else 6.0 * params * tokens
     budget = _positive(row, "budget", path, line) if row.get("budget") else None
@@ -119,6 +127,11 @@ def _point(row: dict[str, str], line: int, path: Path, params_column: str, loss_
             raise ValueError(f"{path}, row at line {line}: seed={row['seed']!r} is not an integer; "
                              "fix or remove the row")
     return Point(params, tokens, flops, loss, budget, unique_tokens, None if seed is None else int(seed))
+
+
+def total_column(params_column: str) -> str:
+    """The total count an active column falls back to: active_params -> params."""
+    return params_column.removeprefix("active_")
 
 
 def _labels(rows: list[tuple[int, dict[str, str]]]) -> list[str]:

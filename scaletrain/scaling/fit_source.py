@@ -79,7 +79,7 @@ from scaletrain.scaling.fit import (
     percentile_interval,
     with_intervals,
 )
-from scaletrain.scaling.fit_arguments import DEFAULT_BOOTSTRAP, OBJECTIVES, PARAMS_COLUMNS
+from scaletrain.scaling.fit_arguments import DEFAULT_BOOTSTRAP, DEFAULT_PARAMS_COLUMN, OBJECTIVES, PARAMS_COLUMNS
 from scaletrain.scaling.fit_inputs import Runs, check_fingerprints, read_runs
 from scaletrain.scaling.fit_plots import write_plots
 from scaletrain.scaling.laws import LAW_FORMS
@@ -105,7 +105,7 @@ class FitOptions:
 
     target_flops: list[float] | None = None
     bootstrap: int = DEFAULT_BOOTSTRAP
-    params_column: str = "params"
+    params_column: str = DEFAULT_PARAMS_COLUMN
     seed: int = 0
     objective: str = "huber"
     huber_delta: float | None = None

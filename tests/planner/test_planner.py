@@ -178,3 +178,11 @@ def test_errors_name_the_culprit_and_the_fix():
         run_plan(REPO / "configs" / "gpt_tiny.yaml", [], 8, "80GiB")
     with pytest.raises(ConfigError, match="--compute-efficiency 1.5"):
         run_plan(GPT3_175B, [], 1024, "80GiB", compute_efficiency=1.5)
+
+
+def test_a_bare_gpu_memory_number_is_refused():
+    """80 read as bytes fits nothing; the error names the flag and both units."""
+    with pytest.raises(ConfigError, match=r"--gpu-memory '80' has no unit; use 80GB or 80GiB"):
+        parse_memory_size("80")
+    with pytest.raises(ConfigError, match=r"use 141GB or 141GiB"):
+        run_plan(GPT3_175B, [], 1024, "141")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scaletrain.scaling import fit_inputs, fit_source
-from scaletrain.scaling.fit import ParametricFit, fit_isoflop
+from scaletrain.scaling.fit import ParametricFit, fit_isoflop, fit_parametric
 from scaletrain.scaling.fit_arguments import add_fit_arguments
 from scaletrain.scaling.fit_plots import PLOT_FILES
 from scaletrain.scaling.fit_source import fit_from_args, fit_sweep_directory
@@ -99,7 +99,8 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == sorted(["fit.json", *PLOT_FILES])
     fit = strict_json(out / "fit.json")
     assert set(fit) == TOP_KEYS and fit["skipped"] == {}
-    assert (fit["num_points"], fit["num_curves"], fit["bootstrap"], fit["params_column"]) == (20, 0, 20, "params")
+    assert (fit["num_points"], fit["num_curves"], fit["bootstrap"]) == (20, 0, 20)
+    assert fit["params_column"] == "active_params"  # the default N; a CSV without it reads params
     largest = max(6 * n * d for n, d, _ in rows)
     assert fit["target_flops"] == pytest.approx([10 * largest, 100 * largest])
     for approach, keys in APPROACH_KEYS.items():
@@ -456,3 +457,41 @@ def test_bad_input_names_the_culprit_and_writes_nothing(case: str, tmp_path: Pat
     for fragment in fragments:
         assert fragment in str(error.value), (fragment, str(error.value))
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_the_fit_counts_a_mixture_of_experts_by_its_active_parameters(tmp_path: Path) -> None:
+    """A MoE sweep's rows record the total (params, here 8x) and the active count: N is the active one, C
+    defaults to 6 N_active D, and the compute-optimal N is active (Chinchilla's law holds in the active N
+    here); --params-column params reads the totals instead."""
+    rows = isoflop_rows()
+    sparse = write_csv(tmp_path / "moe.csv", ["params", "active_params", "tokens", "loss"],
+                       [[8 * n, n, d, loss] for n, d, loss in rows])
+    points = fit_inputs.read_runs(sparse).data.points
+    assert [(p.params, p.flops) for p in points] == [(n, pytest.approx(6 * n * d)) for n, d, _ in rows]
+    assert [p.params for p in fit_inputs.read_runs(sparse, "params").data.points] == [8 * n for n, _, _ in rows]
+    law = fit_parametric(*zip(*[(p.params, p.tokens, p.loss) for p in points], strict=True))
+    assert law.allocation(1e23)[0] == pytest.approx(CHINCHILLA.allocation(1e23)[0], rel=0.2)
+
+
+def test_results_written_before_active_counts_still_load(tmp_path: Path) -> None:
+    """An old results.csv (no active columns) and a row whose active count is blank read N as the total:
+    exact for the dense models they hold. The committed experiments' results load unchanged."""
+    old_columns = [column for column in RESULT_COLUMNS if not column.startswith("active_")]
+    sweep = tmp_path / "old"
+    sweep.mkdir()
+    with (sweep / "results.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=old_columns)
+        writer.writeheader()
+        for budget in (1e13, 4e13):
+            for size in (1.5e5, 5e5, 1.5e6):
+                row, _ = fake_run(f"c{budget:.0e}-n{size:.0e}", size, budget, np.random.default_rng(0))
+                writer.writerow({column: row.get(column, "") for column in old_columns})
+    for column, total in (("active_params", "params"), ("active_non_embedding_params", "non_embedding_params")):
+        runs = fit_inputs.read_runs(sweep / "results.csv", column)
+        assert [p.params for p in runs.data.points] == \
+            [p.params for p in fit_inputs.read_runs(sweep / "results.csv", total).data.points]
+    blank = write_csv(tmp_path / "blank.csv", ["params", "active_params", "tokens", "loss"], [[1e6, "", 2e7, 3.0]])
+    assert fit_inputs.read_runs(blank).data.points[0].params == 1e6
+    committed = Path(__file__).resolve().parents[2] / "experiments" / "isoflop_english" / "results.csv"
+    assert [p.params for p in fit_inputs.read_runs(committed).data.points] == \
+        [p.params for p in fit_inputs.read_runs(committed, "params").data.points]

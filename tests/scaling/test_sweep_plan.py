@@ -203,3 +203,26 @@ def test_run_one_across_nodes_needs_a_slurm_job(tmp_path: Path, monkeypatch: pyt
     assert main(["sweep", "run-one", str(tmp_path / "run"), "--nodes", "2"]) == 2
     assert "--nodes 2: a run spans several nodes only inside a SLURM job" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mixture_of_experts_sweep_records_active_and_total(small_dataset: Path, tmp_path: Path) -> None:
+    """model.moe.* (nested keys) in the spec's overrides reach every run; each run records its total and its
+    active N, FLOPs per token follow the active one, and results.csv carries both."""
+    from scaletrain.scaling.sweep.results import result_row
+
+    spec = tiny_spec(small_dataset, tmp_path / "sweep")
+    spec["overrides"] += ["model.moe.num_experts=4", "model.moe.top_k=1"]
+    plan = plan_of(tmp_path, spec)
+    for run in plan.runs:
+        config = load_config(plan.spec.base, [*plan.spec.overrides, *run.overrides])
+        assert (config.model.moe.num_experts, config.model.moe.top_k) == (4, 1)
+        dense = model_counts(load_config(plan.spec.base, [*plan.spec.overrides, *run.overrides,
+                                                          "model.moe.num_experts=0"]))
+        assert run.counts.active_params < run.counts.total_params
+        # top-1 of 4 experts as wide as the dense MLP: a token meets one of them, plus the router
+        router = run.shape.num_layers * run.shape.hidden_size * 4
+        assert run.counts.active_params == dense.total_params + router
+        assert run.counts.flops_per_token == dense.flops_per_token + 6 * router
+        row = result_row(run.to_row(), tmp_path / "sweep" / "runs" / run.name)
+        assert (row["params"], row["active_params"]) == (run.counts.total_params, run.counts.active_params)
+        assert row["active_non_embedding_params"] == run.counts.active_params - run.counts.embedding_params

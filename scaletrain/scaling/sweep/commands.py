@@ -150,7 +150,7 @@ def _result_rows(sweep_dir: Path) -> list[dict]:
 
 
 def format_plan(plan: SweepPlan) -> str:
-    header = (f"{'run':<34} {'params':>10} {'non-emb':>10} {'tokens':>11} {'FLOPs':>9} {'steps':>7} "
+    header = (f"{'run':<34} {'params':>10} {'non-emb':>10} {'active':>10} {'tokens':>11} {'FLOPs':>9} {'steps':>7} "
               f"{'epochs':>6} {'lr':>8} {'batch':>6} {'beta2':>6} {'warmup':>6} {'wd':>8} {'time':>8}")
     lines = [f"sweep {plan.spec.name} ({plan.spec.mode}), {len(plan.runs)} runs in {plan.directory}; "
              f"{plan.tokens_per_step:,} tokens per step at the base's batch (batch: sequences per step)",
@@ -159,8 +159,9 @@ def format_plan(plan: SweepPlan) -> str:
         epochs = f"{run.epochs:.2f}" if run.epochs is not None else "?"
         lines.append(
             f"{run.name:<34} {run.counts.total_params:>10,} {run.counts.non_embedding_params:>10,} "
-            f"{run.tokens:>11,} {run.flops:>9.3g} {run.steps:>7,} {epochs:>6} {run.lr:>8.2e} {run.batch_size:>6} "
-            f"{run.beta2:>6.3g} {run.warmup_steps:>6} {run.weight_decay:>8.3g} {format_duration(run.predicted_s):>8}"
+            f"{run.counts.active_params:>10,} {run.tokens:>11,} {run.flops:>9.3g} {run.steps:>7,} {epochs:>6} "
+            f"{run.lr:>8.2e} {run.batch_size:>6} {run.beta2:>6.3g} {run.warmup_steps:>6} {run.weight_decay:>8.3g} "
+            f"{format_duration(run.predicted_s):>8}"
         )
     # a ladder trains its stable runs plus the branches' cooldowns, not every branch's full length
     total_flops = ladder_flops(plan.runs)[0] if plan.spec.mode == "ladder" else sum(run.flops for run in plan.runs)

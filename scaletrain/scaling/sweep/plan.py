@@ -4,7 +4,12 @@ IsoFLOP mode (Hoffmann et al. 2022, sec. 3.2): for each budget C and each model 
 trains D = C / (FLOPs per token) tokens, rounded to whole optimizer steps, so the run's actual
 FLOPs are within half a step of C (the actual value is what gets recorded and fitted). FLOPs
 per token are the project's exact count (model/counts.py: 6N plus attention and the LM
-head, not 6N alone), and N is reported with and without embeddings.
+head, not 6N alone), and N is reported with and without embeddings. A mixture of experts (model.moe.*
+in the base or the spec's overrides) records its total N and its active N, the parameters a token
+meets (its routed experts, not all of them): FLOPs per token, and so C = fpt(N) D, follow the active
+ones, which is the N the fit uses (Clark et al. 2022, "Unified Scaling Laws for Routed Language
+Models", likewise index a routed model by the dense model of equal FLOPs per token, not by its total);
+for a dense model the two are equal.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class PlannedRun:
         return {
             "name": self.name, "budget": self.budget, "seed": self.seed, **dataclasses.asdict(self.shape),
             "params": self.counts.total_params, "non_embedding_params": self.counts.non_embedding_params,
+            "active_params": self.counts.active_params,
+            "active_non_embedding_params": self.counts.active_non_embedding_params,
             "flops_per_token": self.counts.flops_per_token, "tokens": self.tokens, "flops": self.flops,
             "steps": self.steps, "lr": self.lr, "batch_size": self.batch_size, "beta2": self.beta2,
             "warmup_steps": self.warmup_steps, "weight_decay": self.weight_decay, "epochs": self.epochs,
@@ -147,7 +154,7 @@ def _shapes_for_amount(spec: SweepSpec, base: Config, shapes: list[ModelShape], 
 
     def distance_from_center(shape: ModelShape) -> float:
         counts = _counts(base, shape)
-        tokens_per_param = amount / counts.flops_per_token / counts.total_params
+        tokens_per_param = amount / counts.flops_per_token / counts.active_params
         return abs(math.log(tokens_per_param / spec.models.center_tokens_per_param))
 
     nearest = sorted(by_size, key=distance_from_center)[:keep]

@@ -31,10 +31,13 @@ from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.sweep.layout import RESULTS_FILE, RUN_CONFIG_FILE, STATUS_FILE, TRAIN_LOG
 from scaletrain.train.loop import RUN_SUMMARY_FILE
 
+# params and non_embedding_params are the totals; active_params and active_non_embedding_params what a
+# token meets (a mixture of experts' routed experts only; a dense model's equal the totals). Results
+# written before the active columns existed lack them: readers take the totals (fit_inputs.py).
 RESULT_COLUMNS = (
     "name", "status", "budget", "seed", "num_layers", "hidden_size", "num_heads", "params", "non_embedding_params",
-    "tokens", "flops", "flops_per_token", "lr", "val_loss", "train_loss", "steps", "wall_s",
-    "data_fingerprint", "role",
+    "active_params", "active_non_embedding_params", "tokens", "flops", "flops_per_token", "lr", "val_loss",
+    "train_loss", "steps", "wall_s", "data_fingerprint", "role",
 )
 # The final training loss is the mean over the last 5% of steps (at least one): the cosine
 # schedule has nearly flattened the curve there, and it averages out batch-to-batch noise.

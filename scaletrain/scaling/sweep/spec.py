@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from scaletrain.config import ConfigError, build_dataclass
+from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, PARAMS_COLUMNS
 from scaletrain.scaling.sweep.hyperparams import HyperparameterRules, validate_rules
 
 MODES = ("isoflop", "grid", "ladder")
@@ -161,7 +162,9 @@ class FitOptions:
 
     bootstrap: int = 100
     target_flops: list[float] = field(default_factory=list)  # empty: 10x and 100x the largest run
-    params_column: str = "params"  # params (total, Chinchilla) or non_embedding_params (Kaplan)
+    # N: active_params (Chinchilla's N, counted as a token meets it: a mixture of experts' routed experts),
+    # active_non_embedding_params (Kaplan's), or the totals params, non_embedding_params (fit_arguments.py)
+    params_column: str = DEFAULT_PARAMS_COLUMN
 
 
 @dataclass
@@ -264,8 +267,9 @@ def validate_spec(spec: SweepSpec, source: str) -> None:
     _validate_guards_and_tune(spec, source)
     if spec.fit.bootstrap < 0 or any(flops <= 0 for flops in spec.fit.target_flops):
         raise ConfigError(f"{source}: fit needs bootstrap >= 0 and positive target_flops")
-    if spec.fit.params_column not in ("params", "non_embedding_params"):
-        raise ConfigError(f"{source}: fit.params_column={spec.fit.params_column!r}; use params or non_embedding_params")
+    if spec.fit.params_column not in PARAMS_COLUMNS:
+        raise ConfigError(f"{source}: fit.params_column={spec.fit.params_column!r}; use one of "
+                          f"{', '.join(PARAMS_COLUMNS)}")
 
 
 def _validate_mode_values(spec: SweepSpec, source: str) -> None:

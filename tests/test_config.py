@@ -79,8 +79,8 @@ def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
 @pytest.mark.parametrize(
     "overrides, world_size, fragment",
     [
-        (["parallel.tensor=2"], 3, "world size 3 is not divisible by parallel.tensor x parallel.pipeline = 2 x 1"),
-        (["parallel.tensor=2", "parallel.data=2"], 2, "world size 2 != parallel.tensor x parallel.pipeline x"),
+        (["parallel.tensor=2"], 3, "world size 3 is not divisible by parallel.tensor x parallel.context x parallel.pipeline = 2 x 1 x 1"),
+        (["parallel.tensor=2", "parallel.data=2"], 2, "world size 2 != parallel.tensor x parallel.context x parallel.pipeline x"),
         (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size=10 is not divisible"),
     ],
 )

@@ -105,7 +105,8 @@ def _first_holders(names: list[str], topology: Topology) -> dict[str, int]:
 def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
     """This rank's share of the layout-free state, copied off the training state (so training may go
     on while it is written). Under ZeRO each rank takes its own part of every parameter (no
-    collective); a parameter whole on every data-parallel rank is taken by one of them, in turns."""
+    collective); a parameter whole on every data-parallel (and context-parallel) rank is taken by one of
+    them, in turns."""
     parameters = local_parameters(engine.module, topology)
     holders = _first_holders([name for name, _ in parameters], topology)
     collected = RankPieces(adam_step=adam_step(engine))
@@ -121,7 +122,7 @@ def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
             part = read_local_part(parameter)
         else:
             turn += 1
-            if (turn - 1) % topology.data_parallel_size != topology.data_parallel_rank:
+            if (turn - 1) % topology.replica_size != topology.replica_rank:
                 continue
             part = 0, {key: tensor.reshape(-1) for key, tensor in read_parameter_state(engine, parameter).items()}
         if part is None or not part[1]["weight"].numel():

@@ -309,6 +309,10 @@ def validate_decoder(config: Config) -> None:
     problems = validate_moe(config.model.moe, config.parallel.sequence_parallel)
     if problems:
         raise ConfigError(problems[0])
+    if config.parallel.context > 1 and config.model.moe.enabled:
+        raise ConfigError(f"parallel.context={config.parallel.context} with model.moe: routing over a rank's chunks "
+                          "of the sequence (its capacity and load-balancing loss) is not implemented; set "
+                          "parallel.context=1 or train a dense model")
     window = config.model.sliding_window
     if window is not None and window < 1:
         raise ConfigError(f"model.sliding_window={window} must be >= 1 (the query itself), or null for full "
@@ -334,6 +338,7 @@ FAMILY = ModelFamily(
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
     sequence_parallel=True,
+    context_parallel=True,
     batch_schema=decoder_batch,
     counts=counts,
     validate=validate,

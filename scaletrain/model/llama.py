@@ -200,6 +200,7 @@ FAMILY = ModelFamily(
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
     sequence_parallel=True,
+    context_parallel=True,
     batch_schema=decoder_batch,
     counts=counts,
     validate=validate,

@@ -86,8 +86,8 @@ def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
 @pytest.mark.parametrize(
     "overrides, world_size, fragment",
     [
-        (["parallel.tensor=2"], 3, "not divisible by parallel.tensor x parallel.context x parallel.pipeline = 2 x 1 x 1"),
-        (["parallel.context=2"], 3, "not divisible by parallel.tensor x parallel.context x parallel.pipeline = 1 x 2 x 1"),
+        (["parallel.tensor=2"], 3, "parallel.tensor x parallel.context x parallel.pipeline = 2 x 1 x 1"),
+        (["parallel.context=2"], 3, "parallel.tensor x parallel.context x parallel.pipeline = 1 x 2 x 1"),
         (["parallel.tensor=2", "parallel.data=2"], 2, "world size 2 != parallel.tensor x parallel.context x"),
         (["parallel.context=2", "parallel.data=2"], 2, "launch 4 processes or set parallel.data=1"),
         (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size=10 is not divisible"),

@@ -140,7 +140,7 @@ class ObjectiveConfig:
 class ParallelConfig:
     tensor: int = 1  # tensor-parallel ranks (Megatron): each layer's weights split over them
     pipeline: int = 1  # pipeline stages (DeepSpeed PipelineModule)
-    data: int | None = None  # None: derived as world_size / (tensor * pipeline)
+    data: int | None = None  # None: derived as world_size / (tensor * context * pipeline)
     zero_stage: int = 1  # DeepSpeed ZeRO stage 0-3: what data-parallel ranks partition
     # How DeepSpeed splits layers into stages: parameters | uniform | blocks (equal block counts),
     # or blocks per stage as a list, e.g. "5,7" (the embedding joins the first stage, the head the last).
@@ -776,18 +776,20 @@ def resolve_for_world(config: Config, world_size: int) -> Config:
     and the copies back each step (a 30M GPT on CPU: 1.24x a plain PyTorch loop as ZeRO-1, 0.99x as
     stage 0). Pipelines keep their stage: DeepSpeed's pipelined ZeRO-0 checkpoints do not reshard.
     """
-    model_parallel = config.parallel.tensor * config.parallel.pipeline
+    parallel = config.parallel
+    model_parallel = parallel.tensor * parallel.context * parallel.pipeline
     if world_size % model_parallel:
         raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = "
-            f"{config.parallel.tensor} x {config.parallel.pipeline}; launch a multiple of {model_parallel} processes"
+            f"world size {world_size} is not divisible by parallel.tensor x parallel.context x parallel.pipeline = "
+            f"{parallel.tensor} x {parallel.context} x {parallel.pipeline}; launch a multiple of {model_parallel} "
+            "processes"
         )
     data_parallel = world_size // model_parallel
-    if config.parallel.data is not None and config.parallel.data != data_parallel:
+    if parallel.data is not None and parallel.data != data_parallel:
         raise ConfigError(
-            f"world size {world_size} != parallel.tensor x parallel.pipeline x parallel.data = "
-            f"{config.parallel.tensor} x {config.parallel.pipeline} x {config.parallel.data}; "
-            f"launch {model_parallel * config.parallel.data} processes or set parallel.data={data_parallel}"
+            f"world size {world_size} != parallel.tensor x parallel.context x parallel.pipeline x parallel.data = "
+            f"{parallel.tensor} x {parallel.context} x {parallel.pipeline} x {parallel.data}; "
+            f"launch {model_parallel * parallel.data} processes or set parallel.data={data_parallel}"
         )
     if data_parallel % config.parallel.expert:
         raise ConfigError(
@@ -806,7 +808,8 @@ def resolve_for_world(config: Config, world_size: int) -> Config:
             )
         grad_accum = config.train.global_batch_size // per_step
     zero_stage = config.parallel.zero_stage
-    if data_parallel == 1 and config.parallel.pipeline == 1 and zero_stage in (1, 2):
+    # context-parallel ranks hold the same weights: DeepSpeed reduces (and ZeRO partitions) over DP x CP
+    if data_parallel * parallel.context == 1 and parallel.pipeline == 1 and zero_stage in (1, 2):
         zero_stage = 0
     return dataclasses.replace(
         config,

@@ -68,6 +68,13 @@ def test_gpt3_175b_shape_and_batch():
         (["parallel.sequence_parallel=true", "parallel.tensor=2", "model.dropout=0.1"], "set model.dropout=0"),
         (["model.family=bert", "objective.kind=mlm", "parallel.sequence_parallel=true", "parallel.tensor=2"],
          "not available for bert yet (it is for gpt, llama)"),
+        (["parallel.context=3"], "parallel.context=3 needs model.seq_length=128 to split into 2 x 3 equal chunks"),
+        (["parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"],
+         "parallel.sequence_parallel with parallel.context > 1 is not implemented"),
+        (["parallel.context=2", "parallel.pipeline=2"], "not implemented for DeepSpeed's pipeline engine"),
+        (["model.family=bert", "objective.kind=mlm", "parallel.context=2"],
+         "context parallelism is not available for bert (it is for gpt, llama)"),
+        (["parallel.context=2", "model.moe.num_experts=4"], "parallel.context=2 with model.moe"),
     ],
 )
 def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
@@ -79,8 +86,10 @@ def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
 @pytest.mark.parametrize(
     "overrides, world_size, fragment",
     [
-        (["parallel.tensor=2"], 3, "world size 3 is not divisible by parallel.tensor x parallel.pipeline = 2 x 1"),
-        (["parallel.tensor=2", "parallel.data=2"], 2, "world size 2 != parallel.tensor x parallel.pipeline x"),
+        (["parallel.tensor=2"], 3, "parallel.tensor x parallel.context x parallel.pipeline = 2 x 1 x 1"),
+        (["parallel.context=2"], 3, "parallel.tensor x parallel.context x parallel.pipeline = 1 x 2 x 1"),
+        (["parallel.tensor=2", "parallel.data=2"], 2, "world size 2 != parallel.tensor x parallel.context x"),
+        (["parallel.context=2", "parallel.data=2"], 2, "launch 4 processes or set parallel.data=1"),
         (["train.global_batch_size=10", "train.micro_batch_size=4"], 1, "train.global_batch_size=10 is not divisible"),
     ],
 )

@@ -106,14 +106,15 @@ def _first_holders(names: list[str], topology: Topology) -> dict[str, int]:
 def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
     """This rank's share of the layout-free state, copied off the training state (so training may go
     on while it is written). Under ZeRO each rank takes its own part of every parameter (no
-    collective); a parameter whole on every data-parallel rank is taken by one of them, in turns."""
+    collective); a parameter whole on every data-parallel (and context-parallel) rank is taken by one of
+    them, in turns."""
     parameters = local_parameters(engine.module, topology)
     holders = _first_holders([name for name, _ in parameters], topology)
     collected = RankPieces(adam_step=adam_step(engine))
     link_optimizer_state(engine)
-    # turns among the ranks holding the same whole parameters: every data-parallel rank for dense
-    # ones, the expert-data-parallel ranks (data-parallel rank // EP) for experts split by EP
-    turns = {False: _Turns(topology.data_parallel_size, topology.data_parallel_rank),
+    # turns among the ranks holding the same whole parameters: every data- and context-parallel rank for
+    # dense ones, the expert-data-parallel ranks (data-parallel rank // EP) for experts split by EP
+    turns = {False: _Turns(topology.replica_size, topology.replica_rank),
              True: _Turns(topology.data_parallel_size // topology.expert_parallel_size,
                           topology.data_parallel_rank // topology.expert_parallel_size)}
     for name, parameter in parameters:

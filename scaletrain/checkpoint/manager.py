@@ -69,18 +69,23 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def layout_of(config: Config, topology: Topology) -> dict[str, int]:
-    return {
+    """The layout a checkpoint records; `context` only when > 1, so earlier checkpoints still match."""
+    layout = {
         "tensor": topology.tensor_parallel_size,
         "pipeline": topology.pipeline_parallel_size,
         "data": topology.data_parallel_size,
         "zero_stage": config.parallel.zero_stage,
         "bf16": int(resolve_precision(config, topology.device) == "bf16"),
     }
+    if topology.context_parallel_size > 1:
+        layout["context"] = topology.context_parallel_size
+    return layout
 
 
 def describe_layout(layout: dict[str, int]) -> str:
     """`TP2xDP2 ZeRO-1 bf16`; sizes of 1 are left out (a single rank reads `TP1`)."""
-    sizes = [f"{axis}{layout[key]}" for axis, key in (("TP", "tensor"), ("PP", "pipeline"), ("DP", "data"))
+    axes = (("TP", "tensor"), ("CP", "context"), ("PP", "pipeline"), ("DP", "data"))
+    sizes = [f"{axis}{layout[key]}" for axis, key in axes
              if layout.get(key, 1) > 1]
     return f"{'x'.join(sizes) or 'TP1'} ZeRO-{layout['zero_stage']}" + (" bf16" if layout.get("bf16") else "")
 

@@ -85,6 +85,24 @@ def decoder_attention_mask(
     return mask if document_ids is None else mask & same_document_mask(document_ids)
 
 
+def visible_keys(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None, window: int | None = None,
+) -> torch.Tensor:
+    """The same limits by global positions, for queries and keys that are any slices of the sequence
+    (context parallelism's chunks): [query, key], or [batch, 1, query, key] with a prefix or documents.
+    `document_ids` [batch, seq] are the whole sequence's."""
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
+    if prefix_lengths is not None:
+        visible = (visible[None] | (key_positions[None, None, :] < prefix_lengths[:, None, None]))[:, None]
+    if document_ids is not None:
+        queries, keys = document_ids[:, query_positions], document_ids[:, key_positions]
+        visible = visible & (queries[:, :, None] == keys[:, None, :])[:, None]
+    return visible
+
+
 @dataclass(frozen=True)
 class DocumentAttention:
     """What a decoder does with the document ids of a packed batch: mask attention to the document,

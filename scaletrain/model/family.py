@@ -101,6 +101,7 @@ class ModelFamily:
     not_generating_reason: str = ""
     pipeline_objectives: tuple[str, ...] = field(default=())  # objectives a pipelined run may train
     sequence_parallel: bool = False  # whether its layers implement parallel.sequence_parallel
+    context_parallel: bool = False  # whether its layers implement parallel.context (ring attention)
 
 
 def lazy(path: str) -> Callable[[], Any]:

@@ -15,7 +15,12 @@ from torch import nn
 
 from scaletrain.batch import DOCUMENT_IDS, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
-from scaletrain.model.attention_masks import DocumentAttention, decoder_attention_mask, positions_in_document
+from scaletrain.model.attention_masks import (
+    DocumentAttention,
+    decoder_attention_mask,
+    positions_in_document,
+    visible_keys,
+)
 from scaletrain.model.counts import MLPCounts, ModelCounts, mlp_counts
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
@@ -25,11 +30,18 @@ from scaletrain.model.layers import (
     TransformerBlock,
     full_sequence_length,
     gelu_tanh,
-    masked_vocab_parallel_loss,
+    masked_vocab_parallel_loss_sum,
     parallel_lm_logits,
 )
 from scaletrain.model.moe import MoEConfig, block_mlp, validate_moe
 from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.parallel.context_parallel import (
+    RingMask,
+    context_parallel_size,
+    context_parallel_token_mean,
+    local_positions,
+    local_tokens,
+)
 from scaletrain.parallel.sequence_parallel import mark_sequence_parallel, scatter_to_sequence_parallel
 
 DECODER_BATCH = BatchSchema(inputs=("tokens",), labels=("labels",), optional_inputs=("prefix_lengths",))
@@ -143,26 +155,45 @@ def decoder_extras(extras: list[torch.Tensor]) -> tuple[torch.Tensor | None, tor
 
 def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None,
            documents: DocumentAttention = NO_DOCUMENTS, **_) -> tuple:
+    """Under context parallelism this rank's chunks of the tokens, at their global positions."""
     tokens, *rest = activations
     _, document_ids = decoder_extras(rest)
-    positions = positions_in_document(document_ids) if documents.positions and document_ids is not None else None
-    return (embedding(tokens, start=cache.length if cache is not None else 0, positions=positions), *rest)
+    positions = None
+    if documents.positions and document_ids is not None:
+        positions = local_tokens(positions_in_document(document_ids))
+    elif context_parallel_size() > 1:
+        positions = local_positions(tokens.shape[1], tokens.device)
+    return (embedding(local_tokens(tokens), start=cache.length if cache is not None else 0, positions=positions),
+            *rest)
 
 
 def run_decoder_block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None,
                       documents: DocumentAttention = NO_DOCUMENTS, rotary: bool = False, **_) -> tuple:
     """A causal block on (hidden, *extras); shared by every decoder family. `documents` says whether the
     document ids mask attention; `rotary` that the block takes positions restarted per document from them
-    (a family with learned positions adds those in its embedding instead)."""
+    (a family with learned positions adds those in its embedding instead). Under context parallelism the
+    hidden state is this rank's chunks and attention runs round the ring (parallel/context_parallel.py)."""
     hidden, *rest = activations
     prefix_lengths, document_ids = decoder_extras(rest)
+    positions = None
+    if rotary and documents.positions and document_ids is not None:
+        positions = local_tokens(positions_in_document(document_ids))
+    if context_parallel_size() > 1:
+        ring = _ring_mask(block, hidden, prefix_lengths, document_ids if documents.masking else None)
+        return (block(hidden, positions=positions, ring=ring), *rest)
     seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
     mask = decoder_attention_mask(seq_length, hidden.device, prefix_lengths,
                                   document_ids if documents.masking else None)
-    positions = None
-    if rotary and documents.positions and document_ids is not None:
-        positions = positions_in_document(document_ids)
     return (block(hidden, mask, cache=cache, positions=positions), *rest)
+
+
+def _ring_mask(block: TransformerBlock, hidden: torch.Tensor, prefix_lengths: torch.Tensor | None,
+               document_ids: torch.Tensor | None) -> RingMask:
+    """This rank's global positions, and the causal / prefix / document / window limits by global position."""
+    seq_length = hidden.shape[0] * context_parallel_size()
+    visible = functools.partial(visible_keys, prefix_lengths=prefix_lengths, document_ids=document_ids,
+                                window=block.attention.sliding_window)
+    return RingMask(local_positions(seq_length, hidden.device), visible)
 
 
 def run_final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
@@ -191,7 +222,13 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
 
 def lm_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
     """Mean next-token cross-entropy over labels != -100."""
-    return masked_vocab_parallel_loss(outputs[0], labels[0])
+    return decoder_loss(outputs[0], labels[0])
+
+
+def decoder_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [seq, batch, vocab / TP] over labels [batch, seq] != -100;
+    under context parallelism this rank's share of its replica's mean (context_parallel_token_mean)."""
+    return context_parallel_token_mean(*masked_vocab_parallel_loss_sum(logits, local_tokens(labels)))
 
 
 class DecoderLM(LayeredModel):
@@ -214,7 +251,7 @@ class DecoderLM(LayeredModel):
             cache.length += tokens.shape[1]
         if labels is None:
             return logits.transpose(0, 1)
-        return masked_vocab_parallel_loss(logits, labels)
+        return decoder_loss(logits, labels)
 
 
 def build(config: Config) -> DecoderLM:
@@ -272,6 +309,10 @@ def validate_decoder(config: Config) -> None:
     problems = validate_moe(config.model.moe, config.parallel.sequence_parallel)
     if problems:
         raise ConfigError(problems[0])
+    if config.parallel.context > 1 and config.model.moe.enabled:
+        raise ConfigError(f"parallel.context={config.parallel.context} with model.moe: routing over a rank's chunks "
+                          "of the sequence (its capacity and load-balancing loss) is not implemented; set "
+                          "parallel.context=1 or train a dense model")
     window = config.model.sliding_window
     if window is not None and window < 1:
         raise ConfigError(f"model.sliding_window={window} must be >= 1 (the query itself), or null for full "
@@ -297,6 +338,7 @@ FAMILY = ModelFamily(
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
     sequence_parallel=True,
+    context_parallel=True,
     batch_schema=decoder_batch,
     counts=counts,
     validate=validate,

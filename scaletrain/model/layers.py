@@ -32,6 +32,7 @@ from torch import nn
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.model.attention_masks import causal_mask, sliding_window_mask
 from scaletrain.model.init import InitMethod
+from scaletrain.parallel.context_parallel import RingMask, ring_attention
 from scaletrain.parallel.sequence_parallel import sequence_parallel_lm_logits
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -211,12 +212,17 @@ class ParallelAttention(nn.Module):
         encoder_output: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        ring: RingMask | None = None,
     ) -> torch.Tensor:
         """hidden [seq, batch, hidden]; mask: SDPA's boolean (True: may attend) or additive float
         mask, broadcastable to [batch, heads, seq, keys] (for a causal layer it replaces the causal
         mask, and the sliding window still applies); positions [seq] or [batch, seq] for rotary
-        (default 0..seq-1, offset by the cache length)."""
+        (default 0..seq-1, offset by the cache length). With `ring` hidden is this rank's chunks of a
+        context-parallel sequence: ring attention over the context-parallel ranks replaces SDPA, masked
+        by `ring.visible` (which holds the window), and the rotary positions default to its global ones."""
         query, key, value = self._project(hidden, encoder_output)
+        if ring is not None and positions is None:
+            positions = ring.positions
         if self.rotary is not None:
             if positions is None:  # the query's length: under sequence parallelism hidden is a slice
                 start = cache.length if cache is not None else 0
@@ -225,11 +231,19 @@ class ParallelAttention(nn.Module):
         if cache is not None:
             keep = None if self.sliding_window is None else self.sliding_window - 1
             key, value = cache.extend(self.layer_index, key, value, keep)
+        if ring is not None:
+            context = ring_attention(query, key, value, ring.positions, ring.visible, self.scale,
+                                     self.dropout if self.training else 0.0)
+            return self._output(context)
         mask, causal = self._causal_limits(mask, query.shape[2], key.shape[2], hidden.device)
         context = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, scale=self.scale, enable_gqa=key.shape[1] != query.shape[1],
         )
+        return self._output(context)
+
+    def _output(self, context: torch.Tensor) -> torch.Tensor:
+        """The row-parallel output projection of context [batch, local heads, seq, head_dim]."""
         batch_size, _, seq_length, _ = context.shape  # the whole sequence, also under sequence parallelism
         output, _ = self.output(context.permute(2, 0, 1, 3).reshape(seq_length, batch_size, -1))
         return output
@@ -396,16 +410,18 @@ class TransformerBlock(nn.Module):
         cross_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        ring: RingMask | None = None,
     ) -> torch.Tensor:
-        """positions: the rotary positions of self-attention, when not 0..seq-1 (ParallelAttention)."""
+        """positions: the rotary positions of self-attention, when not 0..seq-1; ring: its context-parallel
+        ring attention (ParallelAttention)."""
         if not self.pre_norm:
-            attended = self.attention(hidden, mask, cache=cache, positions=positions)
+            attended = self.attention(hidden, mask, cache=cache, positions=positions, ring=ring)
             hidden = self.attention_norm(hidden + self.dropout(attended))
             if encoder_output is not None:  # BART's decoder (Lewis et al. 2020), the Transformer's
                 attended = self.cross_attention(hidden, cross_mask, encoder_output=encoder_output)
                 hidden = self.cross_attention_norm(hidden + self.dropout(attended))
             return self.mlp_norm(hidden + self.dropout(self.mlp(hidden)))
-        attended = self.attention(self.attention_norm(hidden), mask, cache=cache, positions=positions)
+        attended = self.attention(self.attention_norm(hidden), mask, cache=cache, positions=positions, ring=ring)
         hidden = hidden + self.dropout(attended)
         if encoder_output is not None:
             attended = self.cross_attention(
@@ -477,8 +493,15 @@ def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
 def masked_vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of vocab-parallel logits [seq, batch, vocab/TP] against labels [batch, seq],
     over the positions whose label is not IGNORE_INDEX (-100, e.g. a prefix LM's prefix or padding)."""
+    loss_sum, count = masked_vocab_parallel_loss_sum(logits, labels)
+    return loss_sum / count.clamp(min=1)
+
+
+def masked_vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, count) over the labels that are not IGNORE_INDEX: masked_vocab_parallel_loss's
+    parts, for a mean over tokens spread across ranks (context parallelism)."""
     labels = labels.transpose(0, 1).contiguous()
     predicted = labels != IGNORE_INDEX
     # megatron's loss has no ignore index: score ignored positions against id 0, then drop them.
     losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
-    return (losses * predicted).sum() / predicted.sum().clamp(min=1)
+    return (losses * predicted).sum(), predicted.sum()

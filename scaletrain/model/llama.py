@@ -38,6 +38,7 @@ from scaletrain.model.layers import (
 )
 from scaletrain.model.moe import block_mlp
 from scaletrain.model.parallel_config import model_parallel_config
+from scaletrain.parallel.context_parallel import local_tokens
 from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
 
 
@@ -117,8 +118,9 @@ def output_layer(config: Config) -> tensor_parallel.ColumnParallelLinear:
 
 
 def _embed(embedding: LlamaEmbedding, activations: tuple, **_) -> tuple:
+    """Under context parallelism this rank's chunks of the tokens (rotary takes their global positions)."""
     tokens, *rest = activations
-    return (embedding(tokens), *rest)
+    return (embedding(local_tokens(tokens)), *rest)
 
 
 def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, **_) -> tuple:
@@ -198,6 +200,7 @@ FAMILY = ModelFamily(
     objectives=("causal_lm", "prefix_lm"),
     pipeline_objectives=("causal_lm", "prefix_lm"),
     sequence_parallel=True,
+    context_parallel=True,
     batch_schema=decoder_batch,
     counts=counts,
     validate=validate,

@@ -65,7 +65,7 @@ def objective_kind(config: Config) -> str:
 
 def validate_for_family(config: Config) -> None:
     """The rules that depend on the config's family: its own keys (the spec's `validate`), the
-    objectives it trains, pipelined or not, and whether its layers implement sequence parallelism."""
+    objectives it trains, pipelined or not, and whether its layers implement sequence and context parallelism."""
     family, name = get_family(config.model.family), config.model.family
     family.validate(config)
     objective, kind = config.objective, objective_kind(config)
@@ -82,6 +82,12 @@ def validate_for_family(config: Config) -> None:
         raise ConfigError(
             f"parallel.pipeline={config.parallel.pipeline}: pipeline stages are not available for {name} ({kind}); "
             "train it with tensor and data parallelism (parallel.pipeline=1)"
+        )
+    if config.parallel.context > 1 and not family.context_parallel:
+        supported = [other for other in FAMILY_MODULES if get_family(other).context_parallel]
+        raise ConfigError(
+            f"parallel.context={config.parallel.context}: context parallelism is not available for {name} (it is "
+            f"for {', '.join(supported)}); set parallel.context=1"
         )
     if config.parallel.sequence_parallel and not family.sequence_parallel:
         supported = [other for other in FAMILY_MODULES if get_family(other).sequence_parallel]

@@ -16,7 +16,9 @@ from scaletrain.config import Config, ConfigError
 
 @dataclass(frozen=True)
 class Topology:
-    """This process's place in the TP x DP x PP grid (TP fastest, then DP, then PP)."""
+    """This process's place in the TP x CP x DP x PP grid (TP fastest, then CP, then DP, then PP: Megatron's
+    tp-cp-dp-pp). Data-parallel coordinates are the pure DP ones (which samples a rank reads); the
+    context-parallel ranks of one DP rank read the same samples and each keeps its chunks of the sequence."""
 
     world_size: int
     rank: int
@@ -31,10 +33,22 @@ class Topology:
     # data-parallel ranks k·EP .. k·EP+EP-1 of one TP rank and stage split each MoE layer's experts.
     expert_parallel_size: int = 1
     expert_parallel_rank: int = 0
+    context_parallel_size: int = 1
+    context_parallel_rank: int = 0
 
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks holding the same weights (DP x CP): what DeepSpeed averages gradients over."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place among them (DP rank x CP + CP rank, megatron's DP-with-CP group rank)."""
+        return self.data_parallel_rank * self.context_parallel_size + self.context_parallel_rank
 
 
 def init_distributed(config: Config) -> Topology:
@@ -55,6 +69,7 @@ def init_distributed(config: Config) -> Topology:
             tensor_model_parallel_size=config.parallel.tensor,
             pipeline_model_parallel_size=config.parallel.pipeline,
             expert_model_parallel_size=config.parallel.expert,
+            context_parallel_size=config.parallel.context,
             distributed_timeout_minutes=config.parallel.timeout_s / 60,  # a timedelta's minutes: fractions do
         )
     if config.parallel.sequence_parallel:
@@ -73,6 +88,8 @@ def init_distributed(config: Config) -> Topology:
         device=device,
         expert_parallel_size=config.parallel.expert,
         expert_parallel_rank=parallel_state.get_expert_model_parallel_rank(),
+        context_parallel_size=config.parallel.context,
+        context_parallel_rank=parallel_state.get_context_parallel_rank(),
     )
 
 

@@ -1,7 +1,8 @@
-"""What a parallel layout may combine: DeepSpeed's pipeline engine and megatron's sequence parallelism.
+"""What a parallel layout may combine: DeepSpeed's pipeline engine, megatron's sequence parallelism and
+our context parallelism.
 
 config.py checks each parallel key's range; these rules are the engines' facts, stated here in
-parallel/ beside the code that wraps them (pipeline.py, sequence_parallel.py), and run on every
+parallel/ beside the code that wraps them (pipeline.py, sequence_parallel.py, context_parallel.py), and run on every
 config at load time by config_loader.validate. The planner's layout search (scaling/layouts.py)
 offers only layouts that pass them.
 """
@@ -32,8 +33,7 @@ def validate_layout(config: Config) -> None:
         )
     _validate_pipeline_partition(config)
     if parallel.context > 1:
-        raise ConfigError(f"parallel.context={parallel.context}: context parallelism is not built yet; "
-                          "set parallel.context=1")
+        _validate_context_parallel(config)
     if parallel.expert > 1:
         _validate_expert_parallel(config)
     if parallel.sequence_parallel:
@@ -79,6 +79,25 @@ def _validate_expert_parallel(config: Config) -> None:
     if parallel.data is not None and parallel.data % parallel.expert:
         raise ConfigError(f"parallel.expert={parallel.expert} must divide parallel.data={parallel.data}: experts are "
                           "split over data-parallel ranks")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """Context parallelism (context_parallel.py) cuts each sequence into 2 x parallel.context equal chunks;
+    which families run it is the family registry's rule (model/registry.py)."""
+    parallel, seq_length = config.parallel, config.model.seq_length
+    if seq_length % (2 * parallel.context):
+        raise ConfigError(
+            f"parallel.context={parallel.context} needs model.seq_length={seq_length} to split into "
+            f"2 x {parallel.context} equal chunks (zigzag load balancing); use a model.seq_length divisible by "
+            f"{2 * parallel.context}, or another parallel.context")
+    if parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel with parallel.context > 1 is not implemented (the ring would "
+                          "need the sequence-parallel slices gathered first); set parallel.sequence_parallel=false "
+                          "or parallel.context=1")
+    if parallel.pipeline > 1:
+        raise ConfigError(f"parallel.pipeline={parallel.pipeline} with parallel.context={parallel.context}: context "
+                          "parallelism is not implemented for DeepSpeed's pipeline engine; use parallel.pipeline=1 "
+                          "(TP, CP and DP combine) or parallel.context=1")
 
 
 def _validate_sequence_parallel(config: Config) -> None:

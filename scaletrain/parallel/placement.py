@@ -76,8 +76,11 @@ def hosts_of(places: list[RankPlace]) -> list[str]:
 
 
 def place_lines(places: list[RankPlace], topology: Topology) -> list[str]:
-    """One line per rank: its local rank, host and device, and its TP/DP/PP coordinates (TP fastest)."""
-    tensor, data = topology.tensor_parallel_size, topology.data_parallel_size
+    """One line per rank: its local rank, host and device, and its TP/CP/DP/PP coordinates (TP fastest;
+    CP only when the layout has it)."""
+    tensor, context, data = topology.tensor_parallel_size, topology.context_parallel_size, topology.data_parallel_size
     return [f"train: rank {place.rank} (local {place.local_rank}) on {place.host}, {place.device}; "
-            f"TP {place.rank % tensor} DP {place.rank // tensor % data} PP {place.rank // (tensor * data)}"
+            f"TP {place.rank % tensor} "
+            + (f"CP {place.rank // tensor % context} " if context > 1 else "")
+            + f"DP {place.rank // (tensor * context) % data} PP {place.rank // (tensor * context * data)}"
             for place in places]

@@ -1,12 +1,15 @@
-"""Candidate parallel layouts (TP, PP, DP, EP, ZeRO stage, micro-batch, recomputation) for a GPU count.
+"""Candidate parallel layouts (TP, CP, PP, DP, EP, ZeRO stage, micro-batch, recomputation) for a GPU count.
 
 The rules are the ones our stack imposes, not preferences:
 - TP divides the heads, the FFN size and model.vocab_divisible_by (config validation), and stays
   within a node: TP all-reduces sit on the critical path twice per block and direction
   (Shoeybi et al. 2019, sec. 3), which only NVLink bandwidth makes affordable;
 - PP divides the layers (stages hold equal numbers of blocks);
-- TP * PP * DP = GPUs, and the global batch is a whole number of micro-batches per DP rank;
+- TP * CP * PP * DP = GPUs, and the global batch is a whole number of micro-batches per DP rank;
 - DeepSpeed's pipeline engine supports ZeRO-0/1 only, so PP > 1 excludes ZeRO-2/3;
+- CP (context parallelism, parallel/layout_rules.py) splits the sequence into 2*CP equal chunks, for a
+  family whose layers run it, without pipeline stages or experts; TP*CP stays within a node, since the
+  ring passes keys and values every layer (a choice, as for TP, that also bounds the search);
 - for a mixture of experts, EP (parallel.expert) is carved out of the DP ranks: it divides DP and
   model.moe.num_experts, and excludes ZeRO-3 (DeepSpeed refuses ZeRO-3 with expert parallelism); a
   dense model has EP = 1 only.
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
+from scaletrain.model.registry import get_family
 
 # DeepSpeed refuses ZeRO-3 with its native MoE layers ("Native DeepSpeed MoE is not supported with ZeRO
 # Stage 3", deepspeed/runtime/engine.py, 0.19), and so does our EP; the pipeline's ZeRO-0/1 rule applies on top.
@@ -33,10 +37,11 @@ class Layout:
     micro_batch: int
     recompute: bool
     expert: int = 1  # EP: ranks among the DP ones that split each MoE layer's experts
+    context: int = 1  # context-parallel ranks each sequence is split over
 
     @property
     def model_parallel(self) -> int:
-        return self.tensor * self.pipeline
+        return self.tensor * self.context * self.pipeline
 
     def micro_batches(self, global_batch: int) -> int:
         """Micro-batches each pipeline (DP rank) runs per step: the m in the bubble (p-1)/m."""
@@ -69,6 +74,8 @@ def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
     }
     if num_experts(config) or config.parallel.expert != 1:
         settings["parallel.expert"] = layout.expert
+    if layout.context > 1:
+        settings["parallel.context"] = layout.context
     if layout.pipeline > 1:
         settings["parallel.pipeline_partition"] = "blocks"
     settings["train.micro_batch_size"] = layout.micro_batch
@@ -102,19 +109,28 @@ def tensor_parallel_sizes(config: Config, gpus_per_node: int) -> list[int]:
     ]
 
 
+def context_parallel_sizes(config: Config, gpus: int, most: int) -> list[int]:
+    """CP sizes to offer: 1, and for a family that runs context parallelism every size up to `most` that
+    divides the GPUs and cuts the sequence into 2*CP equal chunks."""
+    if not get_family(config.model.family).context_parallel or num_experts(config):
+        return [1]  # a family without it, or MoE layers (refused under CP: layout_rules.py)
+    return [cp for cp in range(1, most + 1) if gpus % cp == 0 and config.model.seq_length % (2 * cp) == 0]
+
+
 def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_batch: int) -> Iterator[Layout]:
     """Every layout that satisfies the rules in the module docstring."""
     global_batch = planning_global_batch(config)
     for tp in tensor_parallel_sizes(config, gpus_per_node):
-        for pp in range(1, config.model.num_layers + 1):
-            if config.model.num_layers % pp or gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
-            zero_stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
-            for micro_batch in range(1, max_micro_batch + 1):
-                if global_batch % (micro_batch * dp):
+        for cp in context_parallel_sizes(config, gpus, gpus_per_node // tp):
+            for pp in range(1, config.model.num_layers + 1 if cp == 1 else 2):
+                if config.model.num_layers % pp or gpus % (tp * cp * pp):
                     continue
-                for ep in expert_parallel_sizes(config, dp):
-                    for zero_stage in (z for z in zero_stages if ep == 1 or z in EXPERT_ZERO_STAGES):
-                        for recompute in (False, True):
-                            yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute, ep)
+                dp = gpus // (tp * cp * pp)
+                zero_stages = (0, 1) if pp > 1 else (0, 1, 2, 3)
+                for micro_batch in range(1, max_micro_batch + 1):
+                    if global_batch % (micro_batch * dp):
+                        continue
+                    for ep in expert_parallel_sizes(config, dp):
+                        for zero_stage in (z for z in zero_stages if ep == 1 or z in EXPERT_ZERO_STAGES):
+                            for recompute in (False, True):
+                                yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute, expert=ep, context=cp)

@@ -172,7 +172,8 @@ def stage_memory(
         weights=weight_bytes(config, params, layout, precision),
         gradients=gradient_bytes(params, layout, precision) + fp32_gradients,
         optimizer=rank_optimizer_bytes(params, 1 if bf16_optimizer else layout.zero_stage, layout, precision),
-        activations=activations.peak,
+        # context parallelism: each rank keeps its 1/CP of the tokens' activations, and its rows of attention
+        activations=activations.peak / layout.context,
         pipeline_buffers=(in_flight - 1) * activations.stored + in_flight * sent_output,
     )
 

@@ -225,9 +225,10 @@ def _table(plan: Plan, top: int) -> str:
     heading = "feasible layouts, fastest first" if feasible else "no layout fits; the smallest ones"
     experts = bool(num_experts(plan.config))
     header = (
-        f"{'#':>3} {'TP':>3} {'PP':>3} {'DP':>5}{' EP' if experts else ''} {'ZeRO':>4} {'mb':>3} {'recomp':>6} | "
-        f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB {'stage':>5} | "
-        f"{'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6}{'    a2a' if experts else ''} {'MFU':>4}"
+        f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>5}{' EP' if experts else ''} {'ZeRO':>4} {'mb':>3} "
+        f"{'recomp':>6} | {'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB "
+        f"{'stage':>5} | {'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6}{'    a2a' if experts else ''} "
+        f"{'MFU':>4}"
     )
     reasons: list[str] = []
     rows = []
@@ -240,7 +241,7 @@ def _table(plan: Plan, top: int) -> str:
     notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
-        f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*PP*DP = {plan.gpus}, "
+        f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*CP*PP*DP = {plan.gpus}, "
         f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1"
         f"{', EP divides DP and the experts, no ZeRO-3 with EP > 1' if experts else ''}); {len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
@@ -253,12 +254,12 @@ def _row(rank: int, planned: PlannedLayout, experts: bool) -> str:
     expert_parallel = f" {layout.expert:>2}" if experts else ""
     all_to_all = f" {time.expert_parallel:>6.2f}" if experts else ""
     return (
-        f"{rank:>3} {layout.tensor:>3} {layout.pipeline:>3} {layout.data:>5}{expert_parallel} {layout.zero_stage:>4} "
-        f"{layout.micro_batch:>3} {'yes' if layout.recompute else 'no':>6} | {memory.weights / GIB:>7.2f} "
-        f"{memory.gradients / GIB:>6.2f} {memory.optimizer / GIB:>6.2f} {memory.activations / GIB:>6.2f} "
-        f"{memory.pipeline_buffers / GIB:>6.2f} {memory.total / GIB:>6.2f}     {planned.peak_stage:>5} | "
-        f"{time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} {time.communication:>6.2f}{all_to_all} "
-        f"{planned.mfu:>4.0%}"
+        f"{rank:>3} {layout.tensor:>3} {layout.context:>3} {layout.pipeline:>3} {layout.data:>5}{expert_parallel} "
+        f"{layout.zero_stage:>4} {layout.micro_batch:>3} {'yes' if layout.recompute else 'no':>6} | "
+        f"{memory.weights / GIB:>7.2f} {memory.gradients / GIB:>6.2f} {memory.optimizer / GIB:>6.2f} "
+        f"{memory.activations / GIB:>6.2f} {memory.pipeline_buffers / GIB:>6.2f} {memory.total / GIB:>6.2f}     "
+        f"{planned.peak_stage:>5} | {time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} "
+        f"{time.communication:>6.2f}{all_to_all} {planned.mfu:>4.0%}"
     )
 
 

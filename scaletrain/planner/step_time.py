@@ -26,6 +26,11 @@ Assumptions (deliberately simple; the ranking, not the absolute time, is the pro
   (no sequence parallelism with MoE). The EP group is e consecutive DP ranks, TP*e global ranks apart
   at most, so over NVLink when TP*e fits in a node, else the inter-node network. Not overlapped with
   compute; routing imbalance (an expert's rank waiting for the busiest) is not modelled.
+- CP: a rank computes 1/CP of each sequence's tokens (and its TP all-reduces carry them), and the
+  gradients are reduced over DP x CP ranks; per block and micro-batch the ring passes CP - 1 blocks of
+  the rank's keys and values (counted at h wide; grouped-query heads send less) forward, their
+  gradients backward and, with recomputation, the keys and values again, over NVLink (TP*CP stays in a
+  node), not overlapped with compute. The cost of its unfused block attention is not counted.
 - DP: once per step, gradients are all-reduced (ZeRO-0) or reduce-scattered with the updated
   weights all-gathered (ZeRO-1/2): 2(d-1)/d of the gradient bytes; ZeRO-3 also all-gathers the
   weights in backward, 3(d-1)/d (Rajbhandari et al. 2020, sec. 7). Over NVLink when the DP group
@@ -72,6 +77,7 @@ class StepTime:
     pipeline_parallel: float
     data_parallel: float
     expert_parallel: float = 0.0  # the MoE layers' token all-to-alls
+    context_parallel: float = 0.0  # the ring's keys and values
 
     @property
     def total(self) -> float:
@@ -79,7 +85,8 @@ class StepTime:
 
     @property
     def communication(self) -> float:
-        return self.tensor_parallel + self.pipeline_parallel + self.data_parallel + self.expert_parallel
+        return (self.tensor_parallel + self.pipeline_parallel + self.data_parallel + self.expert_parallel
+                + self.context_parallel)
 
 
 def ring_all_reduce_seconds(num_bytes: float, ranks: int, bandwidth: float) -> float:
@@ -104,9 +111,9 @@ def predict_step_time(
     block_flops = blocks_forward_flops_per_token(config) / blocks * passes
     logits_flops = logits_flops_per_token(config)
     last_stage_flops = tokens * (blocks_per_stage * block_flops + logits_flops)
-    compute = last_stage_flops / layout.tensor / (hardware.peak_flops * hardware.compute_efficiency)
+    compute = last_stage_flops / (layout.tensor * layout.context) / (hardware.peak_flops * hardware.compute_efficiency)
 
-    activation = tokens * model.hidden_size * activation_bytes
+    activation = tokens * model.hidden_size * activation_bytes / layout.context  # a CP rank's tokens
     all_reduces = blocks_per_stage * (6 if layout.recompute else 4)
     tensor_parallel = all_reduces * ring_all_reduce_seconds(activation, layout.tensor, hardware.intra_node_bandwidth)
     pipeline_parallel = 0.0
@@ -116,7 +123,9 @@ def predict_step_time(
         pipeline_parallel = 2 * activation / bandwidth
 
     expert_parallel = _expert_parallel_seconds(config, layout, hardware, activation_bytes)
-    per_micro_batch = compute + tensor_parallel + pipeline_parallel + expert_parallel
+    ring_passes = (3 if layout.recompute else 2) * (layout.context - 1)  # K/V forward, gradients back
+    context_parallel = blocks_per_stage * ring_passes * 2 * activation / layout.tensor / hardware.intra_node_bandwidth
+    per_micro_batch = compute + tensor_parallel + pipeline_parallel + expert_parallel + context_parallel
     return StepTime(
         compute=micro_batches * compute,
         bubble=(layout.pipeline - 1) * per_micro_batch,
@@ -124,6 +133,7 @@ def predict_step_time(
         pipeline_parallel=micro_batches * pipeline_parallel,
         data_parallel=_data_parallel_seconds(config, layout, hardware, grad_bytes),
         expert_parallel=micro_batches * expert_parallel,
+        context_parallel=micro_batches * context_parallel,
     )
 
 
@@ -142,14 +152,16 @@ def _expert_parallel_seconds(config: Config, layout: Layout, hardware: Hardware,
 
 
 def _data_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, grad_bytes: int) -> float:
-    if layout.data == 1:
+    """Gradients are reduced over the DP x CP ranks (context-parallel ranks hold the same weights)."""
+    replicas = layout.data * layout.context
+    if replicas == 1:
         return 0.0
-    in_node = layout.tensor * layout.data <= hardware.gpus_per_node
+    in_node = layout.tensor * replicas <= hardware.gpus_per_node
     bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
 
     def stage_seconds(stage: int) -> float:
         params = rank_parameters(config, layout, stage)
-        return (ring_all_reduce_seconds(params.dense.total * grad_bytes, layout.data, bandwidth)
+        return (ring_all_reduce_seconds(params.dense.total * grad_bytes, replicas, bandwidth)
                 + ring_all_reduce_seconds(params.experts.total * grad_bytes, expert_data_parallel(layout), bandwidth))
 
     seconds = max(stage_seconds(stage) for stage in {0, layout.pipeline - 1})

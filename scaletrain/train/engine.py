@@ -117,7 +117,7 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
             config=deepspeed_config(config, precision),
             mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
         )
-    if topology.data_parallel_size == 1 and config.parallel.zero_stage == 0 and topology.pipeline_parallel_size == 1:
+    if topology.replica_size == 1 and config.parallel.zero_stage == 0 and topology.pipeline_parallel_size == 1:
         # Nothing to average: DeepSpeed would still flatten every gradient into buckets, all-reduce
         # them over a group of one and copy them back, each step. (ZeRO-1/2 move gradients into
         # their partitions on that path, and the pipeline engine has its own; both keep it.)

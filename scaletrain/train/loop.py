@@ -92,8 +92,8 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
 def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
                   stop_signals: StopSignals) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
-    # activations get identical masks. Its state is checkpointed per rank.
-    torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.data_parallel_rank)
+    # activations get identical masks (CP ranks, holding other tokens, do not). Its state is checkpointed per rank.
+    torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.replica_rank)
     clear_stale_build_locks()  # before DeepSpeed loads (and maybe JIT-builds) its ops
     candidates = resume_candidates(config)
     model = build_training_model(config, topology)
@@ -298,7 +298,8 @@ def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state
     active = f", {facts['active_params']:,} active" if facts["active_params"] != facts["params"] else ""
     return (f"train: {config.model.family}, {facts['params']:,} parameters ({facts['non_embedding_params']:,} "
             f"non-embedding{active}); world {topology.world_size} = TP {topology.tensor_parallel_size} x "
-            f"DP {topology.data_parallel_size} x PP {topology.pipeline_parallel_size}, "
+            + (f"CP {topology.context_parallel_size} x " if topology.context_parallel_size > 1 else "")
+            + f"DP {topology.data_parallel_size} x PP {topology.pipeline_parallel_size}, "
             f"ZeRO-{config.parallel.zero_stage}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
             f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")

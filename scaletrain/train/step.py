@@ -127,7 +127,7 @@ def _data_parallel_metrics(counts: dict[str, torch.Tensor], family: ModelFamily)
     """Each metric from its counts summed over data-parallel ranks: numerator / denominator, or the
     family's own `evaluation_values`."""
     for value in counts.values():
-        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if family.evaluation_values is not None:
         return family.evaluation_values(counts)
     return {name: float(value[0] / value[1]) for name, value in counts.items()}
@@ -159,7 +159,9 @@ def _with_grad_norm(engine: Any, record: dict[str, float]) -> dict[str, float]:
 
 
 def data_parallel_mean(value: torch.Tensor) -> float:
-    group = parallel_state.get_data_parallel_group()
+    """The mean over the ranks holding the same weights (DP x CP): under context parallelism each rank's
+    loss is its share of its replica's mean, scaled so that this average is exact."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     value = value.clone()
     dist.all_reduce(value, group=group)
     return float(value) / dist.get_world_size(group)

@@ -12,7 +12,7 @@ from scaletrain.config import ConfigError, resolve_for_world
 from scaletrain.config_loader import load_config
 from scaletrain.planner.activations import ActivationSettings
 from scaletrain.planner.command import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
-from scaletrain.planner.layouts import Layout
+from scaletrain.planner.layouts import Layout, layout_settings
 from scaletrain.planner.memory import MIXED_BF16, peak_memory
 from scaletrain.planner.params import total_parameters
 from scaletrain.planner.report import format_plan, stage_lines
@@ -36,17 +36,18 @@ def test_175b_fits_only_with_model_parallelism(plan_175b):
     for planned in feasible:
         layout = planned.layout
         assert layout.tensor <= 8 and 96 % layout.tensor == 0 and 96 % layout.pipeline == 0
-        assert layout.tensor * layout.pipeline * layout.data == 1024
-        assert (layout.tensor, layout.pipeline) != (1, 1)
+        assert layout.tensor * layout.context * layout.pipeline * layout.data == 1024
+        assert layout.tensor * layout.context <= 8 and (layout.context == 1 or layout.pipeline == 1)
+        assert layout.model_parallel > 1
         # Bounds that hold whatever activations cost: bf16 weights + gradients (ZeRO-0/1) or
-        # weights alone (ZeRO-2) must fit; ZeRO-3 needs DP | 1536, so DP <= 512.
+        # weights alone (ZeRO-2) must fit (CP splits no weights); ZeRO-3 needs DP | 1536, so DP <= 512.
         model_parallel = layout.tensor * layout.pipeline
         if layout.zero_stage <= 1:
             assert model_parallel >= 4 * params / plan_175b.memory_budget
         elif layout.zero_stage == 2:
             assert model_parallel >= 2 * params / plan_175b.memory_budget
         else:
-            assert model_parallel >= 2
+            assert layout.model_parallel >= 2
     assert min(p.layout.tensor * p.layout.pipeline for p in feasible if p.layout.zero_stage <= 1) >= 16
 
 
@@ -66,7 +67,7 @@ def test_175b_without_model_parallelism_needs_more_than_80gib():
             layout = Layout(1, 1, 1024, zero_stage, 1, recompute)
             _, memory = peak_memory(config, layout, 2, MIXED_BF16, ActivationSettings())
             assert memory.total > 80 * GIB
-    assert all((p.layout.tensor, p.layout.pipeline) != (1, 1) for p in plan(
+    assert all(p.layout.model_parallel > 1 for p in plan(
         config, 1024, 80 * GIB, Hardware(989e12)).layouts)
 
 
@@ -82,8 +83,8 @@ def test_ranking_is_fastest_first_and_report_lists_it(plan_175b):
     first = lines[header + 1].split()
     best = plan_175b.feasible[0]
     layout = best.layout
-    assert first[1:6] == [str(v) for v in (layout.tensor, layout.pipeline, layout.data, layout.zero_stage,
-                                           layout.micro_batch)]
+    assert first[1:7] == [str(v) for v in (layout.tensor, layout.context, layout.pipeline, layout.data,
+                                           layout.zero_stage, layout.micro_batch)]
     assert f"{best.step_time.total:.2f}" in first
     assert len([line for line in lines[header + 1:] if " | " in line]) == 5
 
@@ -186,3 +187,17 @@ def test_a_bare_gpu_memory_number_is_refused():
         parse_memory_size("80")
     with pytest.raises(ConfigError, match=r"use 141GB or 141GiB"):
         run_plan(GPT3_175B, [], 1024, "141")
+
+
+def test_context_parallelism_divides_activation_memory_and_is_offered():
+    """A CP rank keeps 1/CP of each sequence's activations; weights and optimizer state are not split by
+    it. The search offers CP for a family that runs it, and its overrides set parallel.context."""
+    config = load_config(GPT3_175B)
+    alone, split = (peak_memory(config, Layout(8, 1, 16, 1, 1, False, context=context), 12, MIXED_BF16,
+                                ActivationSettings())[1] for context in (1, 4))
+    assert split.activations == pytest.approx(alone.activations / 4)
+    assert (split.weights, split.optimizer) == (alone.weights, alone.optimizer)
+    assert layout_settings(config, Layout(8, 1, 16, 1, 1, False, context=4))["parallel.context"] == 4
+    small = plan(load_config(REPO / "configs" / "gpt3_125m.yaml"), 8, 80 * GIB, Hardware(989e12))
+    assert {planned.layout.context for planned in small.layouts} == {1, 2, 4, 8}
+    assert all(planned.layout.pipeline == 1 for planned in small.layouts if planned.layout.context > 1)

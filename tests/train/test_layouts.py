@@ -64,15 +64,16 @@ def train_twice(
 
 
 def cached_layout_runs(
-    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, config: str, overrides: list[str], label: str
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, config: str, overrides: list[str], label: str,
+    layouts: dict[str, tuple[int, list[str]]] = LAYOUTS,
 ) -> Callable[[str], LayoutRuns]:
-    """One model's runs by layout name ("single" for one rank, or a key of LAYOUTS), each layout trained
+    """One model's runs by layout name ("single" for one rank, or a key of `layouts`), each layout trained
     twice (train_twice) when first asked for and kept: the single-rank reference serves every layout."""
     cache: dict[str, LayoutRuns] = {}
 
     def get(layout: str) -> LayoutRuns:
         if layout not in cache:
-            nproc, layout_overrides = (1, []) if layout == "single" else {**LAYOUTS, **EXPERT_LAYOUTS}[layout]
+            nproc, layout_overrides = (1, []) if layout == "single" else layouts[layout]
             cache[layout] = train_twice(data_dir, tmp_path_factory.mktemp(f"{label}_{layout}"), nproc,
                                         [*overrides, *layout_overrides], config=config)
         return cache[layout]

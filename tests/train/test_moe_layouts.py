@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
+from tests.train.test_layouts import (
+    EXPERT_LAYOUTS,
+    LAYOUTS,
+    STEPS,
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    cached_layout_runs,
+)
 
 CONFIG = str(REPO / "configs" / "mixtral_tiny.yaml")
 # tiny_overrides' 2 layers of hidden 64; 4 experts of width 32, top-2
@@ -26,12 +33,13 @@ TINY = ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "model.moe.ca
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "moe")
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "moe", LAYOUTS | EXPERT_LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def runs_of_16(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, [*TINY, "train.global_batch_size=16"], "moe16")
+    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, [*TINY, "train.global_batch_size=16"], "moe16",
+                              EXPERT_LAYOUTS)
 
 
 def routing_records(run_dir: Path) -> dict[int, dict]:

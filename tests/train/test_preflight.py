@@ -45,7 +45,7 @@ def test_a_world_size_the_layout_cannot_use(small_dataset: Path, tmp_path: Path,
                               "--world-size", "3")
 
     assert exit_code == 2
-    assert "world size 3 is not divisible by parallel.tensor x parallel.pipeline = 2 x 1" in err
+    assert "world size 3 is not divisible by parallel.tensor x parallel.context x parallel.pipeline = 2 x 1 x 1" in err
 
 
 def test_a_tp_group_the_launcher_would_put_across_nodes(small_dataset: Path, tmp_path: Path,

@@ -96,11 +96,12 @@ def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.replica_rank)
     clear_stale_build_locks()  # before DeepSpeed loads (and maybe JIT-builds) its ops
     candidates = resume_candidates(config)
-    model = build_training_model(config, topology)
-    if config.train.init_from and not candidates:
-        weights = load_tensors(config.train.init_from)
-        load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
-    engine = build_engine(model, config, topology)
+    with stop_signals.held():  # DeepSpeed runs ninja while it loads its ops (StopSignals.held)
+        model = build_training_model(config, topology)
+        if config.train.init_from and not candidates:
+            weights = load_tensors(config.train.init_from)
+            load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
+        engine = build_engine(model, config, topology)
     guard = NonFiniteGuard(engine, topology.device)
     run_dir = Path(config.run.dir)
     state = _restore_or_start(engine, config, topology, run_dir, candidates)

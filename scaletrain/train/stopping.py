@@ -10,11 +10,13 @@ a run that trained all its steps exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import torch
@@ -57,6 +59,23 @@ class StopSignals:
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         self._previous_handlers = {}
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the stop signals back (blocked, not lost) while libraries start helper processes.
+
+        A handled signal is reset to its default action, death, in a child that exec()s; a blocked one
+        stays blocked there. SLURM's `scancel --signal` reaches every process of the step, so a USR1
+        sent while DeepSpeed runs `ninja` to check or build its ops killed ninja, and with it the rank
+        ("Ninja is required"). Blocked in the main thread, which starts those children, it is not lost:
+        another thread of the rank takes it for the handler (which runs in the main thread), or the
+        handler takes it when the block ends; the run stops at its first step boundary either way."""
+        numbers = set(self._previous_handlers)
+        blocked_before = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked_before)
 
     def ignore_while_exiting(self) -> None:
         """For a process that has its exit code: a stop signal has nothing left to stop, and Python's

@@ -208,3 +208,25 @@ def test_train_keeps_a_signal_from_start_up_and_restores_handlers_it_installed(s
         cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kept: 1 signal SIGUSR1 True" in result.stdout and "own: 2 exit_after True" in result.stdout, result.stdout
+
+
+def test_a_helper_process_started_while_signals_are_held_survives_them_and_the_signal_is_kept():
+    """SLURM's scancel --signal=USR1 reaches every process of the step; a child started while the rank
+    builds its engine (DeepSpeed's ninja) inherits the block instead of USR1's default action, death,
+    and the rank's handler still takes the signal (at once if another thread of the process does not
+    block it, else when the block ends)."""
+    from scaletrain.train.stopping import StopSignals
+
+    signals = StopSignals(["SIGUSR1"])
+    try:
+        with signals.held():
+            child = subprocess.Popen(["sleep", "2"])
+            os.kill(child.pid, signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert child.wait(timeout=10) == 0  # not killed by the signal
+        assert signals.received == "SIGUSR1"
+    finally:
+        signals.restore()
+    unheld = subprocess.Popen(["sleep", "2"])
+    os.kill(unheld.pid, signal.SIGUSR1)
+    assert unheld.wait(timeout=10) == -signal.SIGUSR1  # what happened to ninja without the block

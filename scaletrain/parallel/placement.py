@@ -77,10 +77,12 @@ def hosts_of(places: list[RankPlace]) -> list[str]:
 
 def place_lines(places: list[RankPlace], topology: Topology) -> list[str]:
     """One line per rank: its local rank, host and device, and its TP/CP/DP/PP coordinates (TP fastest;
-    CP only when the layout has it)."""
+    CP only when the layout has it), and its expert-parallel rank under EP."""
     tensor, context, data = topology.tensor_parallel_size, topology.context_parallel_size, topology.data_parallel_size
+    expert = topology.expert_parallel_size  # its rank among the DP ranks splitting the experts (DP rank % EP)
     return [f"train: rank {place.rank} (local {place.local_rank}) on {place.host}, {place.device}; "
             f"TP {place.rank % tensor} "
             + (f"CP {place.rank // tensor % context} " if context > 1 else "")
             + f"DP {place.rank // (tensor * context) % data} PP {place.rank // (tensor * context * data)}"
+            + (f" EP {place.rank // (tensor * context) % data % expert}" if expert > 1 else "")
             for place in places]

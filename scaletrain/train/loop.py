@@ -301,6 +301,8 @@ def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state
             f"non-embedding{active}); world {topology.world_size} = TP {topology.tensor_parallel_size} x "
             + (f"CP {topology.context_parallel_size} x " if topology.context_parallel_size > 1 else "")
             + f"DP {topology.data_parallel_size} x PP {topology.pipeline_parallel_size}, "
-            f"ZeRO-{config.parallel.zero_stage}; "
+            + (f"experts over EP {topology.expert_parallel_size} of the DP ranks, "
+               if topology.expert_parallel_size > 1 else "")
+            + f"ZeRO-{config.parallel.zero_stage}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
             f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")

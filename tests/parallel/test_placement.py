@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,3 +44,12 @@ def test_place_lines_give_each_rank_its_host_and_coordinates():
     assert lines[3] == "train: rank 3 (local 1) on n2, cpu; TP 1 DP 1 PP 0"
     assert lines[6] == "train: rank 6 (local 0) on n4, cpu; TP 0 DP 1 PP 1"
     assert hosts_of(places(["n2", "n2", "n1", "n1"])) == ["n2", "n1"]
+
+
+def test_place_lines_give_the_expert_parallel_rank_among_the_data_parallel_ones():
+    """TP2 x DP4 with EP2: data-parallel ranks 0-1 and 2-3 each split the experts (megatron's groups)."""
+    expert_topology = dataclasses.replace(topology(8, 2, 1), expert_parallel_size=2)
+    lines = place_lines(places(["n1"] * 8), expert_topology)
+    assert lines[1].endswith("TP 1 DP 0 PP 0 EP 0")
+    assert lines[2].endswith("TP 0 DP 1 PP 0 EP 1")
+    assert lines[4].endswith("TP 0 DP 2 PP 0 EP 0")

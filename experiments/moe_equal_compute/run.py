@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,11 +48,16 @@ COMMON = [
     "train.warmup_fraction=0.1", "train.eval_samples=256", "checkpoint.every=1000000", "tracking.wandb=disabled",
 ]
 EVALUATIONS = 8  # validation points per run, at equal fractions of its steps
+# One intra-op thread per run: beside the other sessions' test suites on this shared 2-core machine a
+# two-thread process waits for its descheduled thread at every parallel op (probe: 1-50K tokens/s swinging
+# step to step with two threads, a steady 40K with one).
+THREADS = 1
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Training FLOPs per run and the llama shape that spends them (near the ladder's dense optimum)."""
+    """Training FLOPs per run and the llama shape that spends them: 13-22 tokens per dense parameter, near
+    the compute-optimal sizes of the ladder (experiments/ladder_english: 141K at 5.6e12, 241K at 1e13)."""
 
     flops: float
     layers: int
@@ -65,8 +71,8 @@ class Budget:
 
 BUDGETS = {
     "2e12": Budget(2e12, layers=2, hidden=64, ffn=176),
-    "6e12": Budget(6e12, layers=3, hidden=80, ffn=224),
-    "1.8e13": Budget(1.8e13, layers=4, hidden=96, ffn=256),
+    "5e12": Budget(5e12, layers=2, hidden=80, ffn=224),
+    "1.25e13": Budget(1.25e13, layers=3, hidden=80, ffn=224),
 }
 HALF_FFN = "{half_ffn}"  # an expert's width: half the budget's dense FFN
 
@@ -106,7 +112,7 @@ class Run:
 
 RUNS = {run.name: run for run in [
     *(Run(arm, budget) for budget in BUDGETS for arm in ("dense", "moe")),
-    Run("dense-docmask", "6e12"),
+    Run("dense-docmask", "5e12"),
     Run("dense", "2e12", seed=2), Run("moe", "2e12", seed=2),
 ]}
 
@@ -130,7 +136,7 @@ def planned_steps(run: Run, data_dir: Path, run_root: Path) -> tuple[int, float,
     return round(BUDGETS[run.budget].flops / flops_per_step), flops_per_step, tokens_per_step
 
 
-def train(run: Run, data_dir: Path, run_root: Path, steps: int) -> float:
+def train(run: Run, data_dir: Path, run_root: Path, steps: int, threads: int = THREADS) -> float:
     """`scaletrain train` for the run from scratch; its wall time in seconds (start-up included)."""
     run_dir = run_root / run.name
     if run_dir.exists():
@@ -138,7 +144,7 @@ def train(run: Run, data_dir: Path, run_root: Path, steps: int) -> float:
     command = [sys.executable, "-m", "scaletrain", "train", str(REPO / "configs" / ARMS[run.arm].config),
                *run_overrides(run, data_dir, run_root, steps)]
     started = time.perf_counter()
-    subprocess.run(command, cwd=REPO, check=True)
+    subprocess.run(command, cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return time.perf_counter() - started
 
 
@@ -180,6 +186,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, default=REPO / "data" / "english_512")
     parser.add_argument("--run-root", type=Path, default=REPO / "runs" / "moe_equal_compute")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.csv and curves.json go")
+    parser.add_argument("--threads", type=int, default=THREADS, help="OMP_NUM_THREADS of each run")
     parser.add_argument("--plan", action="store_true", help="print each run's steps and counts, train nothing")
     args = parser.parse_args()
     rows, curves = read_results(args.out)  # runs not made now keep their earlier results
@@ -191,7 +198,7 @@ def main() -> None:
               f"{flops_per_step:.4g} FLOPs = {steps * flops_per_step:.4g}", file=sys.stderr)
         if args.plan:
             continue
-        wall_s = train(run, args.data_dir, args.run_root, steps)
+        wall_s = train(run, args.data_dir, args.run_root, steps, args.threads)
         rows[name], curves[name] = summarize(run, args.data_dir, args.run_root, steps, flops_per_step,
                                              tokens_per_step, wall_s)
         write_results(args.out, rows, curves)

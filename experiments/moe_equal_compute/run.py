@@ -32,8 +32,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
+from scaletrain.evaluate import evaluate_checkpoint
 from scaletrain.model.counts import model_counts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +51,10 @@ COMMON = [
     "train.warmup_fraction=0.1", "train.eval_samples=256", "checkpoint.every=1000000", "tracking.wandb=disabled",
 ]
 EVALUATIONS = 8  # validation points per run, at equal fractions of its steps
+# The runs at the document-masking budget are also evaluated on the whole validation split (6,816 sequences):
+# the 256-sequence prefix holds no document boundary, so masking changes nothing in its forward pass.
+FULL_VALIDATION_BUDGET = "5e12"
+WHOLE_SPLIT = 10**9  # more sequences than the split holds: evaluation_samples reads all of it
 # One intra-op thread per run: beside the other sessions' test suites on this shared 2-core machine a
 # two-thread process waits for its descheduled thread at every parallel op (probe: 1-50K tokens/s swinging
 # step to step with two threads, a steady 40K with one).
@@ -173,11 +180,20 @@ def summarize(run: Run, data_dir: Path, run_root: Path, steps: int, flops_per_st
            "flops": steps * flops_per_step, "final_val_loss": validation[-1]["val_loss"],
            "final_train_loss": training[-1]["loss"], "tokens_per_s": tokens_per_step / statistics.median(step_times),
            "train_s": sum(step_times), "wall_s": wall_s,
-           "final_aux_loss": training[-1].get("moe/aux_loss", ""), "note": ARMS[run.arm].note}
+           "final_aux_loss": training[-1].get("moe/aux_loss", ""), "full_val_loss": full_validation_loss(run, run_root),
+           "note": ARMS[run.arm].note}
     curve = {"arm": run.arm, "budget": run.budget, "seed": run.seed,
              "points": [{"flops": record["step"] * flops_per_step, "val_loss": record["val_loss"]}
                         for record in validation]}
     return row, curve
+
+
+def full_validation_loss(run: Run, run_root: Path) -> float | str:
+    """The final checkpoint's val_loss over the whole validation split, for runs at FULL_VALIDATION_BUDGET;
+    '' for the others."""
+    if run.budget != FULL_VALIDATION_BUDGET:
+        return ""
+    return evaluate_checkpoint(run_root / run.name, samples=WHOLE_SPLIT).metrics["val_loss"]
 
 
 def main() -> None:
@@ -189,6 +205,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=THREADS, help="OMP_NUM_THREADS of each run")
     parser.add_argument("--plan", action="store_true", help="print each run's steps and counts, train nothing")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # the whole-split evaluations run in this process
     rows, curves = read_results(args.out)  # runs not made now keep their earlier results
     for name in args.runs.split(","):
         run = RUNS[name]

@@ -32,11 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
-from scaletrain.evaluate import evaluate_checkpoint
 from scaletrain.model.counts import model_counts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +162,7 @@ def read_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def summarize(run: Run, data_dir: Path, run_root: Path, steps: int, flops_per_step: float,
-              tokens_per_step: int, wall_s: float) -> tuple[dict, dict]:
+              tokens_per_step: int, wall_s: float, threads: int = THREADS) -> tuple[dict, dict]:
     """One results.csv row and the run's validation curve (loss by training FLOPs).
 
     tokens/s is tokens per step over the median step time: the other sessions' test suites on this shared
@@ -179,21 +176,23 @@ def summarize(run: Run, data_dir: Path, run_root: Path, steps: int, flops_per_st
            "flops_per_token": counts.flops_per_token, "steps": steps, "tokens": steps * tokens_per_step,
            "flops": steps * flops_per_step, "final_val_loss": validation[-1]["val_loss"],
            "final_train_loss": training[-1]["loss"], "tokens_per_s": tokens_per_step / statistics.median(step_times),
-           "train_s": sum(step_times), "wall_s": wall_s,
-           "final_aux_loss": training[-1].get("moe/aux_loss", ""), "full_val_loss": full_validation_loss(run, run_root),
-           "note": ARMS[run.arm].note}
+           "train_s": sum(step_times), "wall_s": wall_s, "final_aux_loss": training[-1].get("moe/aux_loss", ""),
+           "full_val_loss": full_validation_loss(run, run_root, threads), "note": ARMS[run.arm].note}
     curve = {"arm": run.arm, "budget": run.budget, "seed": run.seed,
              "points": [{"flops": record["step"] * flops_per_step, "val_loss": record["val_loss"]}
                         for record in validation]}
     return row, curve
 
 
-def full_validation_loss(run: Run, run_root: Path) -> float | str:
-    """The final checkpoint's val_loss over the whole validation split, for runs at FULL_VALIDATION_BUDGET;
-    '' for the others."""
+def full_validation_loss(run: Run, run_root: Path, threads: int = THREADS) -> float | str:
+    """The final checkpoint's val_loss over the whole validation split (`scaletrain eval`, in its own process
+    as training is), for runs at FULL_VALIDATION_BUDGET; '' for the others."""
     if run.budget != FULL_VALIDATION_BUDGET:
         return ""
-    return evaluate_checkpoint(run_root / run.name, samples=WHOLE_SPLIT).metrics["val_loss"]
+    command = [sys.executable, "-m", "scaletrain", "eval", str(run_root / run.name), "--samples", str(WHOLE_SPLIT)]
+    output = subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    return float(next(line.split()[1] for line in output.splitlines() if line.startswith("val_loss ")))
 
 
 def main() -> None:
@@ -205,7 +204,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=THREADS, help="OMP_NUM_THREADS of each run")
     parser.add_argument("--plan", action="store_true", help="print each run's steps and counts, train nothing")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)  # the whole-split evaluations run in this process
     rows, curves = read_results(args.out)  # runs not made now keep their earlier results
     for name in args.runs.split(","):
         run = RUNS[name]
@@ -217,7 +215,7 @@ def main() -> None:
             continue
         wall_s = train(run, args.data_dir, args.run_root, steps, args.threads)
         rows[name], curves[name] = summarize(run, args.data_dir, args.run_root, steps, flops_per_step,
-                                             tokens_per_step, wall_s)
+                                             tokens_per_step, wall_s, args.threads)
         write_results(args.out, rows, curves)
 
 

@@ -35,8 +35,9 @@ def params_label(row: dict) -> str:
 
 def plot_losses(axes, rows: list[dict], curves: dict[str, dict]) -> None:
     for curve in curves.values():
+        points = [point for point in curve["points"] if point["flops"] > 0]  # step 0 has no place on a log axis
         if curve["arm"] != "dense-docmask":
-            axes.plot([p["flops"] for p in curve["points"]], [p["val_loss"] for p in curve["points"]],
+            axes.plot([p["flops"] for p in points], [p["val_loss"] for p in points],
                       color=COLORS[curve["arm"]], alpha=0.3, linewidth=1)
     for arm in ("dense", "moe"):
         finals = [row for row in rows if row["arm"] == arm and row["seed"] == FIRST_SEED]
@@ -44,7 +45,7 @@ def plot_losses(axes, rows: list[dict], curves: dict[str, dict]) -> None:
                   color=COLORS[arm], linewidth=2, label=LABELS[arm])
         for row in finals:
             axes.annotate(params_label(row), (float(row["flops"]), float(row["final_val_loss"])),
-                          textcoords="offset points", xytext=(4, 6 if arm == "moe" else -12), fontsize=7,
+                          textcoords="offset points", xytext=(-30, -14) if arm == "moe" else (-20, 7), fontsize=7,
                           color=COLORS[arm])
     for row in rows:
         if row["seed"] != FIRST_SEED:
@@ -54,7 +55,8 @@ def plot_losses(axes, rows: list[dict], curves: dict[str, dict]) -> None:
             axes.plot(float(row["flops"]), float(row["final_val_loss"]), "^", color=COLORS[row["arm"]],
                       label=LABELS[row["arm"]])
     axes.set(xscale="log", xlabel="training FLOPs (model/counts.py: active experts + router)",
-             ylabel="validation loss (256 x 128 tokens)", title="Validation loss at equal training compute")
+             ylabel="validation loss (256 x 128 tokens)", title="Validation loss at equal training compute",
+             ylim=(2.6, 4.0))
 
 
 def plot_speed(axes, rows: list[dict]) -> None:
@@ -69,7 +71,7 @@ def plot_speed(axes, rows: list[dict]) -> None:
                          color=COLORS[arm], label=LABELS[arm] if position == budgets.index(row["budget"]) else None)
     axes.set_xticks(range(len(budgets)),
                     [f"{b} ({next(r['shape'] for r in rows if r['budget'] == b)})" for b in budgets])
-    axes.set(xlabel="budget (training FLOPs) and shape", ylabel="tokens/s (median step, 1 process, 2 cores)",
+    axes.set(xlabel="budget (training FLOPs) and shape", ylabel="tokens/s (median step; 1 process, 1 thread)",
              title="Training speed")
     handles, labels = axes.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))

@@ -11,7 +11,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from scaletrain import upstream
-from scaletrain.config import Config
+from scaletrain.config import Config, ConfigError
 from scaletrain.model import build_model
 from scaletrain.model.moe import MoELayer
 from scaletrain.notices import OP_BUILT, without_stdout_lines
@@ -108,6 +108,13 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         for module, parameter in model.borrowed_parameters():  # every family model has it; no ZeRO-3 with stages
             deepspeed.zero.register_external_parameter(module, parameter)
     expert_group = expert_parallel_group()
+    if expert_group.size > 1 and config.parallel.zero_stage == 0 and precision == "bf16":
+        # DeepSpeed's bf16 wrappers without ZeRO (FP16_UnfusedOptimizer in bf16 mode, BF16_Optimizer) clip
+        # with the dense parameters' norm alone (unfused_optimizer.py step, DeepSpeed 0.19): the experts would
+        # be clipped by another norm than the single rank's
+        raise ConfigError(f"parallel.expert={expert_group.size} with parallel.zero_stage=0 in bf16: DeepSpeed's bf16 "
+                          "optimizer leaves split experts out of the clipping norm; use parallel.zero_stage=1 or 2 "
+                          "(or train.precision=fp32)")
     with without_stdout_lines(OP_BUILT), _expert_parallel(model, expert_group):
         # without pipeline stages, DeepSpeed's comm layer starts (and loads its CPU op) here
         optimizer = build_optimizer(model, config, topology.device)

@@ -11,11 +11,12 @@ Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.train.runs import REPO, read_metrics
+from tests.train.runs import REPO, launcher, read_metrics, scaletrain_environment, tiny_overrides
 from tests.train.test_layouts import (
     EXPERT_LAYOUTS,
     LAYOUTS,
@@ -81,3 +82,16 @@ def test_layout_resumes_exactly_and_matches_single_rank(runs, runs_of_16, layout
     for step, record in routing_records(ours.straight).items():
         assert record["moe/aux_loss"] == pytest.approx(reference[step]["moe/aux_loss"], rel=1e-4), step
         assert record["moe/dropped_fraction"] == pytest.approx(reference[step]["moe/dropped_fraction"], abs=5e-3)
+
+
+@pytest.mark.slow
+def test_bf16_without_zero_is_refused_under_expert_parallelism(small_dataset: Path, tmp_path: Path):
+    """DeepSpeed's bf16 optimizer without ZeRO clips with the dense parameters' norm only; the run refuses
+    that layout before its first step, naming the fix."""
+    result = subprocess.run(
+        [*launcher(2), "train", CONFIG, *tiny_overrides(small_dataset, tmp_path), *TINY, "train.steps=2",
+         "parallel.expert=2", "parallel.zero_stage=0", "train.precision=bf16"],
+        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "leaves split experts out of the clipping norm; use parallel.zero_stage=1 or 2" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

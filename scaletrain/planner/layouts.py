@@ -11,8 +11,8 @@ The rules are the ones our stack imposes, not preferences:
   family whose layers run it, without pipeline stages or experts; TP*CP stays within a node, since the
   ring passes keys and values every layer (a choice, as for TP, that also bounds the search);
 - for a mixture of experts, EP (parallel.expert) is carved out of the DP ranks: it divides DP and
-  model.moe.num_experts, and excludes ZeRO-3 (DeepSpeed refuses ZeRO-3 with expert parallelism); a
-  dense model has EP = 1 only.
+  model.moe.num_experts, and excludes ZeRO-3 (DeepSpeed refuses ZeRO-3 with expert parallelism) and, in
+  bf16, ZeRO-0 (DeepSpeed's bf16 wrapper would clip without the experts); a dense model has EP = 1 only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from scaletrain.model.registry import get_family
 
 # DeepSpeed refuses ZeRO-3 with its native MoE layers ("Native DeepSpeed MoE is not supported with ZeRO
 # Stage 3", deepspeed/runtime/engine.py, 0.19), and so does our EP; the pipeline's ZeRO-0/1 rule applies on top.
-EXPERT_ZERO_STAGES = (0, 1, 2)
+# In bf16 (what plan assumes unless train.precision is fp32) ZeRO-0 is refused too: DeepSpeed's bf16 wrapper
+# without ZeRO leaves split experts out of the clipping norm (train/engine.py).
+EXPERT_ZERO_STAGES = {"fp32": (0, 1, 2), "bf16": (1, 2)}
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ def context_parallel_sizes(config: Config, gpus: int, most: int) -> list[int]:
 def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_batch: int) -> Iterator[Layout]:
     """Every layout that satisfies the rules in the module docstring."""
     global_batch = planning_global_batch(config)
+    expert_zero_stages = EXPERT_ZERO_STAGES["fp32" if config.train.precision == "fp32" else "bf16"]
     for tp in tensor_parallel_sizes(config, gpus_per_node):
         for cp in context_parallel_sizes(config, gpus, gpus_per_node // tp):
             for pp in range(1, config.model.num_layers + 1 if cp == 1 else 2):
@@ -131,6 +134,6 @@ def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_b
                     if global_batch % (micro_batch * dp):
                         continue
                     for ep in expert_parallel_sizes(config, dp):
-                        for zero_stage in (z for z in zero_stages if ep == 1 or z in EXPERT_ZERO_STAGES):
+                        for zero_stage in (z for z in zero_stages if ep == 1 or z in expert_zero_stages):
                             for recompute in (False, True):
                                 yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute, expert=ep, context=cp)

@@ -243,7 +243,8 @@ def _table(plan: Plan, top: int) -> str:
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
         f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*CP*PP*DP = {plan.gpus}, "
         f"the global batch divides into micro-batches x DP, only ZeRO-0/1 with PP > 1"
-        f"{', EP divides DP and the experts, no ZeRO-3 with EP > 1' if experts else ''}); {len(feasible)} fit in "
+        f"{', EP divides DP and the experts, no ZeRO-3 with EP > 1 (nor ZeRO-0 in bf16)' if experts else ''}); "
+        f"{len(feasible)} fit in "
         f"{plan.memory_budget / GIB:.1f} GiB; {len(plan.layouts) - len(feasible)} are infeasible by memory"
     )
     return "\n".join([f"{heading}:", header, *rows, *notes, summary])

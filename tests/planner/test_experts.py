@@ -92,6 +92,9 @@ def test_plan_offers_expert_parallelism_for_moe_never_with_zero_3(mixtral_plan):
     assert {layout.expert for layout in layouts} == {1, 2, 4, 8}
     assert all(layout.data % layout.expert == 0 and EXPERTS % layout.expert == 0 for layout in layouts)
     assert not [layout for layout in layouts if layout.expert > 1 and layout.zero_stage == 3]
+    # bf16 (plan's default): no ZeRO-0 beside EP either, which the engine refuses (its clipping norm)
+    assert not [layout for layout in layouts if layout.expert > 1 and layout.zero_stage == 0]
+    assert any(layout.expert > 1 and layout.zero_stage in (1, 2) for layout in layouts)
     assert any(layout.zero_stage == 3 for layout in layouts)  # offered without EP
     fastest = mixtral_plan.feasible[0].layout
     assert fastest.expert > 1  # holding 1/EP of the experts beats model parallelism for Mixtral on 64 GPUs

@@ -32,33 +32,18 @@ def causal_mask(query_length: int, key_length: int, device: torch.device, window
     aligned, as in incremental decoding behind a KV cache); query i sees key j if j <= i and, with a
     window W, j > i - W."""
     keys = torch.arange(key_length, device=device)
-    queries = torch.arange(key_length - query_length, key_length, device=device)
-    visible = keys[None, :] <= queries[:, None]
-    if window is not None:
-        visible &= sliding_window_mask(query_length, key_length, device, window)
-    return visible
+    return visible_keys(keys[key_length - query_length:], keys, window=window)
 
 
 def sliding_window_mask(query_length: int, key_length: int, device: torch.device, window: int) -> torch.Tensor:
     """[query, key], bottom-right aligned: key j is less than `window` positions behind query i
     (j > i - W), with no causal limit of its own, to AND with a mask that already has one."""
     keys = torch.arange(key_length, device=device)
-    queries = torch.arange(key_length - query_length, key_length, device=device)
-    return keys[None, :] > queries[:, None] - window
+    return _within_window(keys[key_length - query_length:], keys, window)
 
 
-def prefix_lm_attention_mask(prefix_lengths: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """[batch, 1, seq, seq]: query i sees key j if j <= i (causal) or j is in the prefix (a prefix LM,
-    Raffel et al. 2020, sec. 3.2.3)."""
-    positions = torch.arange(seq_length, device=prefix_lengths.device)
-    causal = positions[None, :] <= positions[:, None]
-    in_prefix = positions[None, None, :] < prefix_lengths[:, None, None]
-    return (causal[None] | in_prefix)[:, None]
-
-
-def same_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq]: query i and key j belong to the same document (no causal limit)."""
-    return (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+def _within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    return key_positions[None, :] > query_positions[:, None] - window
 
 
 def positions_in_document(document_ids: torch.Tensor) -> torch.Tensor:
@@ -78,23 +63,21 @@ def decoder_attention_mask(
     which SDPA computes without a mask (`is_causal`)."""
     if prefix_lengths is None and document_ids is None:
         return None
-    if prefix_lengths is not None:
-        mask = prefix_lm_attention_mask(prefix_lengths, seq_length)
-    else:
-        mask = causal_mask(seq_length, seq_length, device)[None, None]
-    return mask if document_ids is None else mask & same_document_mask(document_ids)
+    positions = torch.arange(seq_length, device=device)
+    return visible_keys(positions, positions, prefix_lengths, document_ids)
 
 
 def visible_keys(
     query_positions: torch.Tensor, key_positions: torch.Tensor, prefix_lengths: torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """The same limits by global positions, for queries and keys that are any slices of the sequence
-    (context parallelism's chunks): [query, key], or [batch, 1, query, key] with a prefix or documents.
-    `document_ids` [batch, seq] are the whole sequence's."""
+    """The limits of the module docstring for queries and keys at the given positions of the sequence:
+    all of it (training), the newest queries behind a KV cache, or context parallelism's chunks.
+    [query, key], or [batch, 1, query, key] with a prefix or documents; `document_ids` [batch, seq] are
+    the whole sequence's."""
     visible = key_positions[None, :] <= query_positions[:, None]
     if window is not None:
-        visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
+        visible = visible & _within_window(query_positions, key_positions, window)
     if prefix_lengths is not None:
         visible = (visible[None] | (key_positions[None, None, :] < prefix_lengths[:, None, None]))[:, None]
     if document_ids is not None:

@@ -257,9 +257,9 @@ class MoELayer(nn.Module):
         group, num_experts = self.expert_group, self.moe.num_experts
         token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.moe.top_k)
         kept = routing.kept.reshape(-1).nonzero().squeeze(-1)
-        expert_of = routing.experts.reshape(-1)[kept]
-        assignments = kept[expert_of.argsort(stable=True)]  # by expert, then choice-major token order
-        per_expert = F.one_hot(routing.experts.reshape(-1)[assignments], num_experts).sum(dim=0)
+        expert_of, order = routing.experts.reshape(-1)[kept].sort(stable=True)
+        assignments = kept[order]  # by expert, then token order (k choices per token)
+        per_expert = F.one_hot(expert_of, num_experts).sum(dim=0)
         received = exchange_counts(per_expert, group)  # [source rank, local expert]
         send_counts = per_expert.reshape(group.size, -1).sum(dim=1).tolist()
         receive_counts = received.sum(dim=1).tolist()

@@ -791,11 +791,12 @@ def resolve_for_world(config: Config, world_size: int) -> Config:
             f"{parallel.tensor} x {parallel.context} x {parallel.pipeline} x {parallel.data}; "
             f"launch {model_parallel * parallel.data} processes or set parallel.data={data_parallel}"
         )
-    if data_parallel % config.parallel.expert:
+    if data_parallel % parallel.expert:
         raise ConfigError(
-            f"parallel.expert={config.parallel.expert} must divide the data-parallel size {data_parallel} (world size "
-            f"{world_size} / (parallel.tensor x parallel.pipeline)): experts are split over data-parallel ranks; "
-            f"launch a multiple of {model_parallel * config.parallel.expert} processes or lower parallel.expert"
+            f"parallel.expert={parallel.expert} must divide the data-parallel size {data_parallel} (world size "
+            f"{world_size} / (parallel.tensor x parallel.context x parallel.pipeline)): experts are split over "
+            f"data-parallel ranks; launch a multiple of {model_parallel * parallel.expert} processes or lower "
+            "parallel.expert"
         )
     grad_accum = config.train.grad_accum
     if config.train.global_batch_size is not None:

@@ -148,8 +148,8 @@ EXPERT_GROUPS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXP
 
 
 @contextmanager
-def expert_parallel_engine(model: nn.Module, moe_layer_class: type, expert_group: Any, expert_data_group: Any,
-                           expert_parallel_size: int) -> Iterator[None]:
+def expert_parallel_engine(expert_parameters: list[nn.Parameter], moe_layer_class: type, expert_group: Any,
+                           expert_data_group: Any, expert_parallel_size: int) -> Iterator[None]:
     """Around `deepspeed.initialize`: make DeepSpeed average the gradients of the experts that expert
     parallelism splits over their expert-data-parallel group, as it does for its own MoE layers.
 
@@ -161,7 +161,7 @@ def expert_parallel_engine(model: nn.Module, moe_layer_class: type, expert_group
     ZeRO-1/2 partition their state over that group: stage_1_and_2 `_configure_moe_settings`).
     Replaces, for the duration: the module global `MoE` of deepspeed.runtime.engine by the tuple
     (MoE, moe_layer_class), so that isinstance check also accepts our layers (which carry
-    `num_experts`, the one attribute it reads). Writes: `group_name` on each expert parameter, and
+    `num_experts`, the one attribute it reads). Writes: `group_name` on each of `expert_parameters`, and
     megatron's expert groups into groups' private dicts (EXPERT_GROUPS) under `ep_size_P`, so
     DeepSpeed reduces over the very groups the model exchanges tokens in instead of building its own.
     Why: DeepSpeed offers expert-gradient handling only to its own MoE class; our layers are the
@@ -173,9 +173,8 @@ def expert_parallel_engine(model: nn.Module, moe_layer_class: type, expert_group
     from deepspeed.utils import groups
 
     name = f"ep_size_{expert_parallel_size}"
-    for parameter in model.parameters():
-        if not getattr(parameter, "allreduce", True):
-            parameter.group_name = name
+    for parameter in expert_parameters:
+        parameter.group_name = name
     tables = [internal(groups, table, "expert gradients would be reduced over the wrong ranks")
               for table in EXPERT_GROUPS]
     for table, value in zip(tables, (expert_group, dist.get_process_group_ranks(expert_group), expert_data_group,

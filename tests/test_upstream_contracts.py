@@ -434,7 +434,8 @@ def _expert_parallel_engines(rank: int, world_size: int) -> dict[str, Any]:
         model = torch.nn.Module()
         model.dense, model.experts = torch.nn.Linear(4, 1, bias=False), _Experts(rank)
         mark_expert_parameters(model.experts)
-        with upstream.expert_parallel_engine(model, _Experts, parallel_state.get_expert_model_parallel_group(),
+        with upstream.expert_parallel_engine(list(model.experts.parameters()), _Experts,
+                                             parallel_state.get_expert_model_parallel_group(),
                                              parallel_state.get_expert_data_parallel_group(), 2):
             from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 

@@ -113,10 +113,9 @@ def collect_pieces(engine: Any, topology: Topology) -> RankPieces:
     collected = RankPieces(adam_step=adam_step(engine))
     link_optimizer_state(engine)
     # turns among the ranks holding the same whole parameters: every data- and context-parallel rank for
-    # dense ones, the expert-data-parallel ranks (data-parallel rank // EP) for experts split by EP
+    # dense ones, the expert-data-parallel ranks for experts split by EP
     turns = {False: _Turns(topology.replica_size, topology.replica_rank),
-             True: _Turns(topology.data_parallel_size // topology.expert_parallel_size,
-                          topology.data_parallel_rank // topology.expert_parallel_size)}
+             True: _Turns(topology.expert_data_parallel_size, topology.expert_data_parallel_rank)}
     for name, parameter in parameters:
         if holders[name] != topology.pipeline_parallel_rank:
             continue  # a tied copy: the first stage holding it writes it

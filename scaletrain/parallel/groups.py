@@ -32,7 +32,6 @@ class Topology:
     # Expert parallelism is carved out of the data-parallel ranks (it does not add a grid dimension):
     # data-parallel ranks k·EP .. k·EP+EP-1 of one TP rank and stage split each MoE layer's experts.
     expert_parallel_size: int = 1
-    expert_parallel_rank: int = 0
     context_parallel_size: int = 1
     context_parallel_rank: int = 0
 
@@ -49,6 +48,15 @@ class Topology:
     def replica_rank(self) -> int:
         """This rank's place among them (DP rank x CP + CP rank, megatron's DP-with-CP group rank)."""
         return self.data_parallel_rank * self.context_parallel_size + self.context_parallel_rank
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts (one per expert-parallel group): what their gradients average over."""
+        return self.data_parallel_size // self.expert_parallel_size
+
+    @property
+    def expert_data_parallel_rank(self) -> int:
+        return self.data_parallel_rank // self.expert_parallel_size
 
 
 def init_distributed(config: Config) -> Topology:
@@ -87,7 +95,6 @@ def init_distributed(config: Config) -> Topology:
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         device=device,
         expert_parallel_size=config.parallel.expert,
-        expert_parallel_rank=parallel_state.get_expert_model_parallel_rank(),
         context_parallel_size=config.parallel.context,
         context_parallel_rank=parallel_state.get_context_parallel_rank(),
     )

@@ -140,5 +140,6 @@ def _expert_parallel(model: nn.Module, group: ExpertParallelGroup) -> contextlib
     """DeepSpeed set up to average split experts' gradients over their own ranks (upstream.py)."""
     if group.size == 1:
         return contextlib.nullcontext()
+    experts = [parameter for parameter in model.parameters() if is_expert_parameter(parameter)]
     expert_data_group = parallel_state.get_expert_data_parallel_group()
-    return upstream.expert_parallel_engine(model, MoELayer, group.group, expert_data_group, group.size)
+    return upstream.expert_parallel_engine(experts, MoELayer, group.group, expert_data_group, group.size)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import DEMO_CONFIG, REPO
-from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
+from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_runs_by_model
 
 LONG_SEQUENCE = ["model.seq_length=256", "train.eval_samples=8"]
 CONFIGS = {
@@ -33,10 +33,7 @@ CASES = [("gpt", "cp2"), ("gpt", "tp2_cp2"), ("gpt", "cp2_dp2_zero1"), ("llama",
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    by_name = {name: cached_layout_runs(small_dataset, tmp_path_factory, str(config), options, f"context_{name}",
-                                        CONTEXT_LAYOUTS)
-               for name, (config, options) in CONFIGS.items()}
-    return lambda name, layout: by_name[name](layout)
+    return cached_runs_by_model(small_dataset, tmp_path_factory, CONFIGS, "context_", CONTEXT_LAYOUTS)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
+from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_runs_by_model
 
 FAMILIES = {
     "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
@@ -39,9 +39,8 @@ def family_config(family: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    by_family = {family: cached_layout_runs(small_dataset, tmp_path_factory, family_config(family),
-                                            family_overrides(family), family) for family in FAMILIES}
-    return lambda family, layout: by_family[family](layout)
+    models = {family: (family_config(family), family_overrides(family)) for family in FAMILIES}
+    return cached_runs_by_model(small_dataset, tmp_path_factory, models)
 
 
 @pytest.mark.slow

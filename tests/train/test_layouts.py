@@ -81,6 +81,17 @@ def cached_layout_runs(
     return get
 
 
+def cached_runs_by_model(
+    data_dir: Path, tmp_path_factory: pytest.TempPathFactory, models: dict[str, tuple[str, list[str]]],
+    label_prefix: str = "", layouts: dict[str, tuple[int, list[str]]] = LAYOUTS,
+) -> Callable[[str, str], LayoutRuns]:
+    """cached_layout_runs for several models by name (config, overrides): runs(name, layout)."""
+    by_name = {name: cached_layout_runs(data_dir, tmp_path_factory, str(config), overrides, f"{label_prefix}{name}",
+                                        layouts)
+               for name, (config, overrides) in models.items()}
+    return lambda name, layout: by_name[name](layout)
+
+
 @pytest.fixture(scope="module")
 def reference_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> LayoutRuns:
     return train_twice(small_dataset, tmp_path_factory.mktemp("single_rank"), 1, [])

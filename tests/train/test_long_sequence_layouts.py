@@ -18,7 +18,7 @@ from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.prepare import prepare_dataset
 from tests.conftest import SMALL_DATASET_SETTINGS
 from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides
-from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
+from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_runs_by_model
 
 LINES_PER_DOCUMENT = 2  # about 20 tokens: most 32-token sequences hold one or two document starts
 LONG_SEQUENCE_OPTIONS = ["model.document_masking=true", "model.document_positions=true"]
@@ -51,9 +51,7 @@ def short_documents(small_dataset: Path, small_dataset_raw: list[Path], tmp_path
 
 @pytest.fixture(scope="module")
 def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory):
-    by_name = {name: cached_layout_runs(short_documents, tmp_path_factory, str(config), options, name)
-               for name, (config, options) in CONFIGS.items()}
-    return lambda name, layout: by_name[name](layout)
+    return cached_runs_by_model(short_documents, tmp_path_factory, CONFIGS)
 
 
 @pytest.mark.slow

@@ -284,43 +284,6 @@ def allocate_megatron_buffers_on_cpu() -> None:
 # --- Checkpoints: Adam's state inside DeepSpeed's optimizer wrappers (checkpoint/optimizer_state.py) ---
 
 
-def bf16_ddp_master_views(optimizer: Any, parameter: nn.Parameter) -> Callable[[str], torch.Tensor] | None:
-    """Under bf16 without ZeRO or pipeline, DeepSpeed wraps our AdamW in FP16_UnfusedOptimizer (in bf16
-    mode: engine._do_optimizer_sanity_check's DDP_BFLOAT16; FP16_Optimizer when the optimizer is a
-    fused one DeepSpeed knows). Their fp32 master weights are `fp32_groups[i][j]` (one per parameter of
-    `fp16_groups[i][j]`) or one flat `fp32_groups_flat[i]` per group, and Adam's state is keyed by them.
-    Neither has `_hp_mapping`, so deepspeed.utils' safe_get_full_* return None. Returns key -> this
-    parameter's view ("weight", "exp_avg", "exp_avg_sq"), or None for any other optimizer. Checked on
-    deepspeed 0.19.8 (runtime/fp16/unfused_optimizer.py, fused_optimizer.py)."""
-    if not hasattr(optimizer, "fp16_groups"):
-        return None
-    places = getattr(optimizer, "_scaletrain_places", None)
-    if places is None:
-        places = {}
-        for group, parameters in enumerate(optimizer.fp16_groups):
-            offset = 0
-            for index, member in enumerate(parameters):
-                places[id(member)] = (group, index, offset)
-                offset += member.numel()
-        optimizer._scaletrain_places = places
-    group, index, offset = places[id(parameter)]
-    flat = hasattr(optimizer, "fp32_groups_flat")
-    master = optimizer.fp32_groups_flat[group] if flat else optimizer.fp32_groups[group][index]
-
-    def cut(tensor: torch.Tensor) -> torch.Tensor:
-        return (tensor.narrow(0, offset, parameter.numel()) if flat else tensor).view(parameter.shape)
-
-    def view(key: str) -> torch.Tensor:
-        if key == "weight":
-            return cut(master)
-        state = optimizer.optimizer.state[master]
-        if key not in state:  # before the first step
-            state[key] = torch.zeros_like(master, dtype=torch.float32)
-        return cut(state[key])
-
-    return view
-
-
 def zero_fragment(parameter: nn.Parameter) -> tuple[int, dict[str, torch.Tensor]] | None:
     """This rank's part of a ZeRO-1/2 (or BF16_Optimizer) parameter's fp32 state, as (offset in the
     flattened parameter, {"weight", "exp_avg", "exp_avg_sq"}: flat fp32 views), or None if the rank's

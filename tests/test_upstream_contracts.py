@@ -27,7 +27,7 @@ from tests.distributed.harness import run_on_ranks
 ZERO_STAGES = (0, 1, 3)
 # checkpoint/optimizer_state.py through each optimizer DeepSpeed wraps ours in: (ZeRO stage, bf16)
 STATE_KINDS = {"fp32_zero0": (0, False), "fp32_zero1": (1, False), "fp32_zero3": (3, False),
-               "bf16_zero0": (0, True), "bf16_zero1": (1, True)}
+               "bf16_zero1": (1, True)}
 MICRO_BATCHES = 2  # per pipeline step
 BASE_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -340,15 +340,13 @@ def test_megatron_allocates_sequence_parallel_buffers_through_its_torch_global(o
 
 def test_each_deepspeed_optimizer_wrapper_gives_up_its_adam_state(observed):
     """checkpoint/optimizer_state.py reads the fp32 master and both moments of every parameter under
-    each wrapper (the public fragment API for ZeRO-1/3; upstream's views for bf16 without ZeRO, whose
-    FP16_UnfusedOptimizer has none; `adam_state_owners` for all). The same two steps give the same
-    state under ZeRO-0/1/3 in fp32, and bf16 ZeRO-1's is fp32's within 10% (bf16 rounds the
+    each wrapper (the public fragment API for ZeRO-1/3; `adam_state_owners` for all). The same two steps
+    give the same state under ZeRO-0/1/3 in fp32, and bf16 ZeRO-1's is fp32's within 10% (bf16 rounds the
     activations to 8 bits: a few per cent on the smallest gradients; a swapped or zeroed moment is off
-    by 100%). bf16 ZeRO-0 takes an extra, gradient-free Adam step when DeepSpeed builds it (FP16_UnfusedOptimizer's
-    initialize_optimizer_states: its step count is 3 after two steps), so its moments are checked by
-    their master weight being the very parameter the forward pass used, cast."""
+    by 100%). Layouts without ZeRO step scaletrain's own FlatAdamW in both precisions (its state: its own
+    tests), so DeepSpeed's bf16 wrapper without ZeRO is not read any more."""
     internal = ("the optimizer wrappers' fp32 master attributes (upstream.adam_state_owners), "
-                "_lazy_init_hp_params_optimizer_state, FP16_UnfusedOptimizer.fp16_groups/fp32_groups")
+                "_lazy_init_hp_params_optimizer_state")
     seen = {kind: _observation(observed, f"state_{kind}", internal) for kind in STATE_KINDS}
     for kind, state in seen.items():
         assert state["owners"] and all(state["owners"]), _broken(
@@ -373,7 +371,7 @@ def test_each_deepspeed_optimizer_wrapper_gives_up_its_adam_state(observed):
 def test_written_adam_state_and_working_weights_read_back(observed):
     """write_parameter_state reaches the master, both moments and the working copy (ZeRO-3's ds_tensor,
     the bf16 parameter): what a resume writes is what the next step uses."""
-    internal = "safe_set_full_* and upstream.set_working_weight / bf16_ddp_master_views"
+    internal = "safe_set_full_* and upstream.set_working_weight"
     for kind in STATE_KINDS:
         state = _observation(observed, f"state_{kind}", internal)
         for name, roundtrip in state["roundtrip"].items():

@@ -4,12 +4,12 @@ A layout-free checkpoint (checkpoint/layout_free.py) stores, for every parameter
 weight and Adam's two moments at the parameter's full shape (over data parallelism; tensor
 parallelism is this rank's shard, merged by the caller). Where they live depends on the layout:
 
-    fp32, ZeRO-0                 the model's parameter and torch AdamW's state for it
     ZeRO-1/2 (fp32 or bf16),     a fragment of a flat fp32 partition per rank: DeepSpeed's public
     bf16 pipelines (BF16_Optimizer)  `safe_get_full_*` / `safe_set_full_*` (deepspeed.utils), which
     ZeRO-3                       all-reduce or all-gather over the data-parallel group
-    bf16, ZeRO-0, no pipeline    DeepSpeed's FP16_UnfusedOptimizer in bf16 mode ("DDP_BFLOAT16"): fp32
-                                 copies that its public API does not reach (scaletrain/upstream.py)
+    ZeRO-0, no pipeline, no EP   scaletrain's FlatAdamW (train/flat_adamw.py): views of its flat fp32
+    (fp32 or bf16)               master weights and moments
+    fp32, ZeRO-0, expert parallel  the model's parameter and torch AdamW's state for it
 
 Every function here is collective over the data-parallel group under ZeRO: all its ranks call it for
 the same parameters in the same order.
@@ -78,9 +78,8 @@ def read_parameter_state(engine: Any, parameter: nn.Parameter) -> dict[str, torc
             state[key] = moment if moment is not None else torch.zeros_like(state["weight"])
         return {key: value.reshape(parameter.ds_shape if hasattr(parameter, "ds_id") else parameter.shape)
                 for key, value in state.items()}
-    master = upstream.bf16_ddp_master_views(engine.optimizer, parameter)
-    if master is not None:
-        return {key: master(key) for key in STATE_KEYS}  # views: the caller copies what it keeps
+    if _keeps_flat_state(engine):
+        return engine.optimizer.parameter_state(parameter)  # views: the caller copies what it keeps
     optimizer_state = _plain_optimizer(engine).state.get(parameter, {})
     return {"weight": parameter.detach().float(),
             **{key: optimizer_state.get(key, torch.zeros_like(parameter, dtype=torch.float32)) for key in ADAM_MOMENTS}}
@@ -106,16 +105,21 @@ def write_parameter_state(engine: Any, parameter: nn.Parameter, state: dict[str,
                 safe_set_full_optimizer_state(parameter, state[key].to(device), key)
             upstream.set_working_weight(parameter, state["weight"])
             return
-        master = upstream.bf16_ddp_master_views(engine.optimizer, parameter)
-        if master is not None:
-            for key in STATE_KEYS:
-                master(key).copy_(state[key])
+        if _keeps_flat_state(engine):
+            for key, view in engine.optimizer.parameter_state(parameter).items():
+                view.copy_(state[key])
             parameter.copy_(state["weight"].to(parameter.dtype))
             return
         parameter.copy_(state["weight"].to(parameter.dtype))
         optimizer_state = _plain_optimizer(engine).state[parameter]
         for key in ADAM_MOMENTS:
             optimizer_state[key] = state[key].to(parameter.device, torch.float32).clone()
+
+
+def _keeps_flat_state(engine: Any) -> bool:
+    """Whether the engine steps scaletrain's FlatAdamW (train/flat_adamw.py; the train package sits above
+    this one), which hands out views of a parameter's master weight and moments."""
+    return hasattr(engine.optimizer, "parameter_state")
 
 
 def _local_partition(parameter: nn.Parameter, full: torch.Tensor) -> torch.Tensor:

@@ -100,9 +100,11 @@ def init_distributed(config: Config) -> Topology:
     )
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if `flag` is true on any rank of the world group."""
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+def any_rank(flag: bool | torch.Tensor, device: torch.device) -> bool:
+    """True on every rank if `flag` is true on any rank of the world group. A flag still on the device
+    (a boolean tensor) is agreed on before it is read: one host read in all."""
+    value = (flag.reshape(1).to(device, torch.int32) if isinstance(flag, torch.Tensor)
+             else torch.tensor([int(flag)], dtype=torch.int32, device=device))
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 

@@ -9,8 +9,13 @@ gradients, stage 3 also the weights. The byte counts are made exact for our Deep
   2 * DP elements before partitioning (`nccl_start_alignment_factor` in stage_1_and_2.py);
 - its fp32 master partition exists even for fp32 weights; only fp32 without ZeRO lets torch's
   AdamW update the model's weights in place, with no master copy (K = 8);
-- torch's AdamW keeps a 4-byte `step` scalar per tensor it updates: per parameter without ZeRO
-  in fp32, per flat group otherwise;
+- without ZeRO, pipeline stages or expert parallelism the engine steps scaletrain's FlatAdamW
+  (train/flat_adamw.py): fp32 gradients accumulated in one flat buffer (4 bytes per parameter, the
+  bf16 gradient of one tensor at a time on its way there), fp32 master weights under bf16 (none in
+  fp32: the master is the weight), both moments, and one step counter per flat segment (at most
+  FLAT_SEGMENTS); its alignment padding (under 64 elements a tensor) is not counted;
+- torch's AdamW keeps a 4-byte `step` scalar per tensor it updates: per parameter for fp32 pipeline
+  stages without ZeRO, per flat group otherwise;
 - with pipeline stages and no ZeRO, DeepSpeed wraps a bf16 model in its BF16_Optimizer
   (`_do_optimizer_sanity_check` in runtime/engine.py), which partitions the master weights and
   moments over DP as ZeRO-1 does but keeps full fp32 gradients (4 bytes per parameter) to
@@ -50,6 +55,7 @@ from scaletrain.planner.params import ParameterCount, largest_gathered_module, n
 ADAM_MOMENT_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_WEIGHT_BYTES = 4
 STEP_COUNTER_BYTES = 4
+FLAT_SEGMENTS = 4  # FlatAdamW's segments: tensor-parallel or replicated x decayed or not
 ZERO_ALIGNMENT = 2  # DeepSpeed pads each flat group to a multiple of 2 * DP elements
 
 
@@ -88,8 +94,19 @@ def zero_partition_numel(group_numel: int, data_parallel: int) -> int:
     return math.ceil(group_numel / alignment) * alignment // data_parallel
 
 
+def uses_flat_optimizer(layout: Layout) -> bool:
+    """train/engine.py's `uses_flat_optimizer`: FlatAdamW steps layouts without ZeRO, stages or EP."""
+    return layout.zero_stage == 0 and layout.pipeline == 1 and layout.expert == 1
+
+
+def flat_optimizer_bytes(params: ParameterCount, precision: Precision) -> int:
+    """FlatAdamW's state: both moments, the fp32 master under bf16, a step counter per segment."""
+    master = MASTER_WEIGHT_BYTES if precision.weight_bytes < MASTER_WEIGHT_BYTES else 0
+    return (ADAM_MOMENT_BYTES + master) * params.total + STEP_COUNTER_BYTES * FLAT_SEGMENTS
+
+
 def optimizer_state_bytes(params: ParameterCount, zero_stage: int, data_parallel: int, precision: Precision) -> int:
-    """fp32 master weights (if any), Adam moments and step counters held by one GPU."""
+    """fp32 master weights (if any), Adam moments and step counters held by one GPU (DeepSpeed's optimizers)."""
     if zero_stage == 0 and precision.weight_bytes == MASTER_WEIGHT_BYTES:
         return ADAM_MOMENT_BYTES * params.total + STEP_COUNTER_BYTES * params.tensors
     per_element = MASTER_WEIGHT_BYTES + ADAM_MOMENT_BYTES
@@ -140,6 +157,8 @@ def weight_bytes(config: Config, params: RankParameters, layout: Layout, precisi
 
 
 def gradient_bytes(params: RankParameters, layout: Layout, precision: Precision) -> float:
+    if uses_flat_optimizer(layout):
+        return MASTER_WEIGHT_BYTES * params.total
     if layout.zero_stage < 2:
         return precision.grad_bytes * params.total
     partitioned = math.ceil(params.dense.total / layout.data)
@@ -171,7 +190,8 @@ def stage_memory(
     return MemoryBreakdown(
         weights=weight_bytes(config, params, layout, precision),
         gradients=gradient_bytes(params, layout, precision) + fp32_gradients,
-        optimizer=rank_optimizer_bytes(params, 1 if bf16_optimizer else layout.zero_stage, layout, precision),
+        optimizer=(flat_optimizer_bytes(params.dense, precision) if uses_flat_optimizer(layout)
+                   else rank_optimizer_bytes(params, 1 if bf16_optimizer else layout.zero_stage, layout, precision)),
         # context parallelism: each rank keeps its 1/CP of the tokens' activations, and its rows of attention
         activations=activations.peak / layout.context,
         pipeline_buffers=(in_flight - 1) * activations.stored + in_flight * sent_output,

@@ -23,17 +23,21 @@ from scaletrain.parallel.expert_parallel import (
 )
 from scaletrain.parallel.groups import Topology, resolve_precision
 from scaletrain.parallel.mpu import MegatronMPU
+from scaletrain.parallel.sharding import is_tensor_parallel
+from scaletrain.train.flat_adamw import FlatAdamW
 
 
-def deepspeed_config(config: Config, precision: str) -> dict[str, Any]:
+def deepspeed_config(config: Config, precision: str, flat_optimizer: bool = False) -> dict[str, Any]:
+    """DeepSpeed's settings. With `flat_optimizer` (FlatAdamW) DeepSpeed sees an fp32 run without
+    clipping: the optimizer holds the mixed precision, clips and reduces itself."""
     return {
         "train_micro_batch_size_per_gpu": config.train.micro_batch_size,
         "gradient_accumulation_steps": config.train.grad_accum,
-        "gradient_clipping": config.train.grad_clip,
+        "gradient_clipping": 0.0 if flat_optimizer else config.train.grad_clip,
         "zero_optimization": {"stage": config.parallel.zero_stage},
         # Our optimizer is torch's fused AdamW; DeepSpeed only wraps it for ZeRO.
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision == "bf16" and not flat_optimizer},
         "steps_per_print": 1 << 62,
         "wall_clock_breakdown": False,
     }
@@ -60,6 +64,31 @@ def build_optimizer(model: nn.Module, config: Config, device: torch.device) -> t
     # torch's fused AdamW (one kernel over all tensors; on CPU since torch 2.4) rather than its
     # default per-tensor loop, which CPU tensors otherwise get.
     return torch.optim.AdamW(groups, lr=config.train.lr, betas=betas, eps=1e-8, fused=True)
+
+
+def uses_flat_optimizer(config: Config, topology: Topology, expert_parallel_size: int) -> bool:
+    """Whether the layout steps FlatAdamW rather than DeepSpeed's optimizer wrappers: without ZeRO (as
+    resolved for the world size: one data-parallel rank always), pipeline stages or split experts.
+    ZeRO partitions its own flat buffers; the pipeline engine and expert parallelism reduce gradients
+    through DeepSpeed's own groups."""
+    return (config.parallel.zero_stage == 0 and topology.pipeline_parallel_size == 1
+            and expert_parallel_size == 1)
+
+
+def build_flat_optimizer(model: nn.Module, config: Config, precision: str) -> FlatAdamW:
+    """FlatAdamW over the model's trainable parameters, whose storage it takes over (working weights in
+    bf16 under bf16); frozen parameters are cast as DeepSpeed's bf16 mode casts them."""
+    working_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for parameter in model.parameters():
+        if not parameter.requires_grad:
+            parameter.data = parameter.data.to(working_dtype)
+    return FlatAdamW(
+        [parameter for parameter in model.parameters() if parameter.requires_grad],
+        lr=config.train.lr, betas=(config.train.beta1, config.train.beta2), eps=1e-8,
+        weight_decay=config.train.weight_decay, max_grad_norm=config.train.grad_clip, working_dtype=working_dtype,
+        is_tensor_parallel=is_tensor_parallel, tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(),
+        data_parallel_group=MegatronMPU.get_data_parallel_group(),
+    )
 
 
 def _apex_fused_adam() -> type | None:
@@ -115,20 +144,22 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
         raise ConfigError(f"parallel.expert={expert_group.size} with parallel.zero_stage=0 in bf16: DeepSpeed's bf16 "
                           "optimizer leaves split experts out of the clipping norm; use parallel.zero_stage=1 or 2 "
                           "(or train.precision=fp32)")
+    flat = uses_flat_optimizer(config, topology, expert_group.size)
     with without_stdout_lines(OP_BUILT), _expert_parallel(model, expert_group):
         # without pipeline stages, DeepSpeed's comm layer starts (and loads its CPU op) here
-        optimizer = build_optimizer(model, config, topology.device)
+        optimizer = build_flat_optimizer(model, config, precision) if flat else build_optimizer(
+            model, config, topology.device)
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            config=deepspeed_config(config, precision),
+            config=deepspeed_config(config, precision, flat),
             mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
         )
-    if topology.replica_size == 1 and config.parallel.zero_stage == 0 and topology.pipeline_parallel_size == 1:
-        # Nothing to average: DeepSpeed would still flatten every gradient into buckets, all-reduce
-        # them over a group of one and copy them back, each step. (ZeRO-1/2 move gradients into
-        # their partitions on that path, and the pipeline engine has its own; both keep it.)
+    if flat:
+        # FlatAdamW all-reduces its one flat gradient buffer itself; DeepSpeed would find no `.grad`
+        # to reduce (the accumulation hooks free them) and must not try.
         upstream.turn_off_backward_allreduce(engine)
+        return engine
     # Without ZeRO or bf16 DeepSpeed clips with the global gradient norm but does not keep it; the
     # step's `grad_norm` needs it.
     upstream.keep_clipping_norm(

@@ -27,7 +27,13 @@ from scaletrain.checkpoint.manager import (
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.counts import model_counts
-from scaletrain.parallel.groups import Topology, any_rank, init_distributed, world_size_from_environment
+from scaletrain.parallel.groups import (
+    Topology,
+    any_rank,
+    init_distributed,
+    resolve_precision,
+    world_size_from_environment,
+)
 from scaletrain.parallel.peer_loss import RankLost, describe_lost, is_peer_failure
 from scaletrain.parallel.placement import (
     RankPlace,
@@ -303,6 +309,7 @@ def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state
             + f"DP {topology.data_parallel_size} x PP {topology.pipeline_parallel_size}, "
             + (f"experts over EP {topology.expert_parallel_size} of the DP ranks, "
                if topology.expert_parallel_size > 1 else "")
-            + f"ZeRO-{config.parallel.zero_stage}; "
+            + f"ZeRO-{config.parallel.zero_stage}, {resolve_precision(config, topology.device)} "
+            f"on {topology.device.type}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
             f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")

@@ -16,6 +16,7 @@ import torch
 
 from scaletrain import upstream
 from scaletrain.parallel.groups import any_rank
+from scaletrain.train.flat_adamw import FlatAdamW
 
 # A run that stopped because it diverged: not a temporary failure (75 asks a job script to requeue,
 # and resubmitting the same command would diverge again), not a config error (2).
@@ -64,17 +65,25 @@ class NonFiniteGuard:
         return loss
 
     def _guarded_model_step(self, *args: Any, **kwargs: Any) -> None:
-        local = self._nonfinite_loss | ~torch.isfinite(
-            _norm((p.grad for p in self._engine.module.parameters()), self._device))
-        self._skip_update = any_rank(bool(local), self._device)
+        local = self._nonfinite_loss | ~torch.isfinite(_norm(self._gradients(), self._device))
+        self._skip_update = any_rank(local, self._device)
         try:
             self._take_model_step(*args, **kwargs)
         finally:
             self.skipped = self._skip_update or not self._engine.was_step_applied()
             self._skip_update = False
 
+    def _gradients(self) -> Iterable[torch.Tensor | None]:
+        """This rank's gradients: FlatAdamW's one flat buffer, or each parameter's `.grad`."""
+        if isinstance(self._engine.optimizer, FlatAdamW):
+            return [self._engine.optimizer.gradients]
+        return (p.grad for p in self._engine.module.parameters())
+
     def _guarded_optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._skip_update:
+            if isinstance(self._engine.optimizer, FlatAdamW):
+                # DeepSpeed clears the parameters' `.grad`; FlatAdamW's accumulated ones are its own
+                self._engine.optimizer.zero_grad()
             return None
         return self._optimizer_step(*args, **kwargs)
 

@@ -97,11 +97,16 @@ def _measure_case(config: Config, world_size: int) -> dict[str, int]:
                       **(documents if getattr(config.model, "document_masking", False) else {}))
     engine.backward(loss)
     gradients = sum(_nbytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
+    padding = getattr(engine.optimizer, "padding", 0)  # FlatAdamW's alignment: not in the planner's model
+    if hasattr(engine.optimizer, "gradients"):  # FlatAdamW accumulates them in its own flat fp32 buffer
+        gradients = _nbytes(engine.optimizer.gradients) - 4 * padding
     engine.step()
     return {
         "weights": sum(_nbytes(p) for p in engine.module.parameters()),
         "gradients_after_backward": gradients,
-        "optimizer": _optimizer_bytes(engine),
+        # both moments, and the fp32 master where it is not the working weights, are padded alike
+        "optimizer": _optimizer_bytes(engine) - 4 * padding * (2 + (engine.optimizer.param_groups[0]["params"][0].dtype
+                                                                     != next(engine.module.parameters()).dtype)),
         "activations": activations.total,
     }
 

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from scaletrain.config import ModelConfig
 from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
 from scaletrain.planner.activations import ActivationSettings, block_activations, stage_activations
-from scaletrain.planner.memory import FP32, optimizer_state_bytes
+from scaletrain.planner.memory import FP32, flat_optimizer_bytes, optimizer_state_bytes
 from scaletrain.planner.params import stage_parameters
 from tests.distributed.harness import run_on_ranks
 from tests.parallel.megatron_stack import StackShape, build_stack
@@ -34,6 +34,8 @@ ACTIVATION_TOLERANCE = 0.02
 def _expected_states(case: tuple, world_size: int, tensor_parallel: int = 1) -> tuple[int, int]:
     config = case_config(*case, world_size)
     params = stage_parameters(config, tensor_parallel, 1, 0)
+    if config.parallel.zero_stage == 0:  # FlatAdamW: no stages or experts in these cases
+        return FP32.weight_bytes * params.total, flat_optimizer_bytes(params, FP32)
     optimizer = optimizer_state_bytes(params, config.parallel.zero_stage, config.parallel.data, FP32)
     return FP32.weight_bytes * params.total, optimizer
 

@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per timing (each half of a pair)")
     parser.add_argument("--pairs", type=int, default=7, help="alternating pairs; the ratio is their median")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--scaletrain-only", action="store_true", help="time scaletrain alone (no plain loop)")
     args = parser.parse_args()
     config = resolve_for_world(load_config(args.config, [*args.overrides, "tracking.wandb=disabled"]),
                                world_size_from_environment())
@@ -123,7 +124,7 @@ def main() -> None:
     trainers = {"scaletrain": _warmed_up(lambda: scaletrain_step_fn(config, topology), args.warmup,
                                          topology.device, peaks, "scaletrain")}
     only_data_parallel = topology.tensor_parallel_size == 1 and topology.pipeline_parallel_size == 1
-    if only_data_parallel:
+    if only_data_parallel and not args.scaletrain_only:
         plain = "plain PyTorch" if topology.world_size == 1 else "plain DDP"
         data_parallel, seed = topology.world_size > 1, topology.data_parallel_rank
         trainers[plain] = _warmed_up(lambda: reference_step_fn(config, topology.device, precision, data_parallel, seed),

@@ -14,7 +14,7 @@ TORCH_PIP_ARGS ?=
 CORPUS := data/raw/shakespeare
 ENGLISH_CORPUS := data/raw/english
 
-.PHONY: install demo corpus corpus-english corpus-fineweb-edu test test-fast lint clean
+.PHONY: bench-gpu install demo corpus corpus-english corpus-fineweb-edu test test-fast lint wheelhouse clean
 
 # install ends by building DeepSpeed's CPU comm op (~90 s, once per venv) that the first run would build.
 install: $(VENV)/.installed
@@ -52,8 +52,21 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not slow"
 
+# The five-minute GPU check (benchmarks/gpu_check.py): throughput, peak memory, the planner's tables,
+# pytest -m gpu. Needs a CUDA GPU; never part of `make test`.
+bench-gpu: install
+	$(BIN)/python benchmarks/gpu_check.py
+
 lint: install
 	$(BIN)/ruff check scaletrain tests data_pipelines benchmarks
+
+# Wheels of the dependencies that compute nodes without internet lack, for their Python and platform, e.g.
+# `make wheelhouse PYTHON_VERSION=3.12 HAVE=node-packages.txt` (HAVE: `python -m pip list --format=freeze` run
+# on a node; PLATFORM=manylinux_2_<glibc>_<machine>, default manylinux_2_28_x86_64; WHEELHOUSE=dir, default
+# wheelhouse). torch stays the image's own. It prints the install command for the nodes (README, On a cluster).
+wheelhouse: install
+	$(BIN)/python launch/wheelhouse.py --python-version "$(PYTHON_VERSION)" --wheelhouse "$(or $(WHEELHOUSE),wheelhouse)" \
+		$(if $(PLATFORM),--platform "$(PLATFORM)") $(if $(HAVE),--have "$(HAVE)") $(WHEELHOUSE_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data .cache wandb

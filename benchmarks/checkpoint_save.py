@@ -38,6 +38,7 @@ from scaletrain.checkpoint import manager  # noqa: E402
 from scaletrain.config import resolve_for_world  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.parallel.groups import destroy_distributed, init_distributed, world_size_from_environment  # noqa: E402
+from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.train.engine import build_engine, build_training_model  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
@@ -53,6 +54,7 @@ def main() -> None:
     config = resolve_for_world(load_config(args.config, [*args.overrides, "tracking.wandb=disabled"]),
                                world_size_from_environment())
     topology = init_distributed(config)
+    config, _ = resolve_recompute(config, device_memory(topology.device))  # as train decides auto
     shared = [tempfile.mkdtemp(prefix="checkpoint_save.") if topology.rank == 0 else None]
     dist.broadcast_object_list(shared, src=0)  # one run directory for all ranks
     run_dir = shared[0]

@@ -33,6 +33,7 @@ from scaletrain.data.objectives import document_ids  # noqa: E402
 from scaletrain.data.tokenizer import SPECIAL_IDS  # noqa: E402
 from scaletrain.model import build_model  # noqa: E402
 from scaletrain.parallel.groups import Topology, destroy_distributed, init_distributed  # noqa: E402
+from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
@@ -81,6 +82,7 @@ def main() -> None:
     config = resolve_for_world(load_config(args.config, [*args.overrides, "tracking.wandb=disabled"]), 1)
     config = with_model(config, document_masking=False, sliding_window=None)
     topology = init_distributed(config)
+    config, _ = resolve_recompute(config, device_memory(topology.device))  # as train decides auto
     variants = {"causal": config, "document masking": with_model(config, document_masking=True)}
     if args.window:
         variants[f"sliding window {args.window}"] = with_model(config, sliding_window=args.window)

@@ -44,6 +44,7 @@ from scaletrain.parallel.groups import (  # noqa: E402
     resolve_precision,
     world_size_from_environment,
 )
+from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.tracking.flops import device_peak_flops  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
@@ -118,6 +119,7 @@ def main() -> None:
     config = resolve_for_world(load_config(args.config, [*args.overrides, "tracking.wandb=disabled"]),
                                world_size_from_environment())
     topology = init_distributed(config)
+    config, _ = resolve_recompute(config, device_memory(topology.device))  # as train decides auto
     precision = resolve_precision(config, topology.device)
     # Each trainer is built and warmed up alone, so its peak memory is its own (the other not yet resident).
     peaks: dict[str, float] = {}
@@ -166,7 +168,8 @@ def _report(config: Config, topology: Topology, precision: str, times: dict[str,
     num_params = model_counts(config).total_params
     print(f"model: {num_params / 1e6:.1f}M parameters, {precision}, device {device_name}, layout "
           f"TP{topology.tensor_parallel_size} DP{topology.data_parallel_size} PP{topology.pipeline_parallel_size} "
-          f"ZeRO-{config.parallel.zero_stage}, {tokens} tokens/step, {torch.get_num_threads()} threads per rank; "
+          f"ZeRO-{config.parallel.zero_stage}, recompute {config.train.recompute}, {tokens} tokens/step, "
+          f"{torch.get_num_threads()} threads per rank; "
           f"{args.pairs} alternating pairs of {args.steps} steps")
     if peak:
         print(f"MFU = {flops_per_token:,.0f} FLOPs/token x {tokens} tokens / step time / "

@@ -203,7 +203,16 @@ class TrainConfig:
     eval_every: int = 50  # 0 disables periodic validation
     eval_samples: int = 64  # validation sequences per evaluation
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    activation_checkpoint_interval: int = 0  # recompute activations of every chunk of k layers; 0 = off
+    # What backward recomputes instead of keeping (Korthikanti et al. 2022): none; selective, each block's
+    # attention core (softmax(QK^T)V) from its kept q, k, v (sec. 4.3); full, every block from its input
+    # (sec. 4.2); auto, the least of these that plan's memory model fits on the GPU, decided at start
+    # (none on CPU). null (unset): full if activation_checkpoint_interval > 0, else none, as configs
+    # written before this key meant.
+    activation_checkpoint: str | None = None
+    # full recomputation's chunk: blocks recomputed together, keeping only the chunk's input (0: 1 block);
+    # set alone (> 0) it means activation_checkpoint=full
+    activation_checkpoint_interval: int = 0
+    loss_chunk_size: int = 0  # logits + loss over this many tokens at a time, recomputed in backward; 0 = off
     # a plain progress line on stderr every this many steps when stderr is not a terminal (SLURM, CI),
     # besides the first and last step; metrics.jsonl, W&B and TensorBoard get every step
     log_every: int = 10
@@ -213,6 +222,19 @@ class TrainConfig:
     # Fault injection for tests (in the spirit of Megatron-LM's --error-injection-rate): at these
     # steps (1-based, as logged) the first data-parallel rank's loss is made NaN. Leave empty.
     inject_nonfinite_loss_at: list[int] = field(default_factory=list)
+
+    @property
+    def recompute(self) -> str:
+        """none | selective | full | auto: activation_checkpoint, or where only the interval is set (a
+        config from before that key) full if the interval is > 0, else none."""
+        if self.activation_checkpoint is not None:
+            return self.activation_checkpoint
+        return "full" if self.activation_checkpoint_interval else "none"
+
+    @property
+    def full_recompute_interval(self) -> int:
+        """Blocks per recomputed chunk under full recomputation (the interval, 1 if unset); 0 otherwise."""
+        return max(self.activation_checkpoint_interval, 1) if self.recompute == "full" else 0
 
     @property
     def cooldown_steps(self) -> int:
@@ -659,11 +681,10 @@ def _validate_train(config: Config) -> None:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} must be finite numbers")
     if train.lr <= 0 or train.min_lr < 0 or train.min_lr > train.lr:
         raise ConfigError(f"train.lr={train.lr} and train.min_lr={train.min_lr} need 0 <= min_lr <= lr, lr > 0")
-    if not 0 <= train.activation_checkpoint_interval <= config.model.num_layers:
-        raise ConfigError(
-            f"train.activation_checkpoint_interval={train.activation_checkpoint_interval} must be in "
-            f"[0, model.num_layers={config.model.num_layers}] (0 disables recomputation)"
-        )
+    _validate_recompute(train, config.model.num_layers)
+    if train.loss_chunk_size < 0:
+        raise ConfigError(f"train.loss_chunk_size={train.loss_chunk_size} must be >= 0 (tokens per chunk of the "
+                          "chunked loss, e.g. 4096; 0 computes the logits of the whole micro-batch at once)")
     if train.init_from is not None and config.parallel.pipeline > 1:
         raise ConfigError("train.init_from loads into the unpipelined model; start with parallel.pipeline=1")
     if train.eval_every < 0:
@@ -677,6 +698,27 @@ def _validate_train(config: Config) -> None:
         )
     if train.grad_clip < 0:
         raise ConfigError(f"train.grad_clip={train.grad_clip} must be >= 0 (0 disables clipping)")
+
+
+RECOMPUTE_MODES = ("none", "selective", "full", "auto")
+
+
+def _validate_recompute(train: TrainConfig, num_layers: int) -> None:
+    """The interval is full recomputation's chunk size, so it goes with full (or auto, which may pick full)."""
+    if train.activation_checkpoint is not None and train.activation_checkpoint not in RECOMPUTE_MODES:
+        raise ConfigError(f"train.activation_checkpoint={train.activation_checkpoint!r}; use "
+                          f"{', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}")
+    interval = train.activation_checkpoint_interval
+    if not 0 <= interval <= num_layers:
+        raise ConfigError(f"train.activation_checkpoint_interval={interval} must be in [0, model.num_layers="
+                          f"{num_layers}] (blocks per chunk under full recomputation; 0 for one)")
+    if interval and train.activation_checkpoint in ("none", "selective"):
+        raise ConfigError(
+            f"train.activation_checkpoint={train.activation_checkpoint} with train.activation_checkpoint_interval="
+            f"{interval}: the interval is the chunk size of full recomputation; set "
+            f"train.activation_checkpoint_interval=0, or train.activation_checkpoint=full to recompute chunks of "
+            f"{interval} blocks"
+        )
 
 
 def _validate_schedule(train: TrainConfig) -> None:

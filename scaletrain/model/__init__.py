@@ -18,5 +18,8 @@ if TYPE_CHECKING:
 
 
 def build_model(config: Config) -> nn.Module:
-    """The config's family on this process's TP rank; its forward takes the batch keys as keyword arguments."""
-    return get_family(config.model.family).build(config)
+    """The config's family on this process's TP rank, recomputing as train.activation_checkpoint says; its
+    forward takes the batch keys as keyword arguments."""
+    from scaletrain.model.family import apply_recompute
+
+    return apply_recompute(get_family(config.model.family).build(config), config.train)

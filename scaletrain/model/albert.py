@@ -44,6 +44,7 @@ from scaletrain.model.bert import (
     pipeline_evaluation_counts,
     replicated_linear,
 )
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init
@@ -200,7 +201,7 @@ class ALBERT(BERT):
 
 
 def build(config: Config) -> ALBERT:
-    return ALBERT(pipeline_layers(config), config.train.activation_checkpoint_interval)
+    return ALBERT(pipeline_layers(config), config.train.full_recompute_interval)
 
 
 def counts(config: Config, labelled: float | None = None) -> ModelCounts:
@@ -234,6 +235,8 @@ def counts(config: Config, labelled: float | None = None) -> ModelCounts:
 
 
 def validate(config: Config) -> None:
+    refuse_loss_chunking(config, "its masked-LM logits are made at the masked positions only (about 15% of the "
+                                 "tokens) and take a bias after the output layer")
     model, parallel = config.model, config.parallel
     if model.sharing not in SHARING:
         raise ConfigError(f"model.sharing={model.sharing!r}; use all (ALBERT), attention, ffn or none")
@@ -251,11 +254,12 @@ def validate(config: Config) -> None:
             "blocks on several stages cannot be tied; pipeline ALBERT with model.sharing=all or none, or train "
             "this one with tensor and data parallelism (parallel.pipeline=1)"
         )
-    if parallel.pipeline > 1 and model.sharing == "all" and config.train.activation_checkpoint_interval:
+    if parallel.pipeline > 1 and model.sharing == "all" and config.train.recompute == "full":
         raise ConfigError(
-            "train.activation_checkpoint_interval with parallel.pipeline>1 and model.sharing=all: DeepSpeed "
-            "recomputes only the layers a stage builds itself, not the shared block it runs; set the interval "
-            "to 0, or recompute with parallel.pipeline=1 or model.sharing=none"
+            "train.activation_checkpoint=full (or train.activation_checkpoint_interval > 0) with parallel.pipeline>1 "
+            "and model.sharing=all: DeepSpeed recomputes only the layers a stage builds itself, not the shared "
+            "block it runs; use train.activation_checkpoint=selective (or none) with "
+            "train.activation_checkpoint_interval=0, or recompute fully with parallel.pipeline=1 or model.sharing=none"
         )
 
 

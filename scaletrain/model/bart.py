@@ -35,6 +35,7 @@ from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.bart_noising import DenoisingNoise
 from scaletrain.data.errors import DataError
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init
@@ -225,7 +226,7 @@ def architecture(config: Config) -> BartArchitecture:
 
 def build(config: Config) -> BART:
     return BART(architecture(config), model_parallel_config(config), config.train.seed,
-                config.train.activation_checkpoint_interval)
+                config.train.full_recompute_interval)
 
 
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
@@ -257,6 +258,8 @@ def counts(config: Config) -> ModelCounts:
 
 
 def validate(config: Config) -> None:
+    refuse_loss_chunking(config, "its logits take final_logits_bias after the output layer, which the chunked loss "
+                                 "does not add")
     model, objective = config.model, config.objective
     positions = model.max_position_embeddings
     if positions is not None and positions < model.seq_length:

@@ -15,6 +15,7 @@ from torch import nn
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.masking import SPAN_BOUNDARY_KEYS, masking_budget
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
@@ -387,7 +388,7 @@ def _inputs(tokens: torch.Tensor, token_types: torch.Tensor | None, padding_mask
 
 
 def build(config: Config) -> BERT:
-    return BERT(pipeline_layers(config), config.train.activation_checkpoint_interval)
+    return BERT(pipeline_layers(config), config.train.full_recompute_interval)
 
 
 def evaluation_counts(model: BERT, batch: Batch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -454,6 +455,8 @@ def counts(config: Config, labelled: float | None = None) -> ModelCounts:
 
 
 def validate(config: Config) -> None:
+    refuse_loss_chunking(config, "its masked-LM logits are made at the masked positions only (about 15% of the "
+                                 "tokens) and take a bias after the output layer")
     model = config.model
     if model.layernorm_position not in LAYERNORM_POSITIONS:
         raise ConfigError(f"model.layernorm_position={model.layernorm_position!r}; use post (BERT) or pre")

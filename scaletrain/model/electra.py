@@ -46,6 +46,7 @@ from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.replaced_tokens import REPLACEMENT_UNIFORMS
 from scaletrain.model.bert import BertEmbedding, DecoderBias, labelled_positions, replicated_linear
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init
@@ -314,8 +315,10 @@ def electra_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
     included, as google-research/electra weights by the input mask and HF's ElectraForPreTraining)."""
     outputs = ElectraOutputs(*outputs)
     targets = labels[0].transpose(0, 1)[labels[0].transpose(0, 1) != IGNORE_INDEX]
+    # a copy also in fp32: megatron's cross-entropy works in place on its input, and the generator logits ride
+    # past the discriminator's blocks, whose recomputed chunks keep them as inputs (train.activation_checkpoint)
     generator_loss = tensor_parallel.vocab_parallel_cross_entropy(
-        outputs.generator_logits.float(), targets).sum() / max(targets.numel(), 1)
+        outputs.generator_logits.to(torch.float32, copy=True), targets).sum() / max(targets.numel(), 1)
     real = outputs.padding_mask.bool()
     discriminator_loss = F.binary_cross_entropy_with_logits(
         outputs.discriminator_logits.float()[real], outputs.replaced[real].float())
@@ -351,7 +354,7 @@ class ELECTRA(LayeredModel):
 
 
 def build(config: Config) -> ELECTRA:
-    return ELECTRA(pipeline_layers(config), config.train.activation_checkpoint_interval)
+    return ELECTRA(pipeline_layers(config), config.train.full_recompute_interval)
 
 
 AUC_BINS = 4096  # histogram bins of discriminator logits over AUC_LOGIT_RANGE; the ends take the rest
@@ -450,6 +453,8 @@ def counts(config: Config, labelled: float | None = None) -> ModelCounts:
 
 
 def validate(config: Config) -> None:
+    refuse_loss_chunking(config, "its generator's logits are made at the masked positions only (about 15% of the "
+                                 "tokens) and are sampled from")
     model, tensor = config.model, config.parallel.tensor
     if model.head_dim is not None:
         raise ConfigError(f"model.head_dim={model.head_dim}; ELECTRA's heads are hidden_size / num_heads, "

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from scaletrain.batch import Batch, BatchSchema
-from scaletrain.model.layers import run_in_chunks
+from scaletrain.config import ConfigError
+from scaletrain.model.layers import recompute_attention_cores, run_in_chunks
 
 if TYPE_CHECKING:
-    from scaletrain.config import Config, ModelConfig
+    from scaletrain.config import Config, ModelConfig, TrainConfig
     from scaletrain.model.counts import ModelCounts
 
 Activations = tuple[torch.Tensor, ...]
@@ -162,6 +163,22 @@ class LayeredModel(nn.Module):
         output layer's, or one merged into another module's place, both used in this model's
         forward. ZeRO-3 must gather them for it."""
         return [(self, parameter) for parameter in self._borrowed]
+
+
+def apply_recompute(module: nn.Module, train: TrainConfig) -> nn.Module:
+    """train.activation_checkpoint on a built model or pipeline stage, returned. Full recomputation is the
+    chunked run of blocks the family passes its model (train.full_recompute_interval; DeepSpeed's
+    PipelineModule in stages); selective marks every attention core to be recomputed
+    (layers.ParallelAttention); auto is decided for the device when a run starts (planner/recompute.py)."""
+    if train.recompute == "auto":
+        raise ConfigError("train.activation_checkpoint=auto is decided from the GPU's memory when a run starts "
+                          "(planner/recompute.py resolve_recompute); resolve it before building the model, or set "
+                          "train.activation_checkpoint to none, selective or full")
+    # a whole model without one has an attention of another kind (a pipeline stage may hold no block)
+    if train.recompute == "selective" and not recompute_attention_cores(module) and isinstance(module, LayeredModel):
+        raise ConfigError("train.activation_checkpoint=selective recomputes the attention cores of the shared "
+                          "ParallelAttention, and this model has none; use train.activation_checkpoint=full or none")
+    return module
 
 
 def _run_chunked(

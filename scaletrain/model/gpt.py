@@ -21,6 +21,7 @@ from scaletrain.model.attention_masks import (
     positions_in_document,
     visible_keys,
 )
+from scaletrain.model.chunked_cross_entropy import DeferredLogits, as_logits, defer_lm_logits
 from scaletrain.model.counts import MLPCounts, ModelCounts, mlp_counts
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import normal_init, residual_std
@@ -201,7 +202,10 @@ def run_final_norm(norm: nn.Module, activations: tuple, **_) -> tuple:
     return (norm(activations[0]),)
 
 
-def _tied_output(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = None, **_) -> tuple:
+def _tied_output(embedding: GPTEmbedding, activations: tuple, loss_chunk_size: int = 0, **_) -> tuple:
+    """Logits with the word embedding; with train.loss_chunk_size, its input and weight for the chunked loss."""
+    if loss_chunk_size:
+        return (defer_lm_logits(activations[0], embedding.word.weight, embedding.sequence_parallel, loss_chunk_size),)
     return (parallel_lm_logits(activations[0], embedding.word.weight, embedding.sequence_parallel),)
 
 
@@ -215,8 +219,9 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
                         is_block=True) for layer in range(model.num_layers)),
         PipelineLayer("final_norm", lambda: sequence_parallel_region(
             config, nn.LayerNorm(model.hidden_size, eps=model.layernorm_eps)), run_final_norm),
-        PipelineLayer("output", lambda: GPTEmbedding(config), _tied_output, tied_to="embedding",
-                      tied_weight="word.weight"),
+        PipelineLayer("output", lambda: GPTEmbedding(config),
+                      functools.partial(_tied_output, loss_chunk_size=config.train.loss_chunk_size),
+                      tied_to="embedding", tied_weight="word.weight"),
     ]
 
 
@@ -225,9 +230,10 @@ def lm_loss(outputs: tuple, labels: tuple) -> torch.Tensor:
     return decoder_loss(outputs[0], labels[0])
 
 
-def decoder_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [seq, batch, vocab / TP] over labels [batch, seq] != -100;
-    under context parallelism this rank's share of its replica's mean (context_parallel_token_mean)."""
+def decoder_loss(logits: torch.Tensor | DeferredLogits, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [seq, batch, vocab / TP] (or the output layer's DeferredLogits)
+    over labels [batch, seq] != -100; under context parallelism this rank's share of its replica's mean
+    (context_parallel_token_mean)."""
     return context_parallel_token_mean(*masked_vocab_parallel_loss_sum(logits, local_tokens(labels)))
 
 
@@ -250,12 +256,12 @@ class DecoderLM(LayeredModel):
         if cache is not None:
             cache.length += tokens.shape[1]
         if labels is None:
-            return logits.transpose(0, 1)
+            return as_logits(logits).transpose(0, 1)
         return decoder_loss(logits, labels)
 
 
 def build(config: Config) -> DecoderLM:
-    return DecoderLM(pipeline_layers(config), config.train.activation_checkpoint_interval)
+    return DecoderLM(pipeline_layers(config), config.train.full_recompute_interval)
 
 
 def model_flops_per_token(model: ModelConfig, vocab_size: int) -> float:

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.model.attention_masks import causal_mask, sliding_window_mask
+from scaletrain.model.chunked_cross_entropy import DeferredLogits, chunked_vocab_parallel_cross_entropy
 from scaletrain.model.init import InitMethod
 from scaletrain.parallel.context_parallel import RingMask, ring_attention
 from scaletrain.parallel.sequence_parallel import sequence_parallel_lm_logits
@@ -147,6 +149,19 @@ class ParallelAttention(nn.Module):
     full (small) `key_value` weight and uses its own group's heads, as Megatron replicates them;
     the weight enters through megatron's copy-to-TP-region, so its gradient is the sum over ranks
     and stays identical on all of them.
+
+    `recompute_core` (train.activation_checkpoint=selective, set by `recompute_attention_cores`) is
+    Megatron's selective recomputation (Korthikanti et al. 2022, sec. 4.3): in training the core,
+    softmax(QK^T·scale + mask)V (`_core`), runs under a non-reentrant checkpoint, so backward recomputes
+    it from the q, k, v and mask it keeps, while every linear layer keeps its input as before. That core
+    holds the activations that grow as s² (the math kernel's softmax, its dropout mask and output; ring
+    attention's per-block probabilities; a fused kernel's additive mask) at a cost of its own forward,
+    4·s·d_attn FLOPs per token, no GEMM of the weights and no TP communication. Under a fused kernel
+    (flash, or the memory-efficient kernel with a mask) only the fp32 logsumexp and the additive mask are
+    freed: the output is the output projection's input, which keeps it anyway, and q, k, v stay as the
+    checkpoint's inputs. Recomputing more (the QKV or output projection with it) would free s·b·h-sized
+    tensors at a GEMM's cost, the trade full recomputation already makes with more memory freed per FLOP,
+    so selective stops at the core (planner/activations.py counts what each mode keeps).
     """
 
     def __init__(
@@ -176,6 +191,7 @@ class ParallelAttention(nn.Module):
         self.causal, self.dropout, self.scale, self.rotary = causal, dropout, scale, rotary
         self.sliding_window = sliding_window  # causal only: query i sees keys i - W < j <= i (attention_masks.py)
         self.layer_index = layer_index  # its slot in a KVCache
+        self.recompute_core = False  # selective recomputation of the attention core (class docstring)
         inner, kv_inner = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.fused = not cross and self.num_kv_heads == num_heads
         if self.fused:
@@ -231,16 +247,26 @@ class ParallelAttention(nn.Module):
         if cache is not None:
             keep = None if self.sliding_window is None else self.sliding_window - 1
             key, value = cache.extend(self.layer_index, key, value, keep)
-        if ring is not None:
-            context = ring_attention(query, key, value, ring.positions, ring.visible, self.scale,
-                                     self.dropout if self.training else 0.0)
-            return self._output(context)
-        mask, causal = self._causal_limits(mask, query.shape[2], key.shape[2], hidden.device)
-        context = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal, scale=self.scale, enable_gqa=key.shape[1] != query.shape[1],
-        )
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            context = checkpoint(self._core, query, key, value, mask, ring, use_reentrant=False)
+        else:
+            context = self._core(query, key, value, mask, ring)
         return self._output(context)
+
+    def _core(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+        ring: RingMask | None,
+    ) -> torch.Tensor:
+        """softmax(QK^T·scale + mask)V over this rank's heads, [batch, local heads, seq, head_dim]: SDPA, or
+        ring attention round the context-parallel ranks."""
+        dropout = self.dropout if self.training else 0.0
+        if ring is not None:
+            return ring_attention(query, key, value, ring.positions, ring.visible, self.scale, dropout)
+        mask, causal = self._causal_limits(mask, query.shape[2], key.shape[2], query.device)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
 
     def _output(self, context: torch.Tensor) -> torch.Tensor:
         """The row-parallel output projection of context [batch, local heads, seq, head_dim]."""
@@ -431,10 +457,18 @@ class TransformerBlock(nn.Module):
         return hidden + self.dropout(self.mlp(self.mlp_norm(hidden)))
 
 
+def recompute_attention_cores(module: nn.Module) -> int:
+    """Selective recomputation (train.activation_checkpoint=selective) on a built model or pipeline stage:
+    every attention layer in it recomputes its core in backward (ParallelAttention). Returns how many."""
+    attentions = [layer for layer in module.modules() if isinstance(layer, ParallelAttention)]
+    for attention in attentions:
+        attention.recompute_core = True
+    return len(attentions)
+
+
 def run_in_chunks(steps: list[Callable[[Any], Any]], value: tuple, interval: int) -> tuple:
     """Apply `steps` (blocks) in order; with interval k > 0 keep only each k-step chunk's input and
     recompute its activations in backward (Chen et al. 2016; Megatron's "uniform" recomputation)."""
-    from torch.utils.checkpoint import checkpoint
 
     def run(chunk: list[Callable[[Any], Any]], value: Any) -> Any:
         for step in chunk:
@@ -497,11 +531,17 @@ def masked_vocab_parallel_loss(logits: torch.Tensor, labels: torch.Tensor) -> to
     return loss_sum / count.clamp(min=1)
 
 
-def masked_vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_vocab_parallel_loss_sum(
+    logits: torch.Tensor | DeferredLogits, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross-entropy, count) over the labels that are not IGNORE_INDEX: masked_vocab_parallel_loss's
-    parts, for a mean over tokens spread across ranks (context parallelism)."""
+    parts, for a mean over tokens spread across ranks (context parallelism). DeferredLogits (the output
+    layer under train.loss_chunk_size) are projected and scored a chunk of tokens at a time."""
     labels = labels.transpose(0, 1).contiguous()
     predicted = labels != IGNORE_INDEX
     # megatron's loss has no ignore index: score ignored positions against id 0, then drop them.
-    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
+    if isinstance(logits, DeferredLogits):
+        losses = chunked_vocab_parallel_cross_entropy(logits, labels.clamp(min=0))
+    else:
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
     return (losses * predicted).sum(), predicted.sum()

@@ -17,6 +17,7 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.config import Config, ConfigError
+from scaletrain.model.chunked_cross_entropy import defer_lm_logits
 from scaletrain.model.counts import ModelCounts, mlp_counts
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
 from scaletrain.model.gpt import (
@@ -123,7 +124,14 @@ def _embed(embedding: LlamaEmbedding, activations: tuple, **_) -> tuple:
     return (embedding(local_tokens(tokens)), *rest)
 
 
-def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, **_) -> tuple:
+def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, loss_chunk_size: int = 0,
+            **_) -> tuple:
+    """Logits; with train.loss_chunk_size, the layer's input and weight for the chunked loss (the
+    ColumnParallelLinear's own copy / SP gather, without its matmul). The weight is read outside the
+    layer's forward: under ZeRO-3 DeepSpeed's engine finds it there (ZeROOrderedDict registers a partitioned
+    parameter read during the engine's forward as external, and gathers it)."""
+    if loss_chunk_size:
+        return (defer_lm_logits(activations[0], output.weight, output.sequence_parallel, loss_chunk_size),)
     logits, _ = output(activations[0])
     return (logits,)
 
@@ -138,12 +146,13 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
                         is_block=True) for layer in range(model.num_layers)),
         PipelineLayer("final_norm", lambda: sequence_parallel_region(
             config, RMSNorm(model.hidden_size, model.layernorm_eps)), run_final_norm),
-        PipelineLayer("output", lambda: output_layer(config), _output),
+        PipelineLayer("output", lambda: output_layer(config),
+                      functools.partial(_output, loss_chunk_size=config.train.loss_chunk_size)),
     ]
 
 
 def build(config: Config) -> DecoderLM:
-    return DecoderLM(pipeline_layers(config), config.train.activation_checkpoint_interval)
+    return DecoderLM(pipeline_layers(config), config.train.full_recompute_interval)
 
 
 def counts(config: Config) -> ModelCounts:

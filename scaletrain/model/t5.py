@@ -43,6 +43,7 @@ from torch import nn
 from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.span_corruption import random_spans_helper
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
 from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
 from scaletrain.model.init import InitMethod, normal_init
@@ -459,7 +460,7 @@ def architecture(config: Config) -> T5Architecture:
 
 def build(config: Config) -> T5:
     return T5(architecture(config), model_parallel_config(config), config.train.seed,
-              config.train.activation_checkpoint_interval)
+              config.train.full_recompute_interval)
 
 
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
@@ -521,6 +522,7 @@ def target_length(config: Config) -> int:
 
 
 def validate(config: Config) -> None:
+    refuse_loss_chunking(config, "its decoder's output layer still makes the logits whole")
     model, tensor = config.model, config.parallel.tensor
     if model.ffn_activation not in FFN_ACTIVATIONS:
         raise ConfigError(f"model.ffn_activation={model.ffn_activation!r}; use relu or gated-gelu")

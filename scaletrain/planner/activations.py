@@ -5,7 +5,9 @@ Models", sec. 4.1-4.2. Per block and micro-batch, with 16-bit activations and 1-
     s*b*h*(34 + 5*a*s/h)                   no parallelism,
     s*b*h*(10 + 24/t + 5*a*s/(h*t))        tensor parallelism t, no sequence parallelism,
     s*b*h*(34 + 5*a*s/h) / t               tensor + sequence parallelism,
-    2*s*b*h                                full recomputation (only the block input is kept).
+    2*s*b*h                                full recomputation (only the block input is kept),
+    s*b*h*(10 + 24/t)                      selective recomputation (sec. 4.3: the attention core's
+                                           5as/(ht) is recomputed, everything else kept; 34 at t = 1).
 We keep their grouping but count each tensor in its real dtype, which is what lets the formula
 be checked against a CPU fp32 run (tests/planner/test_memory.py):
 - replicated (their 10 bytes): LayerNorm inputs and outputs, 4 tensors of s*b*h, plus the two
@@ -29,6 +31,14 @@ that returned another layout would add s*b*h/t per block).
 Hidden dropout masks are bool (1 byte) in CUDA's fused dropout but tensors of the activation
 dtype in the CPU fallback; `dropout_mask_bytes` says which. At dropout = 0 nothing is stored.
 
+Selective recomputation (model/layers.py ParallelAttention) runs the core, softmax(QK^T)V, under a
+checkpoint that keeps its inputs: q, k, v (the QKV output, already counted) and the mask the block
+passes in, a boolean [b, 1, s, s] under document masking (1 byte; a window's mask is built inside the
+core and recomputed). It frees the attention term (the s x s softmax, dropout mask and output of the math
+kernel, or a fused kernel's logsumexp) and the additive mask a fused kernel keeps; the attention output
+stays, as the output projection's input. Backward rebuilds one core at a time, so one block's attention
+term and additive mask are an extra working set at the peak.
+
 Outside the blocks: the first stage keeps the token and position ids (and, at TP > 1, the
 vocab-parallel embedding's out-of-shard mask); the last stage keeps the final LayerNorm's input,
 statistics and output, and the vocab-parallel cross-entropy keeps exp(logits) in fp32, s*b*V/t.
@@ -45,13 +55,32 @@ output layer. Measured per rank at TP=2 on a megatron-built block (tests/planner
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, replace
 
 from scaletrain.config import ModelConfig
 
 ATTENTION_KERNELS = ("flash", "math")
 INDEX_BYTES = 8  # token ids and targets are int64
 STATISTIC_BYTES = 4  # LayerNorm mean/rstd and attention logsumexp are fp32 even for bf16 inputs
+
+
+class Recompute(enum.IntEnum):
+    """What backward recomputes (train.activation_checkpoint). An int whose false value recomputes nothing and
+    whose 1 is full, so the bool a layout's recompute was (True: full) keeps its meaning."""
+
+    NONE = 0
+    FULL = 1  # every block from its input (Korthikanti et al. 2022, sec. 4.2)
+    SELECTIVE = 2  # each block's attention core (sec. 4.3)
+
+    @property
+    def setting(self) -> str:
+        """Its train.activation_checkpoint value."""
+        return self.name.lower()
+
+
+# cheapest in time first, least memory last: the order `auto` tries them in and the planner breaks ties by
+RECOMPUTE_BY_COST = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
 @dataclass(frozen=True)
@@ -134,6 +163,14 @@ def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: Activat
     return seq * seq * settings.activation_bytes if window is not None and window < seq else 0.0
 
 
+def selective_block_activations(model: ModelConfig, micro_batch: int, block: BlockActivations) -> BlockActivations:
+    """What a block keeps when its attention core is recomputed (module docstring): no attention term and
+    no additive mask, but the boolean document mask the core's checkpoint keeps as an input."""
+    documents = getattr(model, "document_masking", False)
+    return replace(block, attention=0.0,
+                   attention_mask=micro_batch * model.seq_length * model.seq_length if documents else 0.0)
+
+
 def stage_activations(
     model: ModelConfig,
     vocab_size: int,
@@ -142,21 +179,25 @@ def stage_activations(
     layers: int,
     first_stage: bool,
     last_stage: bool,
-    recompute: bool,
+    recompute: Recompute,
     settings: ActivationSettings,
 ) -> StageActivations:
     """Activations of one micro-batch on a stage of `layers` blocks.
 
     With full recomputation each block keeps only its input (Korthikanti sec. 4.2: 2sbh at
     16 bits), and backward rebuilds one block at a time, so one block's activations are an
-    extra working set at the peak.
+    extra working set at the peak; with selective recomputation, one block's attention core
+    (module docstring).
     """
     tokens = model.seq_length * micro_batch
     sequence_split = settings.sequence_split(tensor_parallel)
     block = block_activations(model, micro_batch, tensor_parallel, settings)
-    if recompute:
+    if recompute == Recompute.FULL:
         per_block = tokens * model.hidden_size * settings.activation_bytes / sequence_split
         stored, working_set = layers * per_block, block.total
+    elif recompute == Recompute.SELECTIVE:
+        kept = selective_block_activations(model, micro_batch, block)
+        stored, working_set = layers * kept.total, block.attention + block.attention_mask
     else:
         stored, working_set = layers * block.total, 0.0
     if first_stage:

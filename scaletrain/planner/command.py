@@ -15,10 +15,11 @@ from pathlib import Path
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.planner.activations import ATTENTION_KERNELS
+from scaletrain.planner.kernel_time import DEVICES
 from scaletrain.planner.report import format_plan
 from scaletrain.planner.search import DEFAULT_MAX_MICRO_BATCH, DEFAULT_MEMORY_RESERVE, plan
 from scaletrain.planner.step_time import (
-    DEFAULT_COMPUTE_EFFICIENCY,
+    DEFAULT_DEVICE,
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_INTER_NODE_BANDWIDTH,
     DEFAULT_INTRA_NODE_BANDWIDTH,
@@ -53,7 +54,8 @@ def run_plan(
     gpus: int,
     gpu_memory: str,
     gpu_peak_tflops: float = DEFAULT_PEAK_TFLOPS,
-    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY,
+    device: str = DEFAULT_DEVICE,
+    hbm_gbps: float | None = None,
     intra_node_gbps: float = DEFAULT_INTRA_NODE_BANDWIDTH / 1e9,
     inter_node_gbps: float = DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
@@ -63,12 +65,13 @@ def run_plan(
     top: int = DEFAULT_TOP,
 ) -> str:
     """Load the config, evaluate every layout, and return the report to print."""
+    if device not in DEVICES:
+        raise ConfigError(f"--device {device!r} is unknown; use one of {', '.join(DEVICES)}")
+    hbm_gbps = DEVICES[device].memory_bandwidth / 1e9 if hbm_gbps is None else hbm_gbps
     for name, value in (("--gpu-peak-tflops", gpu_peak_tflops), ("--intra-node-gbps", intra_node_gbps),
-                        ("--inter-node-gbps", inter_node_gbps)):
+                        ("--inter-node-gbps", inter_node_gbps), ("--hbm-gbps", hbm_gbps)):
         if value <= 0:
             raise ConfigError(f"{name} {value} must be > 0")
-    if not 0 < compute_efficiency <= 1:
-        raise ConfigError(f"--compute-efficiency {compute_efficiency} must be in (0, 1], e.g. 0.5")
     for name, value in (("--gpus-per-node", gpus_per_node), ("--max-micro-batch", max_micro_batch), ("--top", top)):
         if value < 1:
             raise ConfigError(f"{name} {value} must be >= 1")
@@ -76,7 +79,7 @@ def run_plan(
         raise ConfigError(f"--attention {attention!r} is unknown; use one of {', '.join(ATTENTION_KERNELS)}")
     config = load_config(config_path, overrides)
     hardware = Hardware(
-        peak_flops=gpu_peak_tflops * 1e12, compute_efficiency=compute_efficiency,
+        peak_flops=gpu_peak_tflops * 1e12, memory_bandwidth=hbm_gbps * 1e9, device=device,
         intra_node_bandwidth=intra_node_gbps * 1e9, inter_node_bandwidth=inter_node_gbps * 1e9,
         gpus_per_node=gpus_per_node,
     )
@@ -92,9 +95,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB")
     parser.add_argument("--gpu-peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
                         help=f"dense bf16 peak per GPU, e.g. H100 SXM 989, A100 312 (default: {DEFAULT_PEAK_TFLOPS:g})")
-    parser.add_argument("--compute-efficiency", type=float, default=DEFAULT_COMPUTE_EFFICIENCY,
-                        help="achievable fraction of peak for the model's matmuls "
-                             f"(default: {DEFAULT_COMPUTE_EFFICIENCY:g})")
+    parser.add_argument("--device", choices=DEVICES, default=DEFAULT_DEVICE,
+                        help="the GPU, for its HBM bandwidth and its measured GEMM table where one exists "
+                             f"(scaletrain/planner/gemm_DEVICE.json) (default: {DEFAULT_DEVICE})")
+    parser.add_argument("--hbm-gbps", type=float, default=None,
+                        help="HBM GB/s per GPU, for memory-bound kernels and small GEMMs; unset: the device's, "
+                             + ", ".join(f"{name} {spec.memory_bandwidth / 1e9:g}" for name, spec in DEVICES.items()))
     parser.add_argument("--intra-node-gbps", type=float, default=DEFAULT_INTRA_NODE_BANDWIDTH / 1e9,
                         help=f"NVLink GB/s per GPU and direction (default: {DEFAULT_INTRA_NODE_BANDWIDTH / 1e9:g})")
     parser.add_argument("--inter-node-gbps", type=float, default=DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
@@ -115,7 +121,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def plan_from_args(args: argparse.Namespace) -> str:
     return run_plan(
         args.config, args.overrides, args.gpus, args.gpu_memory, args.gpu_peak_tflops,
-        compute_efficiency=args.compute_efficiency, intra_node_gbps=args.intra_node_gbps,
+        device=args.device, hbm_gbps=args.hbm_gbps, intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps, gpus_per_node=args.gpus_per_node,
         memory_reserve=args.memory_reserve, attention=args.attention,
         max_micro_batch=args.max_micro_batch, top=args.top,

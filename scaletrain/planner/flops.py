@@ -8,12 +8,18 @@ registered family has one; for BERT, whose MLM head runs on the masked tokens on
 upper bound), and the blocks, the rest. Full activation recomputation runs the blocks' forward
 a second time, so the hardware does one more forward of the blocks, not of the logits
 (Narayanan et al. 2021's 96*B*s*l*h^2*(1 + s/6h + V/16lh) per step of B sequences for GPT).
+Selective recomputation runs each block's attention core forward a second time: its scores QK^T and
+their weighted sum of values, 4*s*d_attn per token (Korthikanti et al. 2022, sec. 4.3; Kaplan et al.
+2020, table 1), over the full s x s square as model/counts.py counts it; like the memory model it charges
+every block a decoder block's self-attention (T5's cross-attention is not counted).
 """
 
 from __future__ import annotations
 
 from scaletrain.config import Config
 from scaletrain.model.counts import model_counts
+from scaletrain.planner.activations import Recompute
+from scaletrain.planner.params import num_blocks
 
 
 def model_flops_per_token(config: Config) -> float:
@@ -31,7 +37,21 @@ def blocks_forward_flops_per_token(config: Config) -> float:
     return max(model_flops_per_token(config) - logits_flops_per_token(config), 0.0) / 3
 
 
-def hardware_flops_per_token(config: Config, recompute: bool) -> float:
-    """FLOPs the GPUs execute per token: model FLOPs plus the recomputed forward of the blocks."""
-    recomputed = blocks_forward_flops_per_token(config) if recompute else 0.0
-    return model_flops_per_token(config) + recomputed
+def attention_core_forward_flops_per_token(config: Config) -> float:
+    """Forward FLOPs of every block's attention core for one token, 4*s*d_attn per block."""
+    model = config.model
+    return 4 * model.seq_length * model.num_heads * model.attention_head_dim * num_blocks(config)
+
+
+def recomputed_flops_per_token(config: Config, recompute: Recompute) -> float:
+    """Forward FLOPs backward runs again per token: the blocks' (full) or their attention cores' (selective)."""
+    if recompute == Recompute.FULL:
+        return blocks_forward_flops_per_token(config)
+    if recompute == Recompute.SELECTIVE:
+        return attention_core_forward_flops_per_token(config)
+    return 0.0
+
+
+def hardware_flops_per_token(config: Config, recompute: Recompute) -> float:
+    """FLOPs the GPUs execute per token: model FLOPs plus what recomputation runs again."""
+    return model_flops_per_token(config) + recomputed_flops_per_token(config, recompute)

@@ -1,4 +1,5 @@
-"""Candidate parallel layouts (TP, CP, PP, DP, EP, ZeRO stage, micro-batch, recomputation) for a GPU count.
+"""Candidate parallel layouts (TP, CP, PP, DP, EP, ZeRO stage, micro-batch, recomputation: none, selective
+or full) for a GPU count.
 
 The rules are the ones our stack imposes, not preferences:
 - TP divides the heads, the FFN size and model.vocab_divisible_by (config validation), and stays
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.model.registry import get_family
+from scaletrain.planner.activations import RECOMPUTE_BY_COST, Recompute
 
 # DeepSpeed refuses ZeRO-3 with its native MoE layers ("Native DeepSpeed MoE is not supported with ZeRO
 # Stage 3", deepspeed/runtime/engine.py, 0.19), and so does our EP; the pipeline's ZeRO-0/1 rule applies on top.
@@ -37,7 +39,7 @@ class Layout:
     data: int
     zero_stage: int
     micro_batch: int
-    recompute: bool
+    recompute: Recompute  # none, selective or full (a bool still reads as none or full)
     expert: int = 1  # EP: ranks among the DP ones that split each MoE layer's experts
     context: int = 1  # context-parallel ranks each sequence is split over
 
@@ -85,7 +87,13 @@ def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
         settings["train.global_batch_size"] = global_batch
     else:
         settings["train.grad_accum"] = layout.micro_batches(global_batch)
-    settings["train.activation_checkpoint_interval"] = 1 if layout.recompute else 0
+    recompute = Recompute(layout.recompute)
+    settings["train.activation_checkpoint"] = recompute.setting
+    # full recomputation is modelled in chunks of one block (interval 0 or 1); any other interval the config
+    # sets would recompute longer chunks, or be refused beside none or selective
+    chunk = 1 if recompute == Recompute.FULL else 0
+    if config.train.activation_checkpoint_interval not in (0, chunk):
+        settings["train.activation_checkpoint_interval"] = chunk
     return settings
 
 
@@ -135,5 +143,5 @@ def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_b
                         continue
                     for ep in expert_parallel_sizes(config, dp):
                         for zero_stage in (z for z in zero_stages if ep == 1 or z in expert_zero_stages):
-                            for recompute in (False, True):
+                            for recompute in RECOMPUTE_BY_COST:
                                 yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute, expert=ep, context=cp)

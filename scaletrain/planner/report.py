@@ -8,8 +8,13 @@ from collections.abc import Sequence
 
 from scaletrain.config import Config
 from scaletrain.model.counts import model_counts
-from scaletrain.planner.activations import attention_mask_bytes
-from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token, model_flops_per_token
+from scaletrain.planner.activations import Recompute, attention_mask_bytes
+from scaletrain.planner.flops import (
+    attention_core_forward_flops_per_token,
+    hardware_flops_per_token,
+    logits_flops_per_token,
+    model_flops_per_token,
+)
 from scaletrain.planner.layouts import Layout, layout_settings, num_experts
 from scaletrain.planner.memory import rank_parameters
 from scaletrain.planner.params import (
@@ -44,7 +49,8 @@ def _header(plan: Plan, title: str) -> str:
         f"vocab {config.data.vocab_size} (padded to {config.padded_vocab_size})",
         f"cluster: {plan.gpus} GPUs x {plan.gpu_memory / GIB:.2f} GiB ({plan.memory_budget / GIB:.2f} GiB usable; "
         "the rest is kept for the CUDA context, NCCL and DeepSpeed buffers and fragmentation), "
-        f"{hw.peak_flops / 1e12:.0f} TFLOP/s peak at {hw.compute_efficiency:.0%} achievable, "
+        f"{hw.peak_flops / 1e12:.0f} TFLOP/s peak, HBM {hw.memory_bandwidth / 1e9:.0f} GB/s "
+        f"({hw.device or 'no device'}), "
         f"NVLink {hw.intra_node_bandwidth / 1e9:.0f} GB/s within {hw.gpus_per_node}-GPU nodes, "
         f"{hw.inter_node_bandwidth / 1e9:.0f} GB/s between nodes",
         f"global batch: {plan.global_batch} sequences = {plan.global_batch * model.seq_length:,} tokens per step",
@@ -153,7 +159,8 @@ def _flops(plan: Plan) -> str:
     config = plan.config
     tokens = plan.global_batch * config.model.seq_length
     per_token = model_flops_per_token(config)
-    recomputed = hardware_flops_per_token(config, recompute=True)
+    recomputed = hardware_flops_per_token(config, Recompute.FULL)
+    selective = hardware_flops_per_token(config, Recompute.SELECTIVE)
     counts = model_counts(config)
     active = (f" (from the {counts.active_params / 1e9:.2f} B active parameters: each token's routed experts "
               "and the router, not all experts)" if counts.sparse else "")
@@ -163,8 +170,12 @@ def _flops(plan: Plan) -> str:
         f"FLOPs per token with full recomputation (hardware FLOPs): {recomputed / 1e12:.4f} TFLOP",
         f"  = model FLOPs + one more forward of the blocks (model FLOPs less the output layer's 6hV = "
         f"{logits_flops_per_token(config) / 1e12:.4f} TFLOP, divided by 3)",
-        f"FLOPs per step ({tokens:,} tokens): model {per_token * tokens:.4g}, "
-        f"with recomputation {recomputed * tokens:.4g}; the step-time model uses the hardware FLOPs of each layout",
+        f"FLOPs per token with selective recomputation: {selective / 1e12:.4f} TFLOP",
+        f"  = model FLOPs + one more forward of the attention cores, 4*s*d_attn per block = "
+        f"{attention_core_forward_flops_per_token(config) / 1e12:.4f} TFLOP",
+        f"FLOPs per step ({tokens:,} tokens): model {per_token * tokens:.4g}, with selective recomputation "
+        f"{selective * tokens:.4g}, with full {recomputed * tokens:.4g}; the step-time model uses the hardware "
+        "FLOPs of each layout",
     ])
 
 
@@ -186,8 +197,10 @@ def _memory_model(plan: Plan) -> str:
         f"activations per block and micro-batch, modelled for decoder blocks (GPT formula, charged to every "
         f"family's blocks), ranked with the {attention}; dropout masks only when model.dropout > 0"
         f"{_attention_mask_note(plan)}",
-        "recomp yes = full recomputation (train.activation_checkpoint_interval=1): 2sbh per block kept, plus one "
-        "block's activations rebuilt at a time in backward",
+        "recomp (train.activation_checkpoint): none = every block keeps the above; selective = each block's "
+        "attention core (softmax(QK^T)V) recomputed from its kept q, k, v: the attention term and the additive mask "
+        "are not kept, one core's rebuilt at a time in backward (its forward again: the FLOPs above); full = 2sbh "
+        "per block kept, one block's activations rebuilt at a time in backward (the blocks' forward again)",
         "pipeline buffers: 1F1B keeps min(PP - stage, m) micro-batches in flight (Narayanan et al. 2021), plus "
         "the outputs sent downstream; stages hold equal block counts (parallel.pipeline_partition=blocks); "
         "the fullest stage is reported",
@@ -226,9 +239,9 @@ def _table(plan: Plan, top: int) -> str:
     experts = bool(num_experts(plan.config))
     header = (
         f"{'#':>3} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>5}{' EP' if experts else ''} {'ZeRO':>4} {'mb':>3} "
-        f"{'recomp':>6} | {'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB "
+        f"{'recomp':>9} | {'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'pipe':>6} {'total':>6} GiB "
         f"{'stage':>5} | {'step s':>7} {'compute':>7} {'bubble':>6} {'comm':>6}{'    a2a' if experts else ''} "
-        f"{'MFU':>4}"
+        f"{'MFU':>4} {'time':>5}"
     )
     reasons: list[str] = []
     rows = []
@@ -239,6 +252,9 @@ def _table(plan: Plan, top: int) -> str:
         mark = f" [{reasons.index(reason) + 1}]" if reason is not None else ""
         rows.append(_row(rank, planned, experts) + mark)
     notes = [f"[{number}] this release's config rejects it: {reason}" for number, reason in enumerate(reasons, 1)]
+    notes.append("time: cal(ibrated) = every GEMM timed from the device's measured table and this model's step "
+                 "measured on it (scaletrain/planner/measured_steps.json); model(led) = a roofline for what was not "
+                 "measured (planner/kernel_time.py); compute includes the optimizer step")
     summary = (
         f"{len(plan.layouts)} layouts satisfy the constraints (TP divides the heads and is <= "
         f"{plan.hardware.gpus_per_node}, PP divides the layers, TP*CP*PP*DP = {plan.gpus}, "
@@ -256,11 +272,11 @@ def _row(rank: int, planned: PlannedLayout, experts: bool) -> str:
     all_to_all = f" {time.expert_parallel:>6.2f}" if experts else ""
     return (
         f"{rank:>3} {layout.tensor:>3} {layout.context:>3} {layout.pipeline:>3} {layout.data:>5}{expert_parallel} "
-        f"{layout.zero_stage:>4} {layout.micro_batch:>3} {'yes' if layout.recompute else 'no':>6} | "
+        f"{layout.zero_stage:>4} {layout.micro_batch:>3} {Recompute(layout.recompute).setting:>9} | "
         f"{memory.weights / GIB:>7.2f} {memory.gradients / GIB:>6.2f} {memory.optimizer / GIB:>6.2f} "
         f"{memory.activations / GIB:>6.2f} {memory.pipeline_buffers / GIB:>6.2f} {memory.total / GIB:>6.2f}     "
-        f"{planned.peak_stage:>5} | {time.total:>7.2f} {time.compute:>7.2f} {time.bubble:>6.2f} "
-        f"{time.communication:>6.2f}{all_to_all} {planned.mfu:>4.0%}"
+        f"{planned.peak_stage:>5} | {time.total:>7.2f} {time.compute + time.optimizer:>7.2f} {time.bubble:>6.2f} "
+        f"{time.communication:>6.2f}{all_to_all} {planned.mfu:>4.0%} {'cal' if planned.calibrated else 'model':>5}"
     )
 
 

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import validate
-from scaletrain.planner.activations import ActivationSettings
+from scaletrain.planner.activations import RECOMPUTE_BY_COST, ActivationSettings
 from scaletrain.planner.flops import model_flops_per_token
 from scaletrain.planner.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
+from scaletrain.planner.measured_steps import has_measured_step
 from scaletrain.planner.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
 from scaletrain.planner.step_time import Hardware, StepTime, predict_step_time
 
@@ -27,6 +28,9 @@ class PlannedLayout:
     step_time: StepTime
     mfu: float  # model FLOPs per step / (step time * GPUs * peak)
     fits: bool
+    # its step time rests on measurements: every GEMM from the device's table, and this model's whole step
+    # measured on the device (measured_steps.py); else it is modelled (kernel_time.py's fallback)
+    calibrated: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ def plan(
     global_batch = planning_global_batch(config)
     budget = gpu_memory * (1 - memory_reserve)
     step_flops = model_flops_per_token(config) * global_batch * config.model.seq_length
+    measured_model = has_measured_step(config, hardware.device)
     planned = []
     for layout in enumerate_layouts(config, gpus, hardware.gpus_per_node, max_micro_batch):
         stage, memory = peak_memory(config, layout, layout.micro_batches(global_batch), precision, settings)
@@ -82,10 +87,13 @@ def plan(
             config, layout, global_batch, hardware, precision.activation_bytes, precision.grad_bytes
         )
         mfu = step_flops / (time.total * gpus * hardware.peak_flops)
-        planned.append(PlannedLayout(layout, stage, memory, time, mfu, memory.total <= budget))
+        planned.append(PlannedLayout(layout, stage, memory, time, mfu, memory.total <= budget,
+                                     calibrated=measured_model and time.measured_gemms))
     if not planned:
         raise ConfigError(_no_layout_message(config, gpus, global_batch, hardware.gpus_per_node))
-    planned.sort(key=lambda p: (not p.fits, p.step_time.total if p.fits else 0.0, p.memory.total))
+    # at equal predicted step time, the layout that recomputes less first
+    planned.sort(key=lambda p: (not p.fits, p.step_time.total if p.fits else 0.0,
+                                RECOMPUTE_BY_COST.index(p.layout.recompute) if p.fits else 0, p.memory.total))
     return Plan(config, gpus, gpu_memory, budget, hardware, precision, settings, global_batch, planned)
 
 

@@ -1,17 +1,22 @@
-"""A simple step-time model for ranking layouts: compute, pipeline bubble, TP/PP/DP communication.
+"""A step-time model for ranking layouts: compute, pipeline bubble, TP/PP/DP communication.
 
-Assumptions (deliberately simple; the ranking, not the absolute time, is the product):
-- Compute: hardware FLOPs (flops.py: the family's own model FLOPs, split evenly over its blocks
-  plus the output layer; recomputation adds a forward of the blocks) at a fixed
-  fraction of peak, `compute_efficiency`. Default 0.5: Narayanan et al. 2021 (Table 1) sustain
-  44-52% of A100 peak end to end for 1-1000B GPTs. Small GEMMs (small micro-batch or large
-  TP) are not penalised, so the model prefers small micro-batches whenever PP > 1.
+Assumptions (the ranking is the product; the absolute time is checked against measured steps,
+measured_steps.json, within 15% by tests/planner/test_step_time.py):
+- Compute: per micro-batch, the last stage's work (step_work.py: every block's GEMMs, flash attention and
+  memory-bound passes, then the output layer and the fp32 loss), its forward, its backward (two GEMMs per
+  forward one, flash attention's 2.5x) and what backward recomputes (full: the blocks' forward; selective:
+  their attention cores' forward, Korthikanti et al. 2022, sec. 4.3), each timed on the
+  device (kernel_time.py: a GEMM by its shape, from the device's measured table where it has one, else a
+  roofline fallback). A family whose blocks hold more than a decoder block (T5's cross-attention) has them
+  timed as decoder blocks scaled to its counted FLOPs (step_work.blocks_flops_scale). Kernels do not
+  overlap, and launch overheads are not counted. Then, once per step, the optimizer step on the rank's
+  (ZeRO-partitioned) parameters, memory-bound: `OPTIMIZER_BYTES_PER_PARAMETER`.
 - Pipeline: 1F1B with m micro-batches per pipeline and p equal stages takes (m + p - 1) times
   the slowest stage's time per micro-batch, i.e. a bubble fraction (p - 1)/m (Narayanan et al.
   2021, sec. 2.2). The last stage is the slowest: it also computes the logits.
 - TP: per block and micro-batch (T5's decoder blocks' third, cross-attention all-reduce is not
   counted), 2 all-reduces of s*b*h activations forward (attention and MLP
-  outputs) and 2 backward (Shoeybi et al. 2019, sec. 3), 2 more with recomputation; ring
+  outputs) and 2 backward (Shoeybi et al. 2019, sec. 3), 2 more with full recomputation; ring
   all-reduce time 2(t-1)/t * bytes / bandwidth over NVLink (TP never leaves a node). Not
   overlapped with compute. The embedding and logits all-reduces (2 per step, not per block) are
   ignored.
@@ -21,7 +26,7 @@ Assumptions (deliberately simple; the ranking, not the absolute time, is the pro
   tied-embedding gradient all-reduce between the first and last stage (once per step) is ignored.
 - EP: per MoE layer and micro-batch, two all-to-alls forward (dispatch the tokens to their experts'
   ranks, combine the results back) and two backward (Lepikhin et al. 2021, GShard, sec. 2.2;
-  Rajbhandari et al. 2022, DeepSpeed-MoE, sec. 5), 2 more with recomputation; each moves a token's
+  Rajbhandari et al. 2022, DeepSpeed-MoE, sec. 5), 2 more with full recomputation; each moves a token's
   k copies, k*s*b*h activations per rank, of which (e-1)/e leave the rank. Every TP rank moves its own
   (no sequence parallelism with MoE). The EP group is e consecutive DP ranks, TP*e global ranks apart
   at most, so over NVLink when TP*e fits in a node, else the inter-node network. Not overlapped with
@@ -29,7 +34,7 @@ Assumptions (deliberately simple; the ranking, not the absolute time, is the pro
 - CP: a rank computes 1/CP of each sequence's tokens (and its TP all-reduces carry them), and the
   gradients are reduced over DP x CP ranks; per block and micro-batch the ring passes CP - 1 blocks of
   the rank's keys and values (counted at h wide; grouped-query heads send less) forward, their
-  gradients backward and, with recomputation, the keys and values again, over NVLink (TP*CP stays in a
+  gradients backward and, recomputing (full or selective), the keys and values again, over NVLink (TP*CP stays in a
   node), not overlapped with compute. The cost of its unfused block attention is not counted.
 - DP: once per step, gradients are all-reduced (ZeRO-0) or reduce-scattered with the updated
   weights all-gathered (ZeRO-1/2): 2(d-1)/d of the gradient bytes; ZeRO-3 also all-gathers the
@@ -47,12 +52,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.config import Config
-from scaletrain.planner.flops import blocks_forward_flops_per_token, logits_flops_per_token
+from scaletrain.planner.activations import Recompute
+from scaletrain.planner.kernel_time import DEVICES, KernelTimes, kernel_times
 from scaletrain.planner.layouts import Layout
 from scaletrain.planner.memory import expert_data_parallel, rank_parameters
 from scaletrain.planner.params import num_blocks
+from scaletrain.planner.step_work import blocks_flops_scale, loss_bytes, output_layer_gemm, stage_blocks
 
-DEFAULT_COMPUTE_EFFICIENCY = 0.5
+# AdamW on fp32 masters: the gradient read for the clipping norm and again for the update (2 x 4, fp32
+# accumulation), the master weight read and written (8), two moments read and written (16), the bf16 weight
+# written (2)
+OPTIMIZER_BYTES_PER_PARAMETER = 34
+DEFAULT_DEVICE = "h100"  # the default peak, 989 TFLOP/s, is an H100 SXM's
 DEFAULT_INTRA_NODE_BANDWIDTH = 360e9  # bytes/s per GPU per direction, NVLink
 DEFAULT_INTER_NODE_BANDWIDTH = 40e9  # bytes/s per GPU per direction, InfiniBand
 DEFAULT_GPUS_PER_NODE = 8
@@ -61,27 +72,33 @@ DEFAULT_GPUS_PER_NODE = 8
 @dataclass(frozen=True)
 class Hardware:
     peak_flops: float  # dense bf16 FLOP/s of one GPU
-    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY
+    memory_bandwidth: float = DEVICES[DEFAULT_DEVICE].memory_bandwidth  # HBM bytes/s of one GPU
+    device: str | None = None  # names its measured tables (kernel_time.py), e.g. "h200"; None: the fallback
     intra_node_bandwidth: float = DEFAULT_INTRA_NODE_BANDWIDTH
     inter_node_bandwidth: float = DEFAULT_INTER_NODE_BANDWIDTH
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+
+    def kernel_times(self) -> KernelTimes:
+        return kernel_times(self.peak_flops, self.memory_bandwidth, self.device)
 
 
 @dataclass(frozen=True)
 class StepTime:
     """Seconds per optimizer step, by cause."""
 
-    compute: float
+    compute: float  # the micro-batches' forward and backward
     bubble: float
     tensor_parallel: float
     pipeline_parallel: float
     data_parallel: float
     expert_parallel: float = 0.0  # the MoE layers' token all-to-alls
     context_parallel: float = 0.0  # the ring's keys and values
+    optimizer: float = 0.0  # the optimizer step
+    measured_gemms: bool = False  # every GEMM timed from the device's measured table, none by the fallback
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.communication
+        return self.compute + self.optimizer + self.bubble + self.communication
 
     @property
     def communication(self) -> float:
@@ -105,16 +122,11 @@ def predict_step_time(
     model = config.model
     micro_batches = layout.micro_batches(global_batch)
     tokens = model.seq_length * layout.micro_batch
-    blocks = num_blocks(config)
-    blocks_per_stage = blocks // layout.pipeline
-    passes = 4 if layout.recompute else 3  # forward, backward (2x), recomputed forward
-    block_flops = blocks_forward_flops_per_token(config) / blocks * passes
-    logits_flops = logits_flops_per_token(config)
-    last_stage_flops = tokens * (blocks_per_stage * block_flops + logits_flops)
-    compute = last_stage_flops / (layout.tensor * layout.context) / (hardware.peak_flops * hardware.compute_efficiency)
+    blocks_per_stage = num_blocks(config) // layout.pipeline
+    compute, measured_gemms = micro_batch_compute_seconds(config, layout, hardware.kernel_times(), activation_bytes)
 
     activation = tokens * model.hidden_size * activation_bytes / layout.context  # a CP rank's tokens
-    all_reduces = blocks_per_stage * (6 if layout.recompute else 4)
+    all_reduces = blocks_per_stage * (6 if layout.recompute == Recompute.FULL else 4)
     tensor_parallel = all_reduces * ring_all_reduce_seconds(activation, layout.tensor, hardware.intra_node_bandwidth)
     pipeline_parallel = 0.0
     if layout.pipeline > 1:
@@ -123,7 +135,7 @@ def predict_step_time(
         pipeline_parallel = 2 * activation / bandwidth
 
     expert_parallel = _expert_parallel_seconds(config, layout, hardware, activation_bytes)
-    ring_passes = (3 if layout.recompute else 2) * (layout.context - 1)  # K/V forward, gradients back
+    ring_passes = (3 if layout.recompute else 2) * (layout.context - 1)  # K/V forward, gradients back, recomputed
     context_parallel = blocks_per_stage * ring_passes * 2 * activation / layout.tensor / hardware.intra_node_bandwidth
     per_micro_batch = compute + tensor_parallel + pipeline_parallel + expert_parallel + context_parallel
     return StepTime(
@@ -134,7 +146,50 @@ def predict_step_time(
         data_parallel=_data_parallel_seconds(config, layout, hardware, grad_bytes),
         expert_parallel=micro_batches * expert_parallel,
         context_parallel=micro_batches * context_parallel,
+        optimizer=_optimizer_seconds(config, layout, hardware.kernel_times()),
+        measured_gemms=measured_gemms,
     )
+
+
+def micro_batch_compute_seconds(
+    config: Config, layout: Layout, times: KernelTimes, activation_bytes: int
+) -> tuple[float, bool]:
+    """One micro-batch's forward and backward on the last stage (module docstring), and whether every GEMM
+    in it was timed from measurements."""
+    blocks = num_blocks(config)
+    stage = range(blocks - blocks // layout.pipeline, blocks)
+    works = stage_blocks(config, stage, layout.micro_batch, layout.tensor, layout.expert, layout.context,
+                         activation_bytes)
+    seconds = 0.0
+    for work, count in works:
+        forward = (sum(map(times.gemm_seconds, work.gemms)) + times.attention_seconds(work.attention, "forward")
+                   + times.memory_seconds(work.elementwise_bytes))
+        backward = (sum(times.gemm_seconds(gradient) for gemm in work.gemms for gradient in gemm.backward())
+                    + times.attention_seconds(work.attention, "backward")
+                    + times.memory_seconds(2 * work.elementwise_bytes))
+        recomputed = {Recompute.FULL: forward, Recompute.SELECTIVE: times.attention_seconds(work.attention, "forward")}
+        seconds += count * (forward + backward + recomputed.get(layout.recompute, 0.0))
+    seconds *= blocks_flops_scale(config)
+    logits = output_layer_gemm(config, layout.micro_batch, layout.tensor, layout.context)
+    seconds += sum(map(times.gemm_seconds, (logits, *logits.backward())))
+    seconds += times.memory_seconds(loss_bytes(config, layout.micro_batch, layout.tensor, layout.context))
+    forward_gemms = [logits, *(gemm for work, _ in works for gemm in work.gemms)]
+    measured = all(times.measured_gemm_rate(g.m, g.n, g.k) is not None
+                   for gemm in forward_gemms for g in (gemm, *gemm.backward()))
+    return seconds, measured
+
+
+def _optimizer_seconds(config: Config, layout: Layout, times: KernelTimes) -> float:
+    """The slowest stage's optimizer step over its rank's partition: ZeRO-1/2/3 split it over DP (experts over
+    the DP / EP ranks holding them), which then all-gather the weights (the DP term)."""
+    def stage_parameters(stage: int) -> float:
+        params = rank_parameters(config, layout, stage)
+        if layout.zero_stage == 0:
+            return params.total
+        return params.dense.total / layout.data + params.experts.total / expert_data_parallel(layout)
+
+    parameters = max(stage_parameters(stage) for stage in {0, layout.pipeline - 1})
+    return times.memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * parameters)
 
 
 def _expert_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, activation_bytes: int) -> float:
@@ -147,7 +202,7 @@ def _expert_parallel_seconds(config: Config, layout: Layout, hardware: Hardware,
     dispatched = moe.top_k * config.model.seq_length * layout.micro_batch * config.model.hidden_size * activation_bytes
     in_node = layout.tensor * layout.expert <= hardware.gpus_per_node
     bandwidth = hardware.intra_node_bandwidth if in_node else hardware.inter_node_bandwidth
-    all_to_alls = moe_layers * (6 if layout.recompute else 4)
+    all_to_alls = moe_layers * (6 if layout.recompute == Recompute.FULL else 4)
     return all_to_alls * all_to_all_seconds(dispatched, layout.expert, bandwidth)
 
 

@@ -42,6 +42,7 @@ from scaletrain.parallel.placement import (
     hosts_of,
     place_lines,
 )
+from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
 from scaletrain.train.hooks import Hooks
@@ -77,12 +78,14 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
         stop_with_launcher()  # after the handlers: it may send this process SIGTERM
         config = resolve_for_world(config, world_size_from_environment())
         topology = init_distributed(config)
+        # auto recomputation is decided here, once, from the GPU's memory (planner/recompute.py)
+        config, recompute = resolve_recompute(config, device_memory(topology.device))
         places = gather_places(topology)
         check_tensor_parallel_within_hosts(places, topology.tensor_parallel_size)
         check_data_matches(config)
         lock = _lock_run_directory(Path(config.run.dir), topology)
         try:
-            return _train_locked(config, topology, places, signals)
+            return _train_locked(config, topology, places, signals, recompute)
         except RuntimeError as error:
             if topology.world_size > 1 and is_peer_failure(error):
                 raise RankLost(f"rank {topology.rank} on {places[topology.rank].host}: "
@@ -96,7 +99,7 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
 
 
 def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
-                  stop_signals: StopSignals) -> TrainState:
+                  stop_signals: StopSignals, recompute: RecomputeDecision) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks (CP ranks, holding other tokens, do not). Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.replica_rank)
@@ -113,7 +116,7 @@ def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
     state = _restore_or_start(engine, config, topology, run_dir, candidates)
     facts = {**_scaling_facts(config, topology), "hosts": hosts_of(places)}
     if topology.is_logging_rank:
-        print(_start_line(config, topology, facts, state), file=sys.stderr, flush=True)
+        print(_start_line(config, topology, facts, state, recompute), file=sys.stderr, flush=True)
         if topology.world_size > 1:
             print("\n".join(place_lines(places, topology)), file=sys.stderr, flush=True)
     logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, facts, resumed_step=state.step)
@@ -300,7 +303,8 @@ def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
             "global_batch_size": global_batch, "tokens_per_step": global_batch * config.model.seq_length}
 
 
-def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state: TrainState) -> str:
+def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state: TrainState,
+                recompute: RecomputeDecision) -> str:
     resumed = f"resuming at step {state.step} from {state.resumed_from}" if state.resumed_from else "starting at step 0"
     active = f", {facts['active_params']:,} active" if facts["active_params"] != facts["params"] else ""
     return (f"train: {config.model.family}, {facts['params']:,} parameters ({facts['non_embedding_params']:,} "
@@ -310,6 +314,6 @@ def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state
             + (f"experts over EP {topology.expert_parallel_size} of the DP ranks, "
                if topology.expert_parallel_size > 1 else "")
             + f"ZeRO-{config.parallel.zero_stage}, {resolve_precision(config, topology.device)} "
-            f"on {topology.device.type}; "
+            f"on {topology.device.type}, {recompute.describe()}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
             f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from scaletrain import upstream
 from scaletrain.batch import Batch
 from scaletrain.config import Config
-from scaletrain.model.family import ModelFamily, PipelineLayer, install
+from scaletrain.model.family import ModelFamily, PipelineLayer, apply_recompute, install
 from scaletrain.model.registry import get_family
 from scaletrain.notices import PIPELINE_LAYOUT, without_stdout_lines
 from scaletrain.parallel.groups import Topology
@@ -83,10 +83,11 @@ class TransformerPipeline(PipelineModule):
             ),
             loss_fn=lambda outputs, labels: family.loss(_as_tuple(outputs), _as_tuple(labels)),
             partition_method="uniform" if self._blocks_per_stage else _deepspeed_method(partition),
-            activation_checkpoint_interval=config.train.activation_checkpoint_interval,
+            activation_checkpoint_interval=config.train.full_recompute_interval,
             activation_checkpoint_func=functools.partial(checkpoint, use_reentrant=False),
             checkpointable_layers=[PipelineBlock.__name__],
         )
+        apply_recompute(self, config.train)  # selective: this stage's attention cores, tied copies included
 
     def forward(self, forward_input: tuple | torch.Tensor) -> tuple | torch.Tensor:
         if self.stage_id > 0:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from scaletrain.checkpoint.manager import describe_layout, read_meta, resume_candidates
 from scaletrain.config import Config, ConfigError, resolve_for_world
 from scaletrain.config_loader import load_config
@@ -19,6 +21,7 @@ from scaletrain.data.manifest import Manifest
 from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.model.counts import model_counts
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
+from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.train.run_lock import RunDirectoryLock
 
 
@@ -32,6 +35,7 @@ class Preflight:
     resume_step: int | None
     resume_path: Path | None
     resharded_from: str | None = None  # the checkpoint's own layout, when it differs from this run's
+    recompute: RecomputeDecision | None = None  # what train.activation_checkpoint runs on this host's device
 
     def _data_line(self) -> str:
         data = self.config.data
@@ -55,7 +59,7 @@ class Preflight:
             f"ok: {config.model.family}, {counts.total_params:,} parameters "
             f"({counts.non_embedding_params:,} non-embedding)",
             f"layout: world {self.world_size} = TP {parallel.tensor} x DP {parallel.data} x PP {parallel.pipeline}, "
-            f"ZeRO-{parallel.zero_stage}",
+            f"ZeRO-{parallel.zero_stage}" + (f", {self.recompute.describe()}" if self.recompute else ""),
             f"batch: global {global_batch} = micro {config.train.micro_batch_size} x grad_accum "
             f"{config.train.grad_accum} x DP {parallel.data}; {tokens_per_step:,} tokens per step, "
             f"{config.train.steps} steps, {config.train.steps * tokens_per_step:,} tokens",
@@ -71,6 +75,8 @@ def preflight(config_path: Path, overrides: list[str], world_size: int, ranks_pe
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size}: give the number of ranks the job will start (1 or more)")
     config = resolve_for_world(load_config(config_path, overrides), world_size)
+    # auto as train decides it on this host's first GPU (the batch script runs check on the job's first node)
+    config, recompute = resolve_recompute(config, device_memory(_local_device()))
     if ranks_per_node is not None:
         check_tensor_parallel_within_hosts(planned_places(world_size, ranks_per_node), config.parallel.tensor)
     manifest = check_data_matches(config)
@@ -85,7 +91,11 @@ def preflight(config_path: Path, overrides: list[str], world_size: int, ranks_pe
     if resume_path is None and config.train.init_from and not Path(config.train.init_from).is_file():
         raise ConfigError(f"train.init_from={config.train.init_from} does not exist; give the file "
                           "`scaletrain import` wrote, or leave train.init_from unset")
-    return Preflight(config, world_size, manifest, resume_step, resume_path, resharded_from)
+    return Preflight(config, world_size, manifest, resume_step, resume_path, resharded_from, recompute)
+
+
+def _local_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def check_data_matches(config: Config) -> Manifest:

@@ -178,7 +178,8 @@ def test_published_sizes():
     (["model.sharing=layers"], "model.sharing='layers'; use all"),
     (["model.embedding_size=0"], "model.embedding_size=0"),
     (["model.sharing=attention", "parallel.pipeline=2"], "pipeline ALBERT with model.sharing=all or none"),
-    (["parallel.pipeline=2", "train.activation_checkpoint_interval=1"], "set the interval to 0"),
+    (["parallel.pipeline=2", "train.activation_checkpoint_interval=1"], "use train.activation_checkpoint=selective"),
+    (["parallel.pipeline=2", "train.activation_checkpoint=full"], "not the shared block it runs"),
 ])
 def test_config_refuses(overrides: list[str], message: str):
     with pytest.raises(ConfigError, match=message):

@@ -45,6 +45,8 @@ SINGLE_RANK_CASES = {
     "flash": (ACTIVATION_MODEL, {}, {}),
     "math": ({**ACTIVATION_MODEL, "dropout": 0.1}, {}, {}),
     "recompute": (ACTIVATION_MODEL, {}, {"activation_checkpoint_interval": 1}),
+    "selective": ({**ACTIVATION_MODEL, "dropout": 0.1}, {}, {"activation_checkpoint": "selective"}),
+    "documents_selective": ({**ACTIVATION_MODEL, "document_masking": True}, {}, {"activation_checkpoint": "selective"}),
     "documents": ({**ACTIVATION_MODEL, "document_masking": True}, {}, {}),
     "window": ({**ACTIVATION_MODEL, "sliding_window": 8}, {}, {}),
 }

@@ -77,7 +77,8 @@ def test_zero_stages_partition_what_the_paper_says(gpt3_175b):
         for zero in range(4)
     }
     assert by_stage[1].optimizer == pytest.approx(by_stage[0].optimizer / 16, rel=1e-6)
-    assert by_stage[1].gradients == by_stage[0].gradients
+    # ZeRO-0 is FlatAdamW, which accumulates gradients in fp32; ZeRO-1/2 keep DeepSpeed's bf16 ones
+    assert by_stage[0].gradients == 2 * by_stage[1].gradients
     assert by_stage[2].gradients == pytest.approx(by_stage[1].gradients / 16, rel=1e-6)
     assert by_stage[2].weights == by_stage[1].weights
     assert by_stage[3].weights < by_stage[2].weights / 8  # partitioned, plus two gathered blocks

@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 
 from scaletrain.config import ModelConfig
 from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
-from scaletrain.planner.activations import ActivationSettings, block_activations, stage_activations
+from scaletrain.planner.activations import ActivationSettings, Recompute, block_activations, stage_activations
 from scaletrain.planner.memory import FP32, flat_optimizer_bytes, optimizer_state_bytes
 from scaletrain.planner.params import stage_parameters
 from tests.distributed.harness import run_on_ranks
@@ -48,7 +48,7 @@ def _expected_activations(case: tuple, world_size: int, tensor_parallel: int = 1
     )
     return stage_activations(
         model, config.padded_vocab_size, MICRO_BATCH, tensor_parallel, model.num_layers,
-        first_stage=True, last_stage=True, recompute=config.train.activation_checkpoint_interval > 0,
+        first_stage=True, last_stage=True, recompute=Recompute[config.train.recompute.upper()],
         settings=settings,
     ).stored
 
@@ -86,7 +86,8 @@ def test_gradients_without_zero_are_one_per_weight(single_rank_measurements):
     assert measured["gradients_after_backward"] == measured["weights"]
 
 
-@pytest.mark.parametrize("case", ["zero0", "flash", "math", "recompute", "documents", "window"])
+@pytest.mark.parametrize("case", ["zero0", "flash", "math", "recompute", "documents", "window", "selective",
+                                  "documents_selective"])
 def test_single_rank_activations(case, single_rank_measurements):
     expected = _expected_activations(SINGLE_RANK_CASES[case], 1)
     measured = single_rank_measurements[case]["activations"]

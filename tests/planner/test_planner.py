@@ -10,7 +10,7 @@ import pytest
 
 from scaletrain.config import ConfigError, resolve_for_world
 from scaletrain.config_loader import load_config
-from scaletrain.planner.activations import ActivationSettings
+from scaletrain.planner.activations import ActivationSettings, Recompute
 from scaletrain.planner.command import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
 from scaletrain.planner.layouts import Layout, layout_settings
 from scaletrain.planner.memory import MIXED_BF16, peak_memory
@@ -100,12 +100,13 @@ def _listed_stages(lines: list[str]) -> list[int]:
 
 
 def test_every_pipeline_stage_is_listed(plan_175b):
-    """The chosen 175B layout on 1024 GPUs has PP=4; stage 1 used to be missing (only the first, the
-    middle and the last stage were printed). Stages 1 and 2 hold the same blocks and share a line."""
-    assert plan_175b.chosen.layout.pipeline == 4
+    """The chosen 175B layout on 1024 GPUs has PP > 2; stage 1 used to be missing (only the first, the
+    middle and the last stage were printed). The middle stages hold the same blocks and share a line."""
+    pipeline = plan_175b.chosen.layout.pipeline
+    assert pipeline > 2
     lines = format_plan(plan_175b, str(GPT3_175B), top=3).splitlines()
-    assert _listed_stages(lines) == [0, 1, 2, 3]
-    assert any(line.strip().startswith("stages 1-2, each: ") for line in lines)
+    assert _listed_stages(lines) == list(range(pipeline))
+    assert any(line.strip().startswith(f"stages 1-{pipeline - 2}, each: ") for line in lines)
     sixteen = stage_lines(plan_175b.config, Layout(8, 16, 8, 1, 1, True))
     assert len(sixteen) == 3 and _listed_stages(sixteen) == list(range(16))
 
@@ -127,7 +128,8 @@ def test_overrides_line_loads_into_the_chosen_layout(config_name, overrides, gpu
     assert parallel.zero_stage == chosen.zero_stage or (chosen.data, chosen.pipeline, parallel.zero_stage) == (1, 1, 0)
     global_batch = 1536 if config_name == "gpt3_175b.yaml" else 16 * 8
     assert (train.micro_batch_size, train.grad_accum) == (chosen.micro_batch, chosen.micro_batches(global_batch))
-    assert train.activation_checkpoint_interval == (1 if chosen.recompute else 0)
+    assert train.recompute == Recompute(chosen.recompute).setting
+    assert train.full_recompute_interval == (1 if chosen.recompute == Recompute.FULL else 0)
     launch = lines[heading + 3].split()
     assert launch[launch.index(str(config_path)) + 1:] == pasted  # the plan's overrides are all in the line
 
@@ -137,7 +139,7 @@ def test_help_shows_every_default():
     add_plan_arguments(parser)
     with_defaults = [action for action in parser._actions
                      if action.option_strings and action.default not in (None, argparse.SUPPRESS)]
-    assert {"--compute-efficiency", "--intra-node-gbps", "--inter-node-gbps", "--memory-reserve", "--top"} <= {
+    assert {"--device", "--intra-node-gbps", "--inter-node-gbps", "--memory-reserve", "--top"} <= {
         action.option_strings[0] for action in with_defaults}
     for action in with_defaults:
         default = f"{action.default:g}" if isinstance(action.default, (int, float)) else action.default
@@ -177,8 +179,10 @@ def test_errors_name_the_culprit_and_the_fix():
         run_plan(GPT3_175B, [], 7, "80GiB")
     with pytest.raises(ConfigError, match="train.global_batch_size"):
         run_plan(REPO / "configs" / "gpt_tiny.yaml", [], 8, "80GiB")
-    with pytest.raises(ConfigError, match="--compute-efficiency 1.5"):
-        run_plan(GPT3_175B, [], 1024, "80GiB", compute_efficiency=1.5)
+    with pytest.raises(ConfigError, match="--device 'a100' is unknown; use one of h100, h200"):
+        run_plan(GPT3_175B, [], 1024, "80GiB", device="a100")
+    with pytest.raises(ConfigError, match="--hbm-gbps -1"):
+        run_plan(GPT3_175B, [], 1024, "80GiB", hbm_gbps=-1)
 
 
 def test_a_bare_gpu_memory_number_is_refused():

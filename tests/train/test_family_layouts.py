@@ -23,7 +23,7 @@ FAMILIES = {
 CASES = [
     ("llama", "tp2"), ("llama", "pp2"), ("llama", "tp2_pp2"), ("llama", "dp2_zero3"), ("llama", "dp2_zero1"),
     ("bert", "tp2"), ("bert", "dp2_zero3"), ("bert", "pp2"), ("bert", "tp2_pp2"), ("t5", "tp2"), ("t5", "dp2_zero3"),
-    ("t5", "pp2"), ("t5", "tp2_pp2"), ("t5", "pp2_recompute"), ("t5_prefix_lm", "pp2"),
+    ("t5", "pp2"), ("t5", "tp2_pp2"), ("t5", "pp2_recompute"), ("t5", "pp2_selective"), ("t5_prefix_lm", "pp2"),
 ]
 
 

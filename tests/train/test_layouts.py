@@ -33,6 +33,7 @@ LAYOUTS = {
     "pp2_dp2_zero1": (4, ["parallel.pipeline=2", "parallel.zero_stage=1"]),
     "pp2_recompute": (2, ["parallel.pipeline=2", "train.activation_checkpoint_interval=1"]),
     "tp2_recompute": (2, ["parallel.tensor=2", "train.activation_checkpoint_interval=1"]),
+    "pp2_selective": (2, ["parallel.pipeline=2", "train.activation_checkpoint=selective"]),
     "tp2_sequence_parallel": (2, ["parallel.tensor=2", "parallel.sequence_parallel=true"]),
 }
 # layouts of MoE models only (tests/train/test_moe_layouts.py): experts split over data-parallel ranks,

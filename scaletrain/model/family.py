@@ -175,7 +175,7 @@ def apply_recompute(module: nn.Module, train: TrainConfig) -> nn.Module:
                           "(planner/recompute.py resolve_recompute); resolve it before building the model, or set "
                           "train.activation_checkpoint to none, selective or full")
     # a whole model without one has an attention of another kind (a pipeline stage may hold no block)
-    if train.recompute == "selective" and not recompute_attention_cores(module) and isinstance(module, LayeredModel):
+    if train.recompute == "selective" and recompute_attention_cores(module) == 0 and isinstance(module, LayeredModel):
         raise ConfigError("train.activation_checkpoint=selective recomputes the attention cores of the shared "
                           "ParallelAttention, and this model has none; use train.activation_checkpoint=full or none")
     return module

@@ -99,7 +99,10 @@ class KernelTimes:
                         or FLASH_EFFICIENCY[direction] * self.peak_flops)
 
     def measured_attention_rate(self, attention: Attention, direction: str) -> float | None:
-        near = [(math.hypot(math.log2(attention.keys / row["keys"]), math.log2(attention.head_dim / row["head_dim"])),
+        """The nearest measured row's rate, by keys, head_dim and batch x heads (the kernel's parallelism: one
+        sequence of 16 heads runs at 40-60% of the rate of 8 sequences), within a factor 2 in keys and head_dim."""
+        near = [(math.hypot(math.log2(attention.keys / row["keys"]), math.log2(attention.head_dim / row["head_dim"]),
+                            math.log2(attention.batch * attention.heads / (row["batch"] * row["heads"]))),
                  row["tflops"] * 1e12) for row in self.attention_rows
                 if row["pass"] == direction and row["causal"] == attention.causal
                 and abs(math.log2(attention.keys / row["keys"])) <= NEIGHBOURHOOD

@@ -174,8 +174,9 @@ def apply_recompute(module: nn.Module, train: TrainConfig) -> nn.Module:
         raise ConfigError("train.activation_checkpoint=auto is decided from the GPU's memory when a run starts "
                           "(planner/recompute.py resolve_recompute); resolve it before building the model, or set "
                           "train.activation_checkpoint to none, selective or full")
+    marked = recompute_attention_cores(module) if train.recompute == "selective" else None
     # a whole model without one has an attention of another kind (a pipeline stage may hold no block)
-    if train.recompute == "selective" and recompute_attention_cores(module) == 0 and isinstance(module, LayeredModel):
+    if marked == 0 and isinstance(module, LayeredModel):
         raise ConfigError("train.activation_checkpoint=selective recomputes the attention cores of the shared "
                           "ParallelAttention, and this model has none; use train.activation_checkpoint=full or none")
     return module

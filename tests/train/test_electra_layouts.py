@@ -20,6 +20,10 @@ CONFIG = str(REPO / "configs" / "electra_tiny.yaml")
 OVERRIDES = ["model.embedding_size=32", "model.generator_hidden_size=32", "model.generator_num_heads=2"]
 METRICS = ("val_discriminator_accuracy", "val_replaced_accuracy", "val_discriminator_auc",
            "val_generator_masked_accuracy")
+# The AUC of logits binned 1/128 wide moves by 1/(positives x negatives) per pair whose order flips: weights
+# that differ by rounding alone flip one (the single rank's with FlatAdamW's flat-buffer norm against
+# DeepSpeed's per-tensor one: val_loss equal to 1e-7, AUC 0.599586 against 0.600647 at step 20). Two such steps.
+AUC_STEP = 2.2e-3
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,8 @@ def test_layout_resumes_exactly_and_matches_single_rank(runs, layout: str):
     reference = validation_records(runs("single").straight)
     for step, record in validation_records(ours.straight).items():
         for name in METRICS:
-            assert record[name] == pytest.approx(reference[step][name], abs=1e-4), (step, name)
+            tolerance = AUC_STEP if name.endswith("auc") else 1e-4
+            assert record[name] == pytest.approx(reference[step][name], abs=tolerance), (step, name)
 
 
 @pytest.mark.slow

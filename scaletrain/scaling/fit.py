@@ -333,9 +333,10 @@ class ParametricFit:
     def allocation(self, flops: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(N*, D*) minimising L subject to C = 6ND (eq. 4, app. D.2):
         N* = G (C/6)^a, D* = G^-1 (C/6)^b, G = (alpha A / (beta B))^(1 / (alpha + beta)).
-        Without positive exponents there is no optimum: NaN."""
+        Without positive exponents and coefficients there is no optimum (with A = 0 the loss does not
+        depend on N, and G is 0): NaN."""
         flops = np.asarray(flops, dtype=float)
-        if self.alpha <= 0 or self.beta <= 0:
+        if min(self.alpha, self.beta, self.A, self.B) <= 0:
             return np.full_like(flops, math.nan), np.full_like(flops, math.nan)
         g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
         return g * (flops / 6.0) ** self.a, (flops / 6.0) ** self.b / g

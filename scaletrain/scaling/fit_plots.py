@@ -119,7 +119,12 @@ def plot_optimal_allocation(result: ScalingFit, data: FitData, targets: list[flo
         axis.axvspan(largest, flops[-1], color="grey", alpha=0.08, label="extrapolation")
         for target in targets:
             axis.axvline(target, color="grey", ls=":", lw=1)
-        axis.set(xscale="log", yscale="log", xlabel="training FLOPs C", ylabel=label,
+        shown = any(np.any(np.isfinite(fit.allocation(flops)[index])) for fit in result.fits.values())
+        if not (shown or {"approach1", "approach2"} & set(result.fits)):
+            # every fit is degenerate (A or B fitted to 0, an exponent <= 0): no optimum to draw on a log axis
+            axis.text(0.5, 0.5, "no compute-optimal allocation:\nthe fit leaves the loss independent of N or D",
+                      transform=axis.transAxes, ha="center", va="center")
+        axis.set(xscale="log", yscale="log" if shown else "linear", xlabel="training FLOPs C", ylabel=label,
                  title=f"{label.split()[0]} against compute; X: targets, bands: 95% bootstrap")
         axis.legend(fontsize=7, loc="upper left")  # "best" costs seconds with the bands
     return figure

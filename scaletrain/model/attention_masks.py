@@ -18,13 +18,22 @@ Documents are given as `document_ids` [batch, seq]: equal ids mark one document,
 starts where the id changes (data/objectives.py makes them from the eos separators). Positions may
 restart at each document start (Megatron's `reset_position_ids`, Hugging Face's packed `position_ids`),
 so a document in a pack sees exactly the positions it would see alone.
+
+Two forms of the same limits: SDPA's boolean mask, which costs O(s²) memory and compute whatever the
+documents or the window leave, and FlexAttention's block mask (`decoder_block_mask`; Dong et al. 2024,
+"Flex Attention"), whose kernel skips the 128 x 128 tiles in which no query sees a key and evaluates the
+rule only on tiles that are partly visible. `model.attention_backend` picks one for training forwards
+(model/gpt.py `attention_backend`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 def causal_mask(query_length: int, key_length: int, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -84,6 +93,71 @@ def visible_keys(
         queries, keys = document_ids[:, query_positions], document_ids[:, key_positions]
         visible = visible & (queries[:, :, None] == keys[:, None, :])[:, None]
     return visible
+
+
+def visible_keys_mask_mod(
+    prefix_lengths: torch.Tensor | None = None, document_ids: torch.Tensor | None = None, window: int | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`visible_keys` of a training forward (queries and keys both at 0..s-1) as FlexAttention's mask_mod
+    (batch, head, query, key) -> may attend: the same limits, composed in the same order."""
+
+    def mask_mod(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        visible = key <= query
+        if window is not None:
+            visible = visible & (key > query - window)
+        if prefix_lengths is not None:
+            visible = visible | (key < prefix_lengths[batch])
+        if document_ids is not None:
+            visible = visible & (document_ids[batch, query] == document_ids[batch, key])
+        return visible
+
+    return mask_mod
+
+
+def decoder_block_mask(
+    seq_length: int, device: torch.device, prefix_lengths: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None, window: int | None = None,
+) -> BlockMask | None:
+    """`decoder_attention_mask` and the sliding window as one FlexAttention BlockMask, [batch or 1, 1, s, s];
+    None where only causality limits attention (SDPA's `is_causal` runs that as fast)."""
+    if window is not None and window >= seq_length:
+        window = None  # no query reaches past it
+    if prefix_lengths is None and document_ids is None and window is None:
+        return None
+    batch = next((extra.shape[0] for extra in (prefix_lengths, document_ids) if extra is not None), None)
+    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+    return build(visible_keys_mask_mod(prefix_lengths, document_ids, window), batch, None, seq_length, seq_length,
+                 device=device)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., BlockMask]:
+    """create_block_mask compiled, as torchtitan builds its document masks: eager, it materialises the dense
+    [batch, s, s] mask on the way to the block mask; compiled, it evaluates the rule tile by tile."""
+    return torch.compile(create_block_mask)
+
+
+class SharedBlockMask:
+    """The BlockMask of the micro-batch in flight, built by the first block that asks and reused by the
+    others: every block of a forward (and a recomputation of it) gets the same extras tensors, so they are
+    recognised by identity, and by version against a buffer refilled in place. One per model; it holds the
+    last micro-batch's tensors and rebuilds when they change (as between a pipeline stage's interleaved
+    forwards and backwards)."""
+
+    def __init__(self, window: int | None) -> None:
+        self.window = window
+        self._extras: tuple[torch.Tensor | None, ...] = (None, None)
+        self._key: tuple = ()
+        self._mask: BlockMask | None = None
+
+    def get(self, seq_length: int, device: torch.device, prefix_lengths: torch.Tensor | None,
+            document_ids: torch.Tensor | None) -> BlockMask | None:
+        extras = (prefix_lengths, document_ids)
+        key = (seq_length, device, *(None if extra is None else extra._version for extra in extras))
+        if key != self._key or any(held is not extra for held, extra in zip(self._extras, extras, strict=True)):
+            self._mask = decoder_block_mask(seq_length, device, prefix_lengths, document_ids, self.window)
+            self._extras, self._key = extras, key
+        return self._mask
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from scaletrain.batch import DOCUMENT_IDS, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.model.attention_masks import (
     DocumentAttention,
+    SharedBlockMask,
     decoder_attention_mask,
     positions_in_document,
     visible_keys,
@@ -63,6 +64,10 @@ class DecoderConfig(ModelConfig):
     # sliding-window attention (Beltagy et al. 2020; Mistral, Jiang et al. 2023): a query sees itself and the
     # sliding_window - 1 tokens before it, and generation caches as many keys per layer; null: no window
     sliding_window: int | None = None
+    # how a masked training forward (documents, window, prefix LM) attends: sdpa with a boolean [b, s, s] mask;
+    # flex, FlexAttention with a block mask that skips the tiles nobody sees (CUDA to train; no attention dropout,
+    # no context parallelism); auto: flex where it can run, else sdpa (`attention_backend`)
+    attention_backend: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts MLPs (model/moe.py)
 
     @property
@@ -145,6 +150,17 @@ def sequence_parallel_region(config: Config, module: nn.Module) -> nn.Module:
 # builds its mask and positions from them; their shapes tell them apart.
 
 NO_DOCUMENTS = DocumentAttention()
+ATTENTION_BACKENDS = ("sdpa", "flex", "auto")
+
+
+def attention_backend(config: Config) -> str:
+    """model.attention_backend resolved once, when the model is built: auto is flex on a CUDA machine without
+    attention dropout or context parallelism (the cases validate_decoder refuses for flex), else sdpa."""
+    requested = config.model.attention_backend
+    if requested != "auto":
+        return requested
+    flex_runs = torch.cuda.is_available() and config.model.dropout == 0 and config.parallel.context == 1
+    return "flex" if flex_runs else "sdpa"
 
 
 def decoder_extras(extras: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -169,11 +185,14 @@ def _embed(embedding: GPTEmbedding, activations: tuple, cache: KVCache | None = 
 
 
 def run_decoder_block(block: TransformerBlock, activations: tuple, cache: KVCache | None = None,
-                      documents: DocumentAttention = NO_DOCUMENTS, rotary: bool = False, **_) -> tuple:
+                      documents: DocumentAttention = NO_DOCUMENTS, rotary: bool = False,
+                      block_mask: SharedBlockMask | None = None, **_) -> tuple:
     """A causal block on (hidden, *extras); shared by every decoder family. `documents` says whether the
     document ids mask attention; `rotary` that the block takes positions restarted per document from them
-    (a family with learned positions adds those in its embedding instead). Under context parallelism the
-    hidden state is this rank's chunks and attention runs round the ring (parallel/context_parallel.py)."""
+    (a family with learned positions adds those in its embedding instead). With `block_mask` (the flex
+    backend) a full-sequence forward attends through the micro-batch's one FlexAttention block mask; decoding
+    behind a KV cache keeps SDPA. Under context parallelism the hidden state is this rank's chunks and
+    attention runs round the ring (parallel/context_parallel.py)."""
     hidden, *rest = activations
     prefix_lengths, document_ids = decoder_extras(rest)
     positions = None
@@ -183,8 +202,11 @@ def run_decoder_block(block: TransformerBlock, activations: tuple, cache: KVCach
         ring = _ring_mask(block, hidden, prefix_lengths, document_ids if documents.masking else None)
         return (block(hidden, positions=positions, ring=ring), *rest)
     seq_length = full_sequence_length(hidden, block.attention.sequence_parallel)
-    mask = decoder_attention_mask(seq_length, hidden.device, prefix_lengths,
-                                  document_ids if documents.masking else None)
+    document_ids = document_ids if documents.masking else None
+    if block_mask is not None and cache is None:
+        mask = block_mask.get(seq_length, hidden.device, prefix_lengths, document_ids)
+    else:
+        mask = decoder_attention_mask(seq_length, hidden.device, prefix_lengths, document_ids)
     return (block(hidden, mask, cache=cache, positions=positions), *rest)
 
 
@@ -209,9 +231,17 @@ def _tied_output(embedding: GPTEmbedding, activations: tuple, loss_chunk_size: i
     return (parallel_lm_logits(activations[0], embedding.word.weight, embedding.sequence_parallel),)
 
 
+def decoder_block_runner(config: Config, rotary: bool = False) -> functools.partial:
+    """run_decoder_block for this model's blocks, which share one SharedBlockMask under the flex backend."""
+    model = config.model
+    shared = SharedBlockMask(model.sliding_window) if attention_backend(config) == "flex" else None
+    return functools.partial(run_decoder_block, documents=model.document_attention, rotary=rotary,
+                             block_mask=shared)
+
+
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
-    run_block = functools.partial(run_decoder_block, documents=model.document_attention)
+    run_block = decoder_block_runner(config)
     return [
         PipelineLayer("embedding", lambda: GPTEmbedding(config),
                       functools.partial(_embed, documents=model.document_attention)),
@@ -319,6 +349,7 @@ def validate_decoder(config: Config) -> None:
         raise ConfigError(f"parallel.context={config.parallel.context} with model.moe: routing over a rank's chunks "
                           "of the sequence (its capacity and load-balancing loss) is not implemented; set "
                           "parallel.context=1 or train a dense model")
+    _validate_attention_backend(config)
     window = config.model.sliding_window
     if window is not None and window < 1:
         raise ConfigError(f"model.sliding_window={window} must be >= 1 (the query itself), or null for full "
@@ -327,6 +358,22 @@ def validate_decoder(config: Config) -> None:
         raise ConfigError(f"model.sliding_window={window} with objective.kind=prefix_lm: a window over a "
                           "bidirectional prefix is not defined here; train a prefix LM with model.sliding_window=null, "
                           "or the window with objective.kind=causal_lm (document masking works with both)")
+
+
+def _validate_attention_backend(config: Config) -> None:
+    model = config.model
+    if model.attention_backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"model.attention_backend={model.attention_backend!r}; use sdpa, flex or auto")
+    if model.attention_backend != "flex":
+        return
+    if model.dropout > 0:
+        raise ConfigError(f"model.attention_backend=flex with model.dropout={model.dropout}: FlexAttention has no "
+                          "attention dropout; set model.dropout=0, or model.attention_backend=sdpa (auto picks sdpa "
+                          "when dropout is on)")
+    if config.parallel.context > 1:
+        raise ConfigError(f"model.attention_backend=flex with parallel.context={config.parallel.context}: context "
+                          "parallelism runs its own ring attention with boolean masks per block of keys "
+                          "(parallel/context_parallel.py); set model.attention_backend=auto or sdpa")
 
 
 def validate(config: Config) -> None:

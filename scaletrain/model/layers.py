@@ -8,7 +8,8 @@ between families is a handful of switches:
     attention   heads, key/value heads (grouped-query: Ainslie et al. 2023; multi-query: Shazeer
                 2019), head_dim, biases, score scale, positions (learned absolute in the
                 embedding, T5's relative bias as an additive mask, or rotary: Su et al. 2021),
-                causal with an optional sliding window (model/attention_masks.py)
+                causal with an optional sliding window (model/attention_masks.py); SDPA, or
+                FlexAttention where the mask arrives as a BlockMask
     MLP         activation, gated or not (GLU variants: Shazeer 2020), biases
     norm        LayerNorm or RMSNorm (Zhang & Sennrich 2019), before (GPT-2) or after (BERT)
 
@@ -18,6 +19,7 @@ family supplies, so a layer's master weights do not depend on the layout (see mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +30,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from scaletrain.batch import IGNORE_INDEX
+from scaletrain.config import ConfigError
 from scaletrain.model.attention_masks import causal_mask, sliding_window_mask
 from scaletrain.model.chunked_cross_entropy import DeferredLogits, chunked_vocab_parallel_cross_entropy
 from scaletrain.model.init import InitMethod
@@ -223,7 +227,7 @@ class ParallelAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
         *,
         encoder_output: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
@@ -232,7 +236,8 @@ class ParallelAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden [seq, batch, hidden]; mask: SDPA's boolean (True: may attend) or additive float
         mask, broadcastable to [batch, heads, seq, keys] (for a causal layer it replaces the causal
-        mask, and the sliding window still applies); positions [seq] or [batch, seq] for rotary
+        mask, and the sliding window still applies), or a FlexAttention BlockMask that holds every limit,
+        the window too (attention_masks.decoder_block_mask); positions [seq] or [batch, seq] for rotary
         (default 0..seq-1, offset by the cache length). With `ring` hidden is this rank's chunks of a
         context-parallel sequence: ring attention over the context-parallel ranks replaces SDPA, masked
         by `ring.visible` (which holds the window), and the rotary positions default to its global ones."""
@@ -254,14 +259,17 @@ class ParallelAttention(nn.Module):
         return self._output(context)
 
     def _core(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | BlockMask | None,
         ring: RingMask | None,
     ) -> torch.Tensor:
-        """softmax(QK^T·scale + mask)V over this rank's heads, [batch, local heads, seq, head_dim]: SDPA, or
-        ring attention round the context-parallel ranks."""
+        """softmax(QK^T·scale + mask)V over this rank's heads, [batch, local heads, seq, head_dim]: SDPA,
+        FlexAttention with a BlockMask (which has no dropout: model/gpt.py refuses the two together), or ring
+        attention round the context-parallel ranks."""
         dropout = self.dropout if self.training else 0.0
         if ring is not None:
             return ring_attention(query, key, value, ring.positions, ring.visible, self.scale, dropout)
+        if isinstance(mask, BlockMask):
+            return _flex_attention(query, key, value, mask, self.scale)
         mask, causal = self._causal_limits(mask, query.shape[2], key.shape[2], query.device)
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.scale,
@@ -308,6 +316,23 @@ class ParallelAttention(nn.Module):
     def _heads(self, projected: torch.Tensor) -> torch.Tensor:
         seq_length, batch_size, _ = projected.shape
         return projected.reshape(seq_length, batch_size, -1, self.head_dim).permute(1, 2, 0, 3)
+
+
+def _flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask,
+                    scale: float | None) -> torch.Tensor:
+    """FlexAttention over the block mask; grouped-query heads share their key/value head as in SDPA."""
+    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+        raise ConfigError(f"model.attention_backend=flex cannot train on CPU: FlexAttention has no backward there "
+                          f"(torch {torch.__version__}); use model.attention_backend=auto or sdpa")
+    return _compiled_flex_attention()(query, key, value, block_mask=block_mask, scale=scale,
+                                      enable_gqa=key.shape[1] != query.shape[1])
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """flex_attention compiled once per process, the documented way to run it: eager, it is an unfused
+    reference that materialises the scores."""
+    return torch.compile(flex_attention)
 
 
 class _ReplicatedLinear(nn.Module):
@@ -430,7 +455,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
         *,
         encoder_output: torch.Tensor | None = None,
         cross_mask: torch.Tensor | None = None,

@@ -24,8 +24,8 @@ from scaletrain.model.gpt import (
     DecoderConfig,
     DecoderLM,
     decoder_batch,
+    decoder_block_runner,
     lm_loss,
-    run_decoder_block,
     run_final_norm,
     sequence_parallel_region,
     validate_decoder,
@@ -139,7 +139,7 @@ def _output(output: tensor_parallel.ColumnParallelLinear, activations: tuple, lo
 def pipeline_layers(config: Config) -> list[PipelineLayer]:
     model = config.model
     # rotary positions restart per document inside each block (GPT adds learned ones in its embedding)
-    run_block = functools.partial(run_decoder_block, documents=model.document_attention, rotary=True)
+    run_block = decoder_block_runner(config, rotary=True)
     return [
         PipelineLayer("embedding", lambda: LlamaEmbedding(config), _embed),
         *(PipelineLayer(f"blocks.{layer}", lambda layer=layer: build_block(config, layer), run_block,

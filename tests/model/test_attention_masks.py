@@ -1,20 +1,29 @@
 """Document masking and sliding windows: the masks are Hugging Face's, a packed document computes what it
-computes alone (GPT and Llama, positions restarted or not, behind a window, and under a prefix LM), and a window hides
-exactly the keys it should."""
+computes alone (GPT and Llama, positions restarted or not, behind a window, and under a prefix LM), a window hides
+exactly the keys it should, and FlexAttention's block mask states the same limits as the boolean mask."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from megatron.core import parallel_state
+from torch.nn.attention.flex_attention import create_mask
 from transformers.masking_utils import causal_mask_function, packed_sequence_mask_function, sliding_window_overlay
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.data.objectives import document_ids
 from scaletrain.data.tokenizer import SPECIAL_IDS
-from scaletrain.model import build_model
-from scaletrain.model.attention_masks import causal_mask, decoder_attention_mask, positions_in_document
+from scaletrain.model import attention_masks, build_model
+from scaletrain.model.attention_masks import (
+    causal_mask,
+    decoder_attention_mask,
+    decoder_block_mask,
+    positions_in_document,
+    visible_keys,
+    visible_keys_mask_mod,
+)
+from scaletrain.model.gpt import attention_backend
 from scaletrain.model.layers import KVCache
 from tests.distributed.harness import run_on_ranks
 
@@ -241,3 +250,133 @@ def test_invalid_windows_are_refused(overrides: dict, fragment: str):
 def test_a_family_without_the_keys_names_those_that_have_them():
     with pytest.raises(ConfigError, match="model.family=gpt or llama has it"):
         config_from_dict({"model": {"family": "bert", "document_masking": True}})
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexAttention: the block mask is the boolean mask
+
+
+def random_documents(seed: int, batch: int, seq: int) -> torch.Tensor:
+    """Document ids of `batch` random packs: eos at random places, runs of eos (one-token documents) too."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(7, VOCAB, (batch, seq), generator=generator)
+    tokens[torch.rand(batch, seq, generator=generator) < 0.12] = EOS
+    tokens[0, 3:5] = EOS
+    return document_ids(tokens, EOS)
+
+
+FLEX_LIMITS = {  # (documents, window, prefix)
+    "documents": (True, None, False),
+    "window": (False, 7, False),
+    "documents_and_window": (True, 5, False),
+    "prefix_lm": (False, None, True),
+    "prefix_lm_and_documents": (True, None, True),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("limits", sorted(FLEX_LIMITS))
+def test_the_mask_mod_is_visible_keys_exactly(limits: str, seed: int):
+    """The mask_mod's dense mask equals visible_keys' boolean mask, and the block mask computes exactly the
+    128 x 128 tiles in which some query sees some key (the others it skips)."""
+    with_documents, window, with_prefix = FLEX_LIMITS[limits]
+    batch, seq = 3, 300
+    ids = random_documents(seed, batch, seq) if with_documents else None
+    prefix = torch.randint(1, seq, (batch,), generator=torch.Generator().manual_seed(seed)) if with_prefix else None
+    positions = torch.arange(seq)
+    boolean = visible_keys(positions, positions, prefix, ids, window).expand(batch, 1, seq, seq)
+    flex = create_mask(visible_keys_mask_mod(prefix, ids, window), batch, 1, seq, seq, device="cpu")
+    assert torch.equal(flex, boolean)
+    block_mask = decoder_block_mask(seq, torch.device("cpu"), prefix, ids, window)
+    padded = torch.nn.functional.pad(boolean, (0, 84, 0, 84))  # 384 = 3 tiles of 128
+    tiles = padded.reshape(batch, 1, 3, 128, 3, 128).any(dim=5).any(dim=3)
+    assert torch.equal(block_mask.to_dense().expand_as(tiles).bool(), tiles)
+
+
+def test_only_causal_attention_needs_no_block_mask():
+    """Plain causal attention, or a window no query reaches past, keeps SDPA's is_causal."""
+    assert decoder_block_mask(64, torch.device("cpu")) is None
+    assert decoder_block_mask(64, torch.device("cpu"), window=64) is None
+    assert decoder_block_mask(64, torch.device("cpu"), window=63) is not None
+
+
+# The flex backend's logits against SDPA's, same weights: GPT packing documents (positions restarted), also as a
+# prefix LM; Llama (grouped-query, 4 heads on 2) with documents behind a window. CPU runs FlexAttention's forward only.
+FLEX_CASES = {  # name: (family, model options, prefix lengths)
+    "gpt_documents": ("gpt", {"document_masking": True, "document_positions": True}, None),
+    "gpt_prefix_lm_documents": ("gpt", {"document_masking": True}, [12, 3]),
+    "llama_window_documents": ("llama", {"document_masking": True, "sliding_window": 5}, None),
+}
+
+
+def _flex_and_sdpa(rank: int, world_size: int) -> dict:
+    parallel_state.initialize_model_parallel()
+    tokens = packed_tokens()
+    ids = document_ids(tokens, EOS)
+    builds = []
+    build_block_mask = attention_masks.decoder_block_mask
+
+    def counted(*args, **kwargs):
+        builds.append(args[0])
+        return build_block_mask(*args, **kwargs)
+
+    attention_masks.decoder_block_mask = counted  # counts the builds of the real thing
+    results = {}
+    for name, (family, options, prefix) in FLEX_CASES.items():
+        prefix_lengths = None if prefix is None else torch.tensor(prefix)
+        results[name] = []
+        for backend in ("sdpa", "flex"):
+            model = build_model(tiny_config(family, attention_backend=backend, **options)).eval()
+            with torch.no_grad():
+                results[name].append(model(tokens, prefix_lengths=prefix_lengths, document_ids=ids))
+    results["builds"] = len(builds)
+    model = build_model(tiny_config("gpt", attention_backend="flex", document_masking=True)).train()
+    try:
+        model(tokens, document_ids=ids)
+    except ConfigError as error:
+        results["cpu_training"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module")
+def flex_and_sdpa() -> dict:
+    return run_on_ranks(_flex_and_sdpa, 1)[0]
+
+
+@pytest.mark.parametrize("name", sorted(FLEX_CASES))
+def test_flex_attention_computes_what_sdpa_computes(flex_and_sdpa: dict, name: str):
+    sdpa, flex = flex_and_sdpa[name]
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_mask_is_built_once_per_forward(flex_and_sdpa: dict):
+    """Three flex forwards of two layers each: one block mask per forward, not one per layer."""
+    assert flex_and_sdpa["builds"] == 3
+
+
+def test_flex_refuses_to_train_on_cpu(flex_and_sdpa: dict):
+    assert "model.attention_backend=flex cannot train on CPU" in flex_and_sdpa["cpu_training"]
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"model": {"attention_backend": "flash"}}, "model.attention_backend='flash'; use sdpa, flex or auto"),
+    ({"model": {"attention_backend": "flex", "dropout": 0.1}}, "FlexAttention has no attention dropout"),
+    ({"model": {"attention_backend": "flex"}, "parallel": {"context": 2}}, "runs its own ring attention"),
+])
+def test_flex_is_refused_where_it_cannot_run(overrides: dict, fragment: str):
+    config = config_from_dict({**overrides, "model": {"family": "llama", **overrides["model"]}})
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.").replace("(", r"\(")):
+        validate(config)
+
+
+@pytest.mark.parametrize("overrides, backend", [
+    ({"model": {"attention_backend": "flex"}}, "flex"),
+    ({"model": {"attention_backend": "sdpa"}}, "sdpa"),
+    ({"model": {"dropout": 0.1}}, "sdpa"),
+    ({"parallel": {"context": 2}}, "sdpa"),
+])
+def test_auto_picks_flex_only_where_it_runs(overrides: dict, backend: str):
+    config = config_from_dict({**overrides, "model": {"family": "gpt", **overrides.get("model", {})}})
+    assert attention_backend(config) == backend
+    plain = config_from_dict({"model": {"family": "gpt"}})
+    assert attention_backend(plain) == ("flex" if torch.cuda.is_available() else "sdpa")

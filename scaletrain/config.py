@@ -213,6 +213,7 @@ class TrainConfig:
     # set alone (> 0) it means activation_checkpoint=full
     activation_checkpoint_interval: int = 0
     loss_chunk_size: int = 0  # logits + loss over this many tokens at a time, recomputed in backward; 0 = off
+    compile: bool = False  # torch.compile each transformer block on its own (train/compile.py); the first steps compile
     # a plain progress line on stderr every this many steps when stderr is not a terminal (SLURM, CI),
     # besides the first and last step; metrics.jsonl, W&B and TensorBoard get every step
     log_every: int = 10

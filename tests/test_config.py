@@ -75,12 +75,25 @@ def test_gpt3_175b_shape_and_batch():
         (["model.family=bert", "objective.kind=mlm", "parallel.context=2"],
          "context parallelism is not available for bert (it is for gpt, llama)"),
         (["parallel.context=2", "model.moe.num_experts=4"], "parallel.context=2 with model.moe"),
+        (["train.compile=fast"], "train.compile must be bool, got 'fast'"),
+        (["train.compile=true", "parallel.zero_stage=3"],
+         "train.compile=true with parallel.zero_stage=3: ZeRO-3 gathers every layer's weights in hooks torch.compile "
+         "cannot trace"),
     ],
 )
 def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
     with pytest.raises(ConfigError) as error:
         load_config(TINY, overrides)
     assert fragment in str(error.value)
+
+
+def test_compile_is_off_by_default_and_loads_with_every_zero_stage_but_3():
+    assert load_config(TINY, []).train.compile is False
+    for stage in (0, 1, 2):
+        assert load_config(TINY, ["train.compile=true", f"parallel.zero_stage={stage}"]).train.compile is True
+    with pytest.raises(ConfigError, match="use parallel.zero_stage=1 or 2 with train.compile=true, or "
+                                          "train.compile=false with ZeRO-3"):
+        load_config(TINY, ["train.compile=true", "parallel.zero_stage=3"])
 
 
 @pytest.mark.parametrize(

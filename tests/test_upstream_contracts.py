@@ -468,3 +468,37 @@ def test_expert_parameters_are_reduced_over_their_own_ranks():
             assert dense_step[0] == pytest.approx([1.5] * 4), _broken(internal, f"dense step {dense_step}")
             assert expert_step == pytest.approx([(rank + 1) / 2] * 4), _broken(
                 internal, f"ZeRO-{stage}: rank {rank}'s expert stepped {expert_step}, not its own gradient / 2")
+
+
+def _default_tensor_parallel_groups(rank: int, world_size: int) -> dict[str, Any]:
+    """Whether megatron's default-group lookup and ours give the same group (or None), before and after
+    megatron's groups exist; whether the patch replaced the lookup layers uses."""
+    from megatron.core import parallel_state
+
+    def same_answers() -> list[bool]:
+        return [utils.get_tensor_model_parallel_group_if_none(*arguments) is upstream.tensor_parallel_group_if_none(
+            *arguments) for arguments in [(None,), (None, True), (dist.group.WORLD,)]]
+
+    before = same_answers()
+    parallel_state.initialize_model_parallel()
+    after = same_answers()
+    resolved = upstream.tensor_parallel_group_if_none(None) is parallel_state.get_tensor_model_parallel_group()
+    upstream.let_dynamo_trace_megatron_linears()
+    return {"before": before, "after": after, "resolved": resolved,
+            "patched": layers.get_tensor_model_parallel_group_if_none is upstream.tensor_parallel_group_if_none}
+
+
+def test_megatron_linears_find_the_default_group_through_the_lookup_we_replace():
+    """Fails when megatron-core stops resolving RowParallelLinear's `tp_group=None` through the module global of
+    layers that let_dynamo_trace_megatron_linears replaces, or when megatron's answer differs from ours."""
+    internal = "megatron.core.tensor_parallel.layers.get_tensor_model_parallel_group_if_none"
+    assert "tp_group=None" in inspect.getsource(layers.RowParallelLinear.forward), _broken(
+        internal, "RowParallelLinear passes its group now: the patch may be dropped")
+    assert "get_tensor_model_parallel_group_if_none(tp_group)" in inspect.getsource(
+        layers.linear_with_grad_accumulation_and_async_allreduce), _broken(internal, "the linear resolves it elsewhere")
+    seen = run_on_ranks(_default_tensor_parallel_groups, 1)[0]
+    for when in ("before", "after"):
+        assert all(seen[when]), _broken(internal, f"{when} megatron's groups exist, its answers differ from ours "
+                                                  f"(same for None, None as expert, a group: {seen[when]})")
+    assert seen["resolved"], _broken(internal, "tp_group=None no longer means the tensor-parallel group")
+    assert seen["patched"], _broken(internal, "the patch did not replace layers' lookup")

@@ -312,8 +312,8 @@ BRANCH_FREE_KEYS = (
     "train.steps", "train.lr_schedule", "train.cooldown_fraction", "train.cooldown_shape", "train.branch_from",
     "train.resume", "train.eval_every", "train.eval_samples", "train.exit_after", "train.exit_after_minutes",
     "train.stop_signals", "train.log_every", "train.micro_batch_size", "train.grad_accum",
-    "train.global_batch_size", "train.activation_checkpoint", "train.loss_chunk_size", "run.", "checkpoint.",
-    "tracking.", "parallel.",
+    "train.global_batch_size", "train.activation_checkpoint", "train.loss_chunk_size", "train.compile", "run.",
+    "checkpoint.", "tracking.", "parallel.",
 )
 
 

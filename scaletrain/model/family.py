@@ -158,6 +158,10 @@ class LayeredModel(nn.Module):
             activations = layer.run(module, activations, **context)
         return _run_chunked(pending, activations, interval)
 
+    def block_modules(self) -> list[nn.Module]:
+        """The modules of the block layers, each once (ALBERT's shared block serves every layer)."""
+        return _distinct([module for layer, module in self._layers if layer.is_block])
+
     def borrowed_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
         """(module, parameter) pairs where a module uses a weight no called submodule owns: a tied
         output layer's, or one merged into another module's place, both used in this model's
@@ -180,6 +184,10 @@ def apply_recompute(module: nn.Module, train: TrainConfig) -> nn.Module:
         raise ConfigError("train.activation_checkpoint=selective recomputes the attention cores of the shared "
                           "ParallelAttention, and this model has none; use train.activation_checkpoint=full or none")
     return module
+
+
+def _distinct(modules: list[nn.Module]) -> list[nn.Module]:
+    return list({id(module): module for module in modules}.values())
 
 
 def _run_chunked(

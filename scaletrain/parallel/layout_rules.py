@@ -1,5 +1,5 @@
-"""What a parallel layout may combine: DeepSpeed's pipeline engine, megatron's sequence parallelism and
-our context parallelism.
+"""What a parallel layout may combine: DeepSpeed's pipeline engine, megatron's sequence parallelism,
+our context parallelism and compiled blocks (train.compile).
 
 config.py checks each parallel key's range; these rules are the engines' facts, stated here in
 parallel/ beside the code that wraps them (pipeline.py, sequence_parallel.py, context_parallel.py), and run on every
@@ -19,7 +19,8 @@ PARTITION_METHODS = ("parameters", "uniform", "blocks")
 
 
 def validate_layout(config: Config) -> None:
-    """Pipeline stages and sequence parallelism against ZeRO, the model's depth, sequence and dropout."""
+    """Pipeline stages, sequence parallelism and compiled blocks against ZeRO, the model's depth, sequence and
+    dropout."""
     parallel = config.parallel
     if parallel.pipeline > 1 and parallel.zero_stage not in PIPELINE_ZERO_STAGES:
         raise ConfigError(
@@ -38,6 +39,12 @@ def validate_layout(config: Config) -> None:
         _validate_expert_parallel(config)
     if parallel.sequence_parallel:
         _validate_sequence_parallel(config)
+    if config.train.compile and parallel.zero_stage == 3:
+        # ZeRO-3 gathers each layer's weights in forward hooks DeepSpeed marks torch.compiler.disable
+        # (parameter_offload.py, DeepSpeed 0.19): a compiled block breaks its graph at every layer
+        raise ConfigError("train.compile=true with parallel.zero_stage=3: ZeRO-3 gathers every layer's weights in "
+                          "hooks torch.compile cannot trace, so a block would compile in pieces of one layer; use "
+                          "parallel.zero_stage=1 or 2 with train.compile=true, or train.compile=false with ZeRO-3")
 
 
 def _validate_pipeline_partition(config: Config) -> None:

@@ -24,6 +24,7 @@ from scaletrain.parallel.expert_parallel import (
 from scaletrain.parallel.groups import Topology, resolve_precision
 from scaletrain.parallel.mpu import MegatronMPU
 from scaletrain.parallel.sharding import is_tensor_parallel
+from scaletrain.train.compile import compile_blocks
 from scaletrain.train.flat_adamw import FlatAdamW
 
 
@@ -155,6 +156,8 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
             config=deepspeed_config(config, precision, flat),
             mpu=None if topology.pipeline_parallel_size > 1 else MegatronMPU,
         )
+    if config.train.compile:
+        compile_blocks(model, config)  # compiled at their first call, after FlatAdamW took their storage
     if flat:
         # FlatAdamW all-reduces its one flat gradient buffer itself; DeepSpeed would find no `.grad`
         # to reduce (the accumulation hooks free them) and must not try.

@@ -314,6 +314,6 @@ def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state
             + (f"experts over EP {topology.expert_parallel_size} of the DP ranks, "
                if topology.expert_parallel_size > 1 else "")
             + f"ZeRO-{config.parallel.zero_stage}, {resolve_precision(config, topology.device)} "
-            f"on {topology.device.type}, {recompute.describe()}; "
+            f"on {topology.device.type}, {recompute.describe()}{', compiled blocks' if config.train.compile else ''}; "
             f"global batch {facts['global_batch_size']} x {config.model.seq_length} = {facts['tokens_per_step']:,} "
             f"tokens per step, {config.train.steps} steps; {resumed}; run dir {config.run.dir}")

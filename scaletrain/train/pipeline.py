@@ -95,6 +95,11 @@ class TransformerPipeline(PipelineModule):
         outputs = super().forward(forward_input)
         return pack_activations(_as_tuple(outputs)) if self.stage_id < self.num_stages - 1 else outputs
 
+    def block_modules(self) -> list[nn.Module]:
+        """This stage's block modules (the family's, as LayeredModel.block_modules), each once."""
+        built = [unit.built() for unit in self.modules() if isinstance(unit, PipelineBlock)]
+        return list({id(module): module for module in built}.values())
+
     def split_batch(self, batch: Batch) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         return self.batch_schema.split(batch)
 

@@ -5,15 +5,18 @@ peak memory, the GEMM and attention tables `scaletrain plan` calibrates on, and 
 
 It prints a line per measurement as it goes, so a run cut off at a time limit has still said what it
 measured; the most telling measurements come first, in this order:
-1. GPT-3 350M and 1.3B (bf16, seq 2048, micro-batch 8, one rank) at grad_accum 1, and 350M at 32, through
-   benchmarks/gpt_throughput.py (the loop's own train_step against a nanoGPT-style loop with torch's
-   fused AdamW, alternating pairs); each case in its own process, so each peak memory is its own.
+1. GPT-3 350M and 1.3B (bf16, seq 2048, micro-batch 8, one rank) at grad_accum 1, eager and with
+   train.compile, and 350M at 32, through benchmarks/gpt_throughput.py (the loop's own train_step against
+   a nanoGPT-style loop with torch's fused AdamW, alternating pairs); each case in its own process, so
+   each peak memory is its own.
 2. `pytest -m gpu` (tests/test_gpu.py): every family trains 20 bf16 steps with a falling loss, a
    checkpoint moves GPU -> CPU -> GPU, greedy decoding on the GPU equals the CPU's.
 3. The planner's tables (planner/kernel_time.py): bf16 GEMMs and SDPA attention of the GPT-3 and Llama
    shapes, written as gemm_<device>.json into --out (the table `plan` reads from scaletrain/planner/).
-4. Full and selective recompute at 350M and 1.3B (scaletrain alone), and 1.3B at grad_accum 32.
-On one H200 (2026-11-27) 1-3 took about 6 minutes (the tests 3 of them), all four about 9.
+4. Full and selective recompute at 350M and 1.3B and the chunked loss at 350M (scaletrain alone), and
+   1.3B at grad_accum 32.
+On one H200 (2026-11-27), before the compiled cases were added, 1-3 took about 6 minutes (the tests 3 of
+them), all four about 9.
 Compare the measured peaks and step times with `scaletrain plan CONFIG --gpus 1 ...` on any machine.
 """
 
@@ -31,13 +34,18 @@ REPO = Path(__file__).resolve().parents[1]
 # (config, grad_accum, recompute, extra gpt_throughput arguments): the first rows say the most
 FIRST_CASES = [
     ("gpt3_350m", 1, "none", ["--steps", "5", "--pairs", "3"]),
+    ("gpt3_350m", 1, "none", ["--steps", "5", "--pairs", "1", "--warmup", "3", "--scaletrain-only",
+                              "train.compile=true"]),
     ("gpt3_1.3b", 1, "none", ["--steps", "3", "--pairs", "3"]),
+    ("gpt3_1.3b", 1, "none", ["--steps", "3", "--pairs", "1", "--warmup", "3", "--scaletrain-only",
+                              "train.compile=true"]),
     ("gpt3_350m", 32, "none", ["--steps", "1", "--pairs", "1", "--warmup", "1"]),
 ]
 # after the tests and the planner's tables
 LATER_CASES = [
     ("gpt3_350m", 1, "full", ["--steps", "5", "--pairs", "1", "--scaletrain-only"]),
     ("gpt3_350m", 1, "selective", ["--steps", "5", "--pairs", "1", "--scaletrain-only"]),
+    ("gpt3_350m", 1, "none", ["--steps", "5", "--pairs", "1", "--scaletrain-only", "train.loss_chunk_size=4096"]),
     ("gpt3_1.3b", 1, "full", ["--steps", "3", "--pairs", "1", "--scaletrain-only"]),
     ("gpt3_1.3b", 32, "none", ["--steps", "1", "--pairs", "1", "--warmup", "1"]),
 ]
@@ -64,7 +72,9 @@ def throughput(config: str, grad_accum: int, recompute: str, extra: list[str], l
     """One case through gpt_throughput.py; train.grad_accum follows from the global batch at launch."""
     command = [sys.executable, str(REPO / "benchmarks" / "gpt_throughput.py"), str(REPO / "configs" / f"{config}.yaml"),
                f"train.micro_batch_size={MICRO_BATCH}",
-               f"train.global_batch_size={MICRO_BATCH * grad_accum}", *recompute_overrides(recompute), *extra]
+               f"train.global_batch_size={MICRO_BATCH * grad_accum}", *recompute_overrides(recompute),
+               *[item for item in extra if "=" in item],  # overrides before the options: argparse wants them together
+               *[item for item in extra if "=" not in item]]
     say(f"== {config} micro-batch {MICRO_BATCH} x grad_accum {grad_accum}, recompute {recompute}")
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,

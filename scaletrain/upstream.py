@@ -358,9 +358,9 @@ def set_working_weight(parameter: nn.Parameter, weight: torch.Tensor) -> None:
 
 
 # Where each of DeepSpeed's optimizer wrappers keeps the flat fp32 tensors that Adam's state is keyed
-# by (deepspeed 0.19.8): ZeRO-3, ZeRO-1/2, BF16_Optimizer, FP16_Optimizer (also in bf16 mode).
-_MASTER_FLATS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition",
-                 "fp32_groups_flat", "fp32_groups")
+# by (deepspeed 0.19.8): ZeRO-3, ZeRO-1/2, BF16_Optimizer. (Layouts without ZeRO step FlatAdamW, a torch
+# optimizer, so DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer wrappers are never built.)
+_MASTER_FLATS = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
 
 
 def adam_state_owners(optimizer: Any) -> list[torch.Tensor]:

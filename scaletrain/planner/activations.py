@@ -25,6 +25,10 @@ more tensor: SDPA turns the boolean mask into an additive one of the activation 
 backward, [b, 1, s, s] for documents (one per sequence) or [s, s] for a window alone, per block and
 replicated over TP ranks (measured on CPU; CUDA's memory-efficient kernel, the one that takes a mask,
 keeps its attention bias the same way). The math kernel adds the mask to the scores and keeps nothing.
+FlexAttention (model.attention_backend flex, or auto on a GPU without attention dropout or context
+parallelism: model/gpt.py) replaces that mask by a block mask built once per micro-batch and shared by the
+blocks, int32 tile indices of [b, 1, s/128, s/128] (kilobytes: counted as none), and keeps a logsumexp as
+the fused kernels do; the planner plans GPUs, so `auto` counts as flex where those conditions hold.
 The attention output needs no copy of its own: SDPA returns it in the query's [s, b, heads, d]
 memory layout, so the reshape for the output projection is a view (measured on CPU; a kernel
 that returned another layout would add s*b*h/t per block).
@@ -91,6 +95,7 @@ class ActivationSettings:
     dropout_mask_bytes: int = 1
     attention: str = "flash"
     sequence_parallel: bool = False  # megatron's SP (ModelParallelConfig.sequence_parallel), t > 1 only
+    block_mask: bool = False  # FlexAttention's block mask instead of a dense one (flex_attention_planned)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -154,7 +159,7 @@ def block_activations(
 def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: ActivationSettings) -> float:
     """The additive mask a fused kernel keeps per block (module docstring). The keys are the causal
     decoders' (model/gpt.py DecoderConfig), so other families' sections have none."""
-    if settings.attention != "flash":
+    if settings.attention != "flash" or settings.block_mask:
         return 0.0
     seq = model.seq_length
     if getattr(model, "document_masking", False):
@@ -163,10 +168,19 @@ def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: Activat
     return seq * seq * settings.activation_bytes if window is not None and window < seq else 0.0
 
 
-def selective_block_activations(model: ModelConfig, micro_batch: int, block: BlockActivations) -> BlockActivations:
+def flex_attention_planned(model: ModelConfig, context: int = 1) -> bool:
+    """Whether a decoder's training forwards attend through FlexAttention block masks on a GPU: model/gpt.py's
+    attention_backend as it resolves on CUDA (flex; auto without attention dropout or context parallelism)."""
+    backend = getattr(model, "attention_backend", "sdpa")
+    return backend == "flex" or (backend == "auto" and model.dropout == 0 and context == 1)
+
+
+def selective_block_activations(model: ModelConfig, micro_batch: int, block: BlockActivations,
+                                settings: ActivationSettings) -> BlockActivations:
     """What a block keeps when its attention core is recomputed (module docstring): no attention term and
-    no additive mask, but the boolean document mask the core's checkpoint keeps as an input."""
-    documents = getattr(model, "document_masking", False)
+    no additive mask, but the boolean document mask the core's checkpoint keeps as an input (a block mask
+    under FlexAttention, counted as none)."""
+    documents = getattr(model, "document_masking", False) and not settings.block_mask
     return replace(block, attention=0.0,
                    attention_mask=micro_batch * model.seq_length * model.seq_length if documents else 0.0)
 
@@ -196,7 +210,7 @@ def stage_activations(
         per_block = tokens * model.hidden_size * settings.activation_bytes / sequence_split
         stored, working_set = layers * per_block, block.total
     elif recompute == Recompute.SELECTIVE:
-        kept = selective_block_activations(model, micro_batch, block)
+        kept = selective_block_activations(model, micro_batch, block, settings)
         stored, working_set = layers * kept.total, block.attention + block.attention_mask
     else:
         stored, working_set = layers * block.total, 0.0

@@ -45,10 +45,10 @@ but the last stage), are reported as pipeline buffers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaletrain.config import Config
-from scaletrain.planner.activations import ActivationSettings, stage_activations
+from scaletrain.planner.activations import ActivationSettings, flex_attention_planned, stage_activations
 from scaletrain.planner.layouts import Layout
 from scaletrain.planner.params import ParameterCount, largest_gathered_module, num_blocks, stage_parameters
 
@@ -177,6 +177,7 @@ def stage_memory(
 ) -> MemoryBreakdown:
     """Memory of one GPU of pipeline stage `stage` when each pipeline runs `micro_batches` per step."""
     model, pp = config.model, layout.pipeline
+    settings = replace(settings, block_mask=flex_attention_planned(model, layout.context))
     params = rank_parameters(config, layout, stage)
     last = stage == pp - 1
     activations = stage_activations(

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from scaletrain.config import Config
 from scaletrain.model.counts import model_counts
-from scaletrain.planner.activations import Recompute, attention_mask_bytes
+from scaletrain.planner.activations import Recompute, attention_mask_bytes, flex_attention_planned
 from scaletrain.planner.flops import (
     attention_core_forward_flops_per_token,
     hardware_flops_per_token,
@@ -227,6 +227,9 @@ def _attention_mask_note(plan: Plan) -> str:
     """The explicit mask's share, when the model attends through one (planner/activations.py)."""
     if not attention_mask_bytes(plan.config.model, 1, plan.activations):
         return ""
+    if flex_attention_planned(plan.config.model):
+        return ("; the mask is FlexAttention's block mask (model.attention_backend), built once per micro-batch "
+                "and counted as none (layouts with context parallelism attend through SDPA and keep SDPA's mask)")
     shape = "b*s*s (document masking)" if getattr(plan.config.model, "document_masking", False) else \
         "s*s (sliding window)"
     return f"; plus the additive attention mask the fused kernel keeps, {shape} in the activation dtype"

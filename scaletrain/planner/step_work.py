@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config
 from scaletrain.model.registry import objective_kind
-from scaletrain.planner.activations import ActivationSettings, attention_mask_bytes
+from scaletrain.planner.activations import ActivationSettings, attention_mask_bytes, flex_attention_planned
 from scaletrain.planner.flops import blocks_forward_flops_per_token
 from scaletrain.planner.params import model_parameters, num_blocks
 
@@ -115,7 +115,7 @@ def block_work(config: Config, layer: int, micro_batch: int, tensor: int, expert
     gemms = (*attention_gemms(config, tokens, tensor), *mlp_gemms(config, layer, tokens, tensor, expert))
     heads = model.num_heads // tensor
     attention = Attention(micro_batch, heads, model.seq_length // context, model.seq_length,
-                          model.attention_head_dim, causal_kernel(config))
+                          model.attention_head_dim, causal_kernel(config, context))
     return BlockWork(gemms, attention, tokens * activation_bytes * _elementwise_per_token(config, layer, tensor))
 
 
@@ -155,10 +155,15 @@ def loss_bytes(config: Config, micro_batch: int, tensor: int, context: int = 1) 
     return logits.m * logits.n * LOSS_BYTES_PER_LOGIT
 
 
-def causal_kernel(config: Config) -> bool:
-    """A causal LM without an explicit mask runs SDPA's is_causal kernel, which skips the masked half; a
-    prefix LM, document masking, a sliding window or a bidirectional encoder compute the whole square."""
-    return objective_kind(config) == "causal_lm" and not attention_mask_bytes(config.model, 1, ActivationSettings())
+def causal_kernel(config: Config, context: int = 1) -> bool:
+    """A causal LM without an explicit mask runs SDPA's is_causal kernel, which skips the masked half, and so
+    does FlexAttention's block mask, which skips every fully masked tile (documents and windows skip more:
+    counted as causal); SDPA with a prefix LM's, documents' or a window's mask, or a bidirectional encoder,
+    computes the whole square."""
+    if objective_kind(config) != "causal_lm":
+        return False
+    return flex_attention_planned(config.model, context) or \
+        not attention_mask_bytes(config.model, 1, ActivationSettings())
 
 
 def mlp_gates(config: Config) -> int:

@@ -155,7 +155,7 @@ def test_selective_frees_what_the_activation_model_says(one_block_saved, kernel:
     kernel's logsumexp), byte for byte, in fp32 with the CPU's fp32 dropout masks."""
     config = _config(GPT, "selective", dropout=0.1 if kernel == "math" else 0.0)
     block = block_activations(config.model, 2, 1, ActivationSettings(4, 4, kernel))
-    kept = selective_block_activations(config.model, 2, block)
+    kept = selective_block_activations(config.model, 2, block, ActivationSettings(4, 4, kernel))
     saved = one_block_saved[kernel]
     assert saved["none"] - saved["selective"] == block.total - kept.total
 

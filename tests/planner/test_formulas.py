@@ -129,3 +129,26 @@ def test_an_explicit_attention_mask_adds_its_additive_copy_per_block(gpt3_175b):
     assert extra(sliding_window=seq // 2) == seq * seq * 2
     assert extra(sliding_window=seq) == 0
     assert extra(KORTHIKANTI, document_masking=True) == 0
+
+
+@pytest.mark.parametrize(("backend", "dropout", "context", "flex"), [
+    ("sdpa", 0.0, 1, False), ("flex", 0.0, 1, True), ("auto", 0.0, 1, True),
+    ("auto", 0.1, 1, False),  # attention dropout: SDPA (model/gpt.py attention_backend)
+    ("auto", 0.0, 2, False),  # context parallelism: SDPA's ring attention
+])
+def test_flex_attention_keeps_no_dense_mask_where_it_runs(gpt3_175b, backend, dropout, context, flex):
+    """A layout planned with FlexAttention's block mask holds none of SDPA's additive [b, s, s] per block, and its
+    kernel skips the masked tiles as a causal one does; where auto resolves to SDPA both stay."""
+    from scaletrain.planner.step_work import causal_kernel
+
+    def documents(**changes) -> object:
+        return dataclasses.replace(gpt3_175b, model=dataclasses.replace(
+            gpt3_175b.model, document_masking=True, dropout=dropout, **changes))
+
+    layout = Layout(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=2, recompute=False, context=context)
+    chosen, plain = (stage_memory(documents(attention_backend=name), layout, 0, 16, MIXED_BF16, ActivationSettings())
+                     for name in (backend, "sdpa"))
+    seq, blocks = gpt3_175b.model.seq_length, gpt3_175b.model.num_layers // 16
+    mask = 2 * seq * seq * 2 * blocks  # one micro-batch's [b, s, s] bf16 per block (the in-flight ones apart)
+    assert plain.activations - chosen.activations == (mask if flex else 0)
+    assert causal_kernel(documents(attention_backend=backend), context) == flex

@@ -16,7 +16,8 @@ measured; the most telling measurements come first, in this order:
 4. Full and selective recompute at 350M and 1.3B and the chunked loss at 350M (scaletrain alone), and
    1.3B at grad_accum 32.
 On one H200 (2026-11-27), before the compiled cases were added, 1-3 took about 6 minutes (the tests 3 of
-them), all four about 9.
+them), all four about 9. The tests have since gone on from the families' GPT run instead of training two
+runs of their own (two fresh processes fewer); not yet timed on a GPU.
 Compare the measured peaks and step times with `scaletrain plan CONFIG --gpus 1 ...` on any machine.
 """
 

@@ -58,9 +58,17 @@ def _give_ordinary_permissions(directory: Path) -> None:
 
 
 def import_to_file(hf_dir: Path, family: str, out_file: Path) -> Path:
-    """A transformers checkpoint as a TP=1 scaletrain state dict file, for `train.init_from`."""
+    """A transformers checkpoint as a TP=1 scaletrain state dict file, for `train.init_from`; the
+    adapter reads it checked (hf/reading.py), and out_file appears whole or not at all."""
     if family not in FAMILY_MODULES:
         raise CheckpointError(f"--family {family!r}; use one of {', '.join(FAMILY_MODULES)}")
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir} is not a directory; give a Hugging Face model directory (config.json "
+                              "and its weights, as save_pretrained writes them)")
+    if out_file.is_dir() or not out_file.parent.is_dir():
+        where = "is a directory" if out_file.is_dir() else f"is in {out_file.parent}, which is not a directory"
+        raise CheckpointError(f"{out_file} {where}; give a file path in an existing directory, e.g. "
+                              f"{hf_dir.name}.pt")
     try:
         state = get_family(family).hf().import_(hf_dir)
     except (pickle.UnpicklingError, OSError) as error:
@@ -70,6 +78,9 @@ def import_to_file(hf_dir: Path, family: str, out_file: Path) -> Path:
             "it must hold config.json and model.safetensors, or a pytorch_model.bin of plain tensors"
         ) from None
     temporary = out_file.with_name(out_file.name + ".partial")
-    torch.save(state, temporary)
-    os.replace(temporary, out_file)
+    try:
+        torch.save(state, temporary)
+        os.replace(temporary, out_file)
+    finally:
+        temporary.unlink(missing_ok=True)
     return out_file

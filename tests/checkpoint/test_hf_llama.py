@@ -251,7 +251,7 @@ def test_import_names_a_missing_weight_and_a_missing_config(exported: dict, tmp_
     with pytest.raises(ValueError, match="config.json does not exist"):
         import_hf(tmp_path)
     (tmp_path / "config.json").write_text((hf_dir / "config.json").read_text())
-    with pytest.raises(ValueError, match="has no weight model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(ValueError, match="has no tensor model.layers.1.mlp.up_proj.weight"):
         import_hf(tmp_path)
 
 

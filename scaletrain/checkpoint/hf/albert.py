@@ -24,6 +24,7 @@ from scaletrain.checkpoint.hf.conversion import (
     take,
     weights_only,
 )
+from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import SPECIAL_IDS
 from scaletrain.model.albert import SHARED
@@ -47,16 +48,16 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from an `AlbertForMaskedLM` or `AlbertForPreTraining` directory whose
     layers are shared all in one group (model.sharing=all) or not at all (sharing=none)."""
-    hf_config = AlbertConfig.from_pretrained(hf_dir)
-    architectures = hf_config.architectures or []
+    architectures = read_hf_config(Path(hf_dir)).get("architectures") or []
     if not {"AlbertForMaskedLM", "AlbertForPreTraining"} & set(architectures):
         raise ValueError(
             f"{hf_dir} holds {architectures or 'an unnamed architecture'}, without ALBERT's masked-LM head; "
             "import an AlbertForMaskedLM or AlbertForPreTraining checkpoint"
         )
-    sharing = _sharing_of(hf_config)
     with_sentence_order = "AlbertForPreTraining" in architectures
-    model = (AlbertForPreTraining if with_sentence_order else AlbertForMaskedLM).from_pretrained(hf_dir)
+    model = load_checked(AlbertForPreTraining if with_sentence_order else AlbertForMaskedLM, hf_dir)
+    hf_config = model.config
+    sharing = _sharing_of(hf_config)
     hf_state = model.state_dict()
     blocks = _block_prefixes(sharing, hf_config.num_hidden_layers)
     weights = {ours: fp32(hf_state[hf_name]) for ours, hf_name in _albert_names(blocks, with_sentence_order)}

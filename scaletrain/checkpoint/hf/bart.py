@@ -25,6 +25,7 @@ from scaletrain.checkpoint.hf.conversion import (
     take,
     weights_only,
 )
+from scaletrain.checkpoint.hf.reading import load_checked
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.bart import BartArchitecture
@@ -57,7 +58,7 @@ def export_hf(state: StateDict, architecture: BartArchitecture, out_dir: str | P
 
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `BartForConditionalGeneration` directory."""
-    model = BartForConditionalGeneration.from_pretrained(hf_dir)
+    model = load_checked(BartForConditionalGeneration, hf_dir)
     if model.final_logits_bias.any():
         raise ValueError(f"{hf_dir} has a nonzero final_logits_bias; scaletrain's BART keeps it at zero (as BART's "
                          "pretraining does), so it cannot hold this model")

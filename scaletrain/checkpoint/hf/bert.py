@@ -27,6 +27,7 @@ from scaletrain.checkpoint.hf.conversion import (
     take,
     weights_only,
 )
+from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
@@ -51,14 +52,14 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
 
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `BertForMaskedLM` or `BertForPreTraining` directory."""
-    architectures = BertConfig.from_pretrained(hf_dir).architectures or []
+    architectures = read_hf_config(Path(hf_dir)).get("architectures") or []
     if not {"BertForMaskedLM", "BertForPreTraining"} & set(architectures):
         raise ValueError(
             f"{hf_dir} holds {architectures or 'an unnamed architecture'}, without BERT's masked-LM head; "
             "import a BertForMaskedLM or BertForPreTraining checkpoint"
         )
     with_sentence_order = "BertForPreTraining" in architectures
-    model = (BertForPreTraining if with_sentence_order else BertForMaskedLM).from_pretrained(hf_dir)
+    model = load_checked(BertForPreTraining if with_sentence_order else BertForMaskedLM, hf_dir)
     hf_state = model.state_dict()
     num_layers = model.config.num_hidden_layers
     weights = {ours: fp32(hf_state[hf_name]) for ours, hf_name in _bert_names(num_layers, with_sentence_order)}

@@ -24,6 +24,7 @@ from scaletrain.checkpoint.hf.conversion import (
     take,
     weights_only,
 )
+from scaletrain.checkpoint.hf.reading import load_checked
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import SPECIAL_IDS
 from scaletrain.model.electra import ElectraConfig as OurElectraConfig
@@ -108,8 +109,8 @@ def import_hf(hf_dir: str | Path) -> StateDict:
             raise ValueError(f"{hf_dir} has no {name}/config.json; an ELECTRA import reads {hf_dir}/{GENERATOR_DIR} "
                              f"and {hf_dir}/{DISCRIMINATOR_DIR}, a {model_class} each (as `scaletrain export` "
                              "writes them): put the two models there")
-    generator = ElectraForMaskedLM.from_pretrained(hf_dir / GENERATOR_DIR).state_dict()
-    discriminator = ElectraForPreTraining.from_pretrained(hf_dir / DISCRIMINATOR_DIR).state_dict()
+    generator = load_checked(ElectraForMaskedLM, hf_dir / GENERATOR_DIR).state_dict()
+    discriminator = load_checked(ElectraForPreTraining, hf_dir / DISCRIMINATOR_DIR).state_dict()
     weights = {}
     for ours, hf_name in EMBEDDINGS:
         shared = discriminator[f"electra.embeddings.{hf_name}"]

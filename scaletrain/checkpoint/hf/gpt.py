@@ -19,6 +19,7 @@ from scaletrain.checkpoint.hf.conversion import (
     take,
     weights_only,
 )
+from scaletrain.checkpoint.hf.reading import load_checked
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
@@ -44,7 +45,7 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
 
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `GPT2LMHeadModel` directory."""
-    model = GPT2LMHeadModel.from_pretrained(hf_dir)
+    model = load_checked(GPT2LMHeadModel, hf_dir)
     hf_state = model.state_dict()
     return {
         ours: fp32(hf_state[hf_name].t() if transposed else hf_state[hf_name])

@@ -23,7 +23,6 @@ runs without drops. HF's load-balancing loss is top_k times ours (model/moe.py),
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from transformers import (
 )
 
 from scaletrain.checkpoint.hf.conversion import StateDict, check_all_taken, fp32, take, weights_only
+from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
@@ -103,11 +103,7 @@ def import_hf(hf_dir: str | Path) -> StateDict:
     embeddings become two equal weights."""
     hf_dir = Path(hf_dir)
     model_class = MODEL_CLASSES[_check_supported(hf_dir)]
-    hf_model, loading_info = model_class.from_pretrained(hf_dir, output_loading_info=True)
-    missing = sorted(loading_info["missing_keys"])
-    if missing:
-        raise ValueError(f"{hf_dir} has no weight {missing[0]}; it is not a complete {model_class.__name__} "
-                         "checkpoint")
+    hf_model = load_checked(model_class, hf_dir)
     hf_state = hf_model.state_dict()
     shape = LlamaShape.from_hf_config(hf_model.config)
     state = {
@@ -217,10 +213,7 @@ def _hf_config(config: ModelConfig, vocab_size: int, shape: LlamaShape) -> Llama
 def _check_supported(hf_dir: Path) -> str:
     """Refuse, naming the config.json key, a Llama variant whose weights our blocks would compute differently;
     the model_type, llama, mistral or mixtral, of one we can read."""
-    config_file = hf_dir / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{config_file} does not exist; pass a directory saved by LlamaForCausalLM.save_pretrained")
-    hf_config = json.loads(config_file.read_text())
+    config_file, hf_config = hf_dir / "config.json", read_hf_config(hf_dir)
     # transformers < 5 writes rope_scaling (null when plain); 5 writes rope_parameters with a rope_type.
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     model_type = hf_config.get("model_type")

@@ -15,9 +15,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from scaletrain.checkpoint.hf.conversion import StateDict, weights_only
+from scaletrain.checkpoint.hf.conversion import StateDict, fp32, weights_only
+from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
@@ -55,25 +56,20 @@ def export_hf(
 
 
 def import_hf(hf_dir: str | Path) -> StateDict:
-    """Our TP=1 state dict (parameters only) from a `T5ForConditionalGeneration` directory."""
+    """Our TP=1 state dict (parameters only) from a `T5ForConditionalGeneration` directory, read through
+    transformers (checked, reading.py): its model holds `lm_head` also where the files leave it to be tied
+    (transformers >= 5 saves an untied v1.1 so)."""
+    from transformers import T5ForConditionalGeneration  # here: exporting T5 needs no transformers
+
     hf_dir = Path(hf_dir)
-    architecture = read_t5_architecture(hf_dir)
-    hf_weights = _read_safetensors(hf_dir)
-    if not architecture.tie_embeddings and "lm_head.weight" not in hf_weights:
-        # transformers >= 5 saves an untied v1.1 config with its head tied to `shared`.
-        hf_weights["lm_head.weight"] = hf_weights["shared.weight"]
-    state_dict = {}
-    for name, hf_names in _weight_map(architecture).items():
-        absent = [hf_name for hf_name in hf_names if hf_name not in hf_weights]
-        if absent:
-            raise ValueError(f"{hf_dir} has no weight {absent[0]}; it is not a complete T5ForConditionalGeneration")
-        state_dict[name] = torch.cat([hf_weights[hf_name] for hf_name in hf_names], dim=0).clone()
-    return state_dict
+    hf_weights = load_checked(T5ForConditionalGeneration, hf_dir).state_dict()
+    return {name: fp32(torch.cat([hf_weights[hf_name] for hf_name in hf_names], dim=0))
+            for name, hf_names in _weight_map(read_t5_architecture(hf_dir)).items()}
 
 
 def read_t5_architecture(hf_dir: str | Path) -> T5Architecture:
     """The `T5Architecture` of a Hugging Face T5 config.json."""
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    config = read_hf_config(Path(hf_dir))
     activation = config.get("feed_forward_proj", "relu")
     if activation not in ("relu", "gated-gelu"):
         raise ValueError(f"{hf_dir}: feed_forward_proj={activation!r} is not supported; T5 uses relu or gated-gelu")
@@ -157,18 +153,6 @@ def _hf_config(architecture: T5Architecture, pad_token_id: int, eos_token_id: in
         "eos_token_id": eos_token_id,
         "decoder_start_token_id": pad_token_id,
     }
-
-
-def _read_safetensors(hf_dir: Path) -> StateDict:
-    """One `model.safetensors`, or the shards listed in `model.safetensors.index.json`."""
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {name: tensor for shard in shard_names for name, tensor in load_file(hf_dir / shard).items()}
-    single = hf_dir / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{hf_dir} has no model.safetensors (or index); save the HF model with safetensors")
-    return load_file(single)
 
 
 def _export(state: StateDict, config: Config, out_dir: Path) -> None:

@@ -5,7 +5,7 @@ Modules, one concern each:
   tokenizer   sentencepiece BPE with the fixed special-id layout BERT/T5 rely on
   documents   raw input files -> named documents, deterministic train/val split
   dedup       exact deduplication of documents by a hash of their normalised text
-  shards      webdataset tar shards and the byte-offset index for zero-copy reads
+  shards      webdataset tar shards, the byte-offset index, and the checked reader of their token bytes
   manifest    manifest.json: what was prepared, with checksums; loading + checks
   storage     where a dataset lives: local, fsspec URL or pipe: command; the verified shard cache
   prepare     `prepare_dataset`: all of the above, published atomically

@@ -1,4 +1,4 @@
-"""Packed next-token sequences read straight from memory-mapped shards, and their global-index view.
+"""Packed next-token sequences read straight from the shards' bytes, and their global-index view.
 
 A split's documents, in index order, are joined with an eos after each into
 one token stream; sample i is stream[i*S : i*S + S + 1], the +1 overlap giving
@@ -15,15 +15,15 @@ import torch.utils.data
 
 from scaletrain.data.errors import DataError
 from scaletrain.data.sampler import GlobalSampleOrder
-from scaletrain.data.shards import SplitIndex
+from scaletrain.data.shards import ShardReader, SplitIndex
 from scaletrain.data.storage import DatasetLocation, ShardCacheSettings, open_location
 
 
 class PackedSequenceDataset:
     """Sample i of a split's packed stream, reading only the documents that overlap it.
 
-    Shards are opened lazily, per process (memory maps made before a fork are
-    not reused after it), and checked against the manifest on first open. `location` is a local
+    Shards are opened lazily, per process (files opened before a fork are not reused after it), and
+    checked against the manifest on first open and whenever they change. `location` is a local
     directory, a URL or `pipe:` command (remote shards come through the cache `cache`; see
     data/storage.py), or a DatasetLocation; the samples are the same wherever the dataset lives.
     """
@@ -37,9 +37,10 @@ class PackedSequenceDataset:
         self.split, self.seq_length = split, seq_length
         self._split_info = manifest.split(split)
         self._dtype = np.dtype(manifest.token_dtype)
-        self.eos_id = manifest.eos_id
+        self.eos_id, self.vocab_size = manifest.eos_id, manifest.vocab_size
         index = SplitIndex.load(self.location.local_file(self._split_info.index_file, self._split_info.index_sha256))
         self._shard_ids, self._byte_offsets, self._num_tokens = index.shard_ids, index.byte_offsets, index.num_tokens
+        self._doc_ids = index.doc_ids
         # Stream position of each document's first token: the tokens before it plus one eos per earlier document.
         self._doc_starts = index.cum_tokens[:-1] + np.arange(len(index.num_tokens), dtype=np.int64)
         self.stream_length = int(index.cum_tokens[-1]) + len(index.num_tokens)
@@ -49,7 +50,7 @@ class PackedSequenceDataset:
                 f"the {split!r} split holds {self.stream_length} tokens, fewer than seq_length + 1 = {seq_length + 1}; "
                 "use a shorter seq_length, or more data (for val: a larger val_fraction)"
             )
-        self._shards: dict[int, np.ndarray] = {}
+        self._shards: dict[int, ShardReader] = {}
         self._shards_pid = os.getpid()
 
     def __len__(self) -> int:
@@ -76,19 +77,31 @@ class PackedSequenceDataset:
             start, length = int(self._doc_starts[doc]), int(self._num_tokens[doc])
             first, last = position - start, min(end - start, length + 1)  # document + its eos: [0, length]
             if first < length:
-                out[position - begin:start + min(last, length) - begin] = self.document_tokens(doc)[first:last]
+                out[position - begin:start + min(last, length) - begin] = self.document_tokens(doc, first, last)
             if last == length + 1:
                 out[start + length - begin] = self.eos_id
             position, doc = start + last, doc + 1
         return out
 
-    def document_tokens(self, doc: int) -> np.ndarray:
-        """Document `doc` of the split (index order) as a zero-copy view into its shard."""
-        shard = self._shard(int(self._shard_ids[doc]))
-        offset, count = int(self._byte_offsets[doc]), int(self._num_tokens[doc])
-        return shard[offset:offset + count * self._dtype.itemsize].view(self._dtype)
+    def document_tokens(self, doc: int, first: int = 0, last: int | None = None) -> np.ndarray:
+        """Tokens [first, last) of document `doc` of the split (index order; default all), read from its shard.
 
-    def _shard(self, shard_id: int) -> np.ndarray:
+        A token id outside the vocabulary is damage the manifest's checks could not see (the bytes changed
+        in memory or on a disk that kept the file's mtime), and a DataError naming the shard: left alone it
+        is an IndexError deep inside the model.
+        """
+        shard = self._shard(int(self._shard_ids[doc]))
+        count = int(self._num_tokens[doc])
+        first, last = min(first, count), count if last is None else min(last, count)
+        offset = int(self._byte_offsets[doc]) + first * self._dtype.itemsize
+        tokens = shard.read(offset, (last - first) * self._dtype.itemsize).view(self._dtype)
+        if tokens.size and tokens.max() >= self.vocab_size:
+            raise DataError(f"shard {shard.path} is corrupt: document {int(self._doc_ids[doc])} holds token id "
+                            f"{int(tokens.max())}, outside the vocabulary of {self.vocab_size}; "
+                            "re-run `scaletrain prepare CONFIG`")
+        return tokens
+
+    def _shard(self, shard_id: int) -> ShardReader:
         if self._shards_pid != os.getpid():
             self._shards, self._shards_pid = {}, os.getpid()
         if shard_id not in self._shards:

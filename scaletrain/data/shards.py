@@ -4,12 +4,13 @@ One sample per document: key = zero-padded document id, `tokens.npy` = the
 1-D token array. A plain `webdataset.WebDataset(url)` reads these files. For
 random access we do once, at prepare time, what webdataset's `wids` does on
 the fly: find where each array's raw data lies inside the tar (tar member data
-offset + npy header length), so training memory-maps the tar and slices
-arrays out with no tar or npy parsing and no copy.
+offset + npy header length), so training reads exactly the token bytes it
+needs (one pread each) with no tar or npy parsing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tarfile
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from scaletrain.data.errors import DataError
 from scaletrain.data.manifest import ShardInfo, file_sha256
 
 KEY_DIGITS = 9
+_HASH_CHUNK = 1 << 22
 TOKENS_FIELD = "tokens.npy"
 _NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
@@ -138,29 +140,78 @@ class SplitShardWriter:
 _VERIFIED_SHARDS: set[tuple[str, str, int, int]] = set()
 
 
-def open_shard(path: Path, info: ShardInfo) -> np.ndarray:
-    """Memory-map a shard as raw bytes after checking it against the manifest.
+def open_shard(path: Path, info: ShardInfo, *, sha256_checked: bool = False) -> ShardReader:
+    """A shard for reading, checked against the manifest (`sha256_checked`: its content was checked
+    already, as the shard cache does on download; its size is still checked here)."""
+    return ShardReader(path, info, sha256_checked)
 
-    The size check is a stat; the sha256 check reads the file once per process
-    (remembered by path, hash, size and mtime), so DataLoader workers each pay
-    it once per shard they touch and never on later opens.
+
+class ShardReader:
+    """Reads byte ranges of one shard, checked against the manifest when opened and again whenever the
+    file changes (size or mtime) while it is read: a shard truncated or rewritten mid-run is one
+    DataError naming it, not a crash.
+
+    The size check is a stat; the sha256 check reads the file once per process (remembered by path,
+    hash, size and mtime), so DataLoader workers each pay it once per shard they touch and never on
+    later opens. Reads are pread(2) of the range asked for, not slices of a memory map: touching a
+    mapped page past the end of a file truncated since it was mapped is SIGBUS, which killed the rank
+    (exit 135) or its loader worker ("Bus error ... raise your shared memory limit") without a word
+    about the file.
     """
-    try:
-        stat = os.stat(path)
-    except FileNotFoundError:
-        raise DataError(f"shard {path} is missing; re-run `scaletrain prepare CONFIG`") from None
-    if stat.st_size != info.num_bytes:
-        raise DataError(
-            f"shard {path} is {stat.st_size} bytes, the manifest says {info.num_bytes}: truncated or overwritten; "
-            "re-run `scaletrain prepare CONFIG`"
-        )
-    key = (os.path.realpath(path), info.sha256, stat.st_size, stat.st_mtime_ns)
-    if key not in _VERIFIED_SHARDS:
-        actual = file_sha256(path)
-        if actual != info.sha256:
+
+    def __init__(self, path: Path, info: ShardInfo, sha256_checked: bool = False) -> None:
+        self.path, self.info = Path(path), info
+        self._fd = -1
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise DataError(f"shard {path} is missing; re-run `scaletrain prepare CONFIG`") from None
+        stat = os.fstat(self._fd)
+        if sha256_checked:
+            self._check_size(stat)
+            self._checked = (stat.st_size, stat.st_mtime_ns)
+        else:
+            self._check(stat)
+
+    def read(self, offset: int, num_bytes: int) -> np.ndarray:
+        """Bytes [offset, offset + num_bytes) of the shard, as a read-only uint8 array."""
+        stat = os.fstat(self._fd)
+        if (stat.st_size, stat.st_mtime_ns) != self._checked:
+            self._check(stat, "changed while the run read it: it ")
+        data = os.pread(self._fd, num_bytes, offset)
+        if len(data) != num_bytes:  # it shrank between the stat and the read
+            self._check_size(os.fstat(self._fd), "changed while the run read it: it ")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def _check(self, stat: os.stat_result, change: str = "") -> None:
+        self._check_size(stat, change)
+        key = (os.path.realpath(self.path), self.info.sha256, stat.st_size, stat.st_mtime_ns)
+        if key not in _VERIFIED_SHARDS:
+            actual = _open_file_sha256(self._fd)
+            if actual != self.info.sha256:
+                raise DataError(
+                    f"shard {self.path} {change}is corrupt: sha256 mismatch, manifest expects {self.info.sha256}, "
+                    f"file has {actual}; re-run `scaletrain prepare CONFIG`"
+                )
+            _VERIFIED_SHARDS.add(key)
+        self._checked = (stat.st_size, stat.st_mtime_ns)
+
+    def _check_size(self, stat: os.stat_result, change: str = "") -> None:
+        if stat.st_size != self.info.num_bytes:
             raise DataError(
-                f"shard {path} is corrupt: sha256 mismatch, manifest expects {info.sha256}, file has {actual}; "
-                "re-run `scaletrain prepare CONFIG`"
+                f"shard {self.path} {change}is {stat.st_size} bytes, the manifest says {self.info.num_bytes}: "
+                "truncated or overwritten; re-run `scaletrain prepare CONFIG`"
             )
-        _VERIFIED_SHARDS.add(key)
-    return np.memmap(path, dtype=np.uint8, mode="r")
+
+    def __del__(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+
+
+def _open_file_sha256(fd: int) -> str:
+    """sha256 of the file open as `fd`: the one this reader reads, even if its path names another since."""
+    digest, offset = hashlib.sha256(), 0
+    while chunk := os.pread(fd, _HASH_CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()

@@ -1,8 +1,8 @@
 """Where a prepared dataset lives: a local directory, any fsspec URL, or a `pipe:` command; remote shards
-go through a verified, size-limited local cache so training still memory-maps them.
+go through a verified, size-limited local cache so training still reads them at random.
 
 A location is one of
-  /data/fineweb              local directory: shards are memory-mapped in place (no copy)
+  /data/fineweb              local directory: shards are read in place (no copy)
   https://host/ds, s3://bucket/ds, gs://bucket/ds, file:///data/ds
                              any fsspec URL; s3:// and gs:// need `pip install 'scaletrain[s3]'` / `[gcs]`
   pipe:aws s3 cp s3://bucket/ds/{file} -
@@ -14,28 +14,35 @@ content-addressed, so a dataset re-prepared at the same URL never reads a stale 
 written to a `.partial` beside its place, checked against the manifest's size and sha256, and renamed
 into place, so the cache only ever holds verified files; later opens check only the size. One
 flock per file makes one process of a node download it while the other DataLoader workers and
-ranks wait, then map the same copy. The cache keeps under its size limit by evicting the files
-used longest ago (mtime, touched on every open); a file another process has mapped may be
-evicted, Linux keeps its pages until that process unmaps it.
+ranks wait, then read the same copy. A transfer that receives nothing for `read_timeout_s` (a server
+that accepts and then stalls, a hung pipe command) is abandoned and tried again like a dropped one.
+The cache keeps under its size limit by evicting the files used longest ago (the mtime of each
+file's lock, touched on every open: the file's own mtime stays as written, since readers take a
+changed one for a damaged shard); a file another process has open may be evicted, Linux keeps its
+pages until that process closes it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import numpy as np
+import fsspec
+import fsspec.asyn
+import fsspec.callbacks
 
 from scaletrain.config import ConfigError, DataConfig
 from scaletrain.data.errors import DataError
@@ -47,7 +54,7 @@ from scaletrain.data.manifest import (
     parse_manifest,
     verify_file,
 )
-from scaletrain.data.shards import open_shard
+from scaletrain.data.shards import ShardReader, open_shard
 
 PIPE_PREFIX = "pipe:"
 PIPE_FILE_PLACEHOLDER = "{file}"
@@ -72,6 +79,7 @@ class ShardCacheSettings:
     limit_bytes: int = 100 << 30
     download_retries: int = 4  # tries after the first, for a dropped connection, HTTP 5xx or short body
     retry_backoff_s: float = 1.0  # the first wait; each later one doubles
+    read_timeout_s: float = 60.0  # a transfer that receives no byte for this long is abandoned (then retried)
 
     @classmethod
     def from_data_config(cls, data: DataConfig) -> ShardCacheSettings:
@@ -121,7 +129,8 @@ def open_location(location: Path | str | DatasetLocation, cache: ShardCacheSetti
     if is_local(location):
         return LocalDataset(Path(location))
     settings = cache or ShardCacheSettings(default_cache_dir())
-    source = PipeSource(str(location)) if str(location).startswith(PIPE_PREFIX) else FsspecSource(str(location))
+    source_type = PipeSource if str(location).startswith(PIPE_PREFIX) else FsspecSource
+    source = source_type(str(location), settings.read_timeout_s)
     return RemoteDataset(source, ShardCache(settings, str(location)))
 
 
@@ -144,8 +153,8 @@ class DatasetLocation(ABC):
         """A local path of file `name` whose content has the manifest's sha256."""
 
     @abstractmethod
-    def open_shard(self, info: ShardInfo) -> np.ndarray:
-        """Shard `info` as a read-only uint8 array, checked against the manifest."""
+    def open_shard(self, info: ShardInfo) -> ShardReader:
+        """Shard `info` for reading, checked against the manifest."""
 
     def load_manifest(self) -> Manifest:
         """The manifest, with the tokenizer and every split index verified (shards are checked on first open)."""
@@ -189,7 +198,7 @@ class LocalDataset(DatasetLocation):
         verify_file(self.directory / name, sha256)
         return self.directory / name
 
-    def open_shard(self, info: ShardInfo) -> np.ndarray:
+    def open_shard(self, info: ShardInfo) -> ShardReader:
         return open_shard(self.directory / info.name, info)
 
 
@@ -219,13 +228,18 @@ class RemoteDataset(DatasetLocation):
             self.cache.companion(path, tokenizer_layout_name(name), self.source)
         return path
 
-    def open_shard(self, info: ShardInfo) -> np.ndarray:
+    def open_shard(self, info: ShardInfo) -> ShardReader:
         return self.cache.open(info.name, info.sha256, info.num_bytes, self.source,
-                               lambda path: np.memmap(path, dtype=np.uint8, mode="r"))
+                               lambda path: open_shard(path, info, sha256_checked=True))
 
 
 # ---------------------------------------------------------------------------------------------
 # Sources: how the bytes of one file of a remote dataset are fetched
+
+
+class TransferStalled(OSError):
+    """No byte arrived for `read_timeout_s`: the transfer is abandoned, and retried like a dropped one.
+    (Not a TimeoutError: fsspec replaces those with a bare FSTimeoutError, which would lose the message.)"""
 
 
 class FileSource(ABC):
@@ -252,10 +266,16 @@ class FileSource(ABC):
 
 
 class FsspecSource(FileSource):
-    """Any fsspec URL; the filesystem is made per process, since fsspec's async sessions do not survive fork."""
+    """Any fsspec URL; the filesystem is made per process, since fsspec's async sessions do not survive fork.
 
-    def __init__(self, location: str) -> None:
+    The remote back-ends (http, s3, gcs) are fsspec's async ones: a transfer runs as a task on fsspec's
+    event loop and is cancelled once `read_timeout_s` pass without a byte, the same for every back-end
+    (aiohttp's own default waits 5 minutes, and on a stalled body forever).
+    """
+
+    def __init__(self, location: str, read_timeout_s: float = ShardCacheSettings.read_timeout_s) -> None:
         self.location = location.rstrip("/")
+        self.read_timeout_s = read_timeout_s
         self._filesystem, self._pid = None, None
         self.filesystem()  # a missing back-end is reported now, not in a DataLoader worker
 
@@ -268,20 +288,49 @@ class FsspecSource(FileSource):
         return self._filesystem
 
     def download(self, name: str, destination: Path) -> None:
-        self.filesystem().get_file(self.url(name), str(destination))
+        filesystem = self.filesystem()
+        if not filesystem.async_impl:  # file://, memory://: nothing on the way can stall
+            filesystem.get_file(self.url(name), str(destination))
+            return
+        progress = fsspec.callbacks.Callback()
+        fsspec.asyn.sync(filesystem.loop, _until_stalled, lambda: filesystem._get_file(
+            self.url(name), str(destination), callback=progress), progress, self.read_timeout_s)
 
     def exists(self, name: str) -> bool:
-        return self.filesystem().exists(self.url(name))
+        filesystem = self.filesystem()
+        if not filesystem.async_impl:
+            return filesystem.exists(self.url(name))
+        try:
+            return fsspec.asyn.sync(filesystem.loop, _until_stalled, lambda: filesystem._exists(self.url(name)),
+                                    fsspec.callbacks.Callback(), self.read_timeout_s)
+        except TransferStalled as error:
+            raise DataError(f"{self.url(name)} did not answer: {error}; check that the server is up") from None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_filesystem": None, "_pid": None}
 
 
+async def _until_stalled(start: Callable[[], Coroutine[Any, Any, _Opened]], progress: fsspec.callbacks.Callback,
+                         read_timeout_s: float) -> _Opened:
+    """start()'s result, or TransferStalled once `read_timeout_s` pass in which `progress` counted no byte
+    (its task is cancelled, which closes the connection)."""
+    transfer = asyncio.ensure_future(start())
+    received = progress.value
+    while True:
+        done, _ = await asyncio.wait({transfer}, timeout=read_timeout_s)
+        if done:
+            return transfer.result()
+        if progress.value == received:
+            transfer.cancel()
+            raise TransferStalled(f"no data for {read_timeout_s:g} s")
+        received = progress.value
+
+
 class PipeSource(FileSource):
     """`pipe:COMMAND`: COMMAND, with `{file}` replaced by the (shell-quoted) file name, writes the file to stdout."""
 
-    def __init__(self, location: str) -> None:
-        self.location = location
+    def __init__(self, location: str, read_timeout_s: float = ShardCacheSettings.read_timeout_s) -> None:
+        self.location, self.read_timeout_s = location, read_timeout_s
         self.template = location.removeprefix(PIPE_PREFIX).strip()
         if PIPE_FILE_PLACEHOLDER not in self.template:
             raise DataError(f"data location {location!r} has no {PIPE_FILE_PLACEHOLDER} placeholder for the file "
@@ -294,13 +343,32 @@ class PipeSource(FileSource):
         return self.template.replace(PIPE_FILE_PLACEHOLDER, shlex.quote(name))
 
     def download(self, name: str, destination: Path) -> None:
+        """The command's stdout into `destination`; a command that writes nothing for `read_timeout_s` is
+        killed, with the shell's children (its own process group), and the transfer fails."""
         with open(destination, "wb") as stdout, tempfile.TemporaryFile() as stderr:
-            status = subprocess.run(self.command(name), shell=True, stdout=stdout, stderr=stderr).returncode
+            command = subprocess.Popen(self.command(name), shell=True, stdout=stdout, stderr=stderr,
+                                       start_new_session=True)
+            status = self._wait_while_writing(command, destination)
             if status:
                 stderr.seek(0)
                 message = stderr.read().decode(errors="replace").strip().splitlines()
                 raise OSError(f"`{self.command(name)}` exited with status {status}"
                               + (f": {message[-1]}" if message else ""))
+
+    def _wait_while_writing(self, command: subprocess.Popen, destination: Path) -> int:
+        written, last_written_at = 0, time.monotonic()
+        try:
+            while (status := command.poll()) is None:
+                if (size := destination.stat().st_size) != written:
+                    written, last_written_at = size, time.monotonic()
+                elif time.monotonic() - last_written_at > self.read_timeout_s:
+                    raise TransferStalled(f"the command wrote nothing for {self.read_timeout_s:g} s")
+                time.sleep(min(0.1, self.read_timeout_s / 10))
+            return status
+        finally:
+            if command.poll() is None:
+                os.killpg(command.pid, signal.SIGKILL)
+                command.wait()
 
 
 def tokenizer_layout_name(model_name: str) -> str:
@@ -310,8 +378,6 @@ def tokenizer_layout_name(model_name: str) -> str:
 
 def filesystem_for(url: str):
     """fsspec's filesystem for `url`, or a DataError naming the extra that installs its back-end."""
-    import fsspec
-
     protocol = url.split("://", 1)[0]
     try:
         return fsspec.filesystem(protocol)
@@ -370,7 +436,7 @@ class ShardCache:
             if not (path.is_file() and (num_bytes is None or path.stat().st_size == num_bytes)):
                 self._download(name, sha256, num_bytes, source, path)
             opened = open_file(path)
-            os.utime(path)  # last use, for eviction
+            os.utime(_lock_path(path))  # last use, for eviction
         return opened
 
     def companion(self, beside: Path, name: str, source: FileSource) -> Path:
@@ -386,7 +452,7 @@ class ShardCache:
     @contextlib.contextmanager
     def _locked(self, path: Path) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
+        with open(_lock_path(path), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
@@ -429,8 +495,7 @@ class ShardCache:
             if path.suffix in (".lock", ".partial"):
                 continue
             with contextlib.suppress(FileNotFoundError):
-                stat = path.stat()
-                entries.append((stat.st_mtime_ns, stat.st_size, path))
+                entries.append((_lock_path(path).stat().st_mtime_ns, path.stat().st_size, path))
         total = sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries):
             if total + incoming <= self.settings.limit_bytes:
@@ -440,13 +505,17 @@ class ShardCache:
 
     @staticmethod
     def _evict(path: Path) -> bool:
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
+        with open(_lock_path(path), "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
             path.unlink(missing_ok=True)
             return True
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ def test_datasets_with_different_tokenizers_are_refused(small_dataset, other_tok
 
 
 def test_blend_config_errors_name_the_entry():
-    with pytest.raises(ConfigError, match=r"data.blend\[1\].weight=0.0 must be a positive number"):
+    with pytest.raises(ConfigError, match=r"data.blend\[1\].weight=0.0 must be > 0"):
         load_config(DEMO_CONFIG, ["data.blend=[{dir: a, weight: 1}, {dir: b, weight: 0}]"])
     with pytest.raises(ConfigError, match="data.blend names \\['web'\\] more than one dataset"):
         load_config(DEMO_CONFIG, ["data.blend=[{dir: x/web, weight: 1}, {dir: y/web/, weight: 1}]"])

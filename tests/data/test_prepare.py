@@ -149,5 +149,5 @@ def test_config_takes_either_a_tokenizer_or_a_training_budget() -> None:
     assert config.data.dedup is True and config.data.tokenizer is None
     with pytest.raises(ConfigError, match="data.tokenizer=x.model reuses a tokenizer.*set one of them"):
         load_config(GPT_TINY, ["data.tokenizer=x.model", "data.tokenizer_train_bytes=100"])
-    with pytest.raises(ConfigError, match="data.tokenizer_train_bytes=0 must be positive"):
+    with pytest.raises(ConfigError, match="data.tokenizer_train_bytes=0 must be >= 1"):
         load_config(GPT_TINY, ["data.tokenizer_train_bytes=0"])

@@ -1,7 +1,7 @@
 """Datasets behind URLs and pipe commands: same samples as local, a verified size-limited cache, retries, errors.
 
 Real HTTP servers on 127.0.0.1 serve the small prepared dataset; some of them misbehave on purpose
-(drop the connection mid-shard, answer 503, serve flipped bytes).
+(drop the connection mid-shard, answer 503, serve flipped bytes, accept and then send nothing).
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import importlib.util
 import itertools
 import multiprocessing
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -39,9 +42,11 @@ REPO = Path(__file__).resolve().parents[2]
 class DatasetHandler(http.server.SimpleHTTPRequestHandler):
     """Serves a directory; `faults` maps a file name to what goes wrong on its next requests."""
 
-    faults: dict[str, list[str]]  # name -> per-request behaviours, popped in order: drop | 503 | corrupt | slow | ok
+    faults: dict[str, list[str]]  # name -> per-request behaviours, popped in order:
+    #                               drop | 503 | corrupt | slow | stall | stall_body | ok
     always: dict[str, str]  # name -> behaviour on every request
     requests: collections.Counter
+    closing: threading.Event  # set when the server shuts down: ends the stalls
 
     def log_message(self, *args) -> None:
         pass
@@ -57,11 +62,18 @@ class DatasetHandler(http.server.SimpleHTTPRequestHandler):
             return super().do_GET()
         if fault == "503":
             return self.send_error(503)
+        if fault == "stall":  # the connection is accepted, then nothing comes
+            self.closing.wait()
+            return None
         payload = (Path(self.directory) / name).read_bytes()
         self.send_response(200)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        if fault == "corrupt":
+        if fault == "stall_body":  # headers and half the body, then nothing
+            self.wfile.write(payload[:len(payload) // 2])
+            self.wfile.flush()
+            self.closing.wait()
+        elif fault == "corrupt":
             self.wfile.write(payload[:100] + bytes([payload[100] ^ 0xFF]) + payload[101:])
         else:  # drop: half the body, then the connection goes away
             self.wfile.write(payload[:len(payload) // 2])
@@ -74,20 +86,24 @@ def serve(directory: Path, faults: dict[str, list[str]] | None = None,
           always: dict[str, str] | None = None) -> Iterator[tuple[str, collections.Counter]]:
     """A ThreadingHTTPServer on a free port; yields its base URL and the request count per file."""
     requests: collections.Counter = collections.Counter()
+    closing = threading.Event()
     handler = type("Handler", (DatasetHandler,), {"faults": faults or {}, "always": always or {},
-                                                  "requests": requests})
+                                                  "requests": requests, "closing": closing})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(directory)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_port}", requests
     finally:
+        closing.set()
         server.shutdown()
         server.server_close()
 
 
-def cache_settings(directory: Path, limit_bytes: int = 1 << 30, retries: int = 2) -> ShardCacheSettings:
-    return ShardCacheSettings(directory, limit_bytes, download_retries=retries, retry_backoff_s=0.01)
+def cache_settings(directory: Path, limit_bytes: int = 1 << 30, retries: int = 2,
+                   read_timeout_s: float = 60.0) -> ShardCacheSettings:
+    return ShardCacheSettings(directory, limit_bytes, download_retries=retries, retry_backoff_s=0.01,
+                              read_timeout_s=read_timeout_s)
 
 
 def cached_files(cache_dir: Path) -> list[Path]:
@@ -172,6 +188,81 @@ def test_a_shard_that_never_arrives_whole_is_one_error_naming_its_url(small_data
             remote.sample(0)
     assert requests[shard] == 3
     assert not [path for path in cached_files(tmp_path / "cache") if path.name.startswith(shard)]
+
+
+@pytest.mark.parametrize("stall", ["stall", "stall_body"])
+def test_a_server_that_stops_sending_is_given_up_after_the_read_timeout(small_dataset: Path, tmp_path: Path,
+                                                                       stall: str) -> None:
+    """Before the fix a stalled server hung the job for good (aiohttp waits forever on a silent body)."""
+    shard = shard_names(small_dataset)[0]
+    with serve(small_dataset, always={shard: stall}) as (url, requests):
+        remote = PackedSequenceDataset(url, "train", SEQ, cache=cache_settings(tmp_path / "cache", retries=1,
+                                                                                read_timeout_s=0.3))
+        started = time.monotonic()
+        with pytest.raises(DataError, match=rf"could not download {url}/{shard} after 2 tries; last error "
+                                            r"TransferStalled: no data for 0.3 s$"):
+            remote.sample(0)
+        assert time.monotonic() - started < 5
+    assert requests[shard] == 2
+    assert not [path for path in cached_files(tmp_path / "cache") if path.name.startswith(shard)]
+
+
+def test_a_pipe_command_that_stops_writing_is_killed_after_the_read_timeout(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    location = f"pipe:echo $$ > {pid_file}; exec sleep 60 # {{file}}"
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"could not download pipe:echo .* after 1 tries; last error TransferStalled: "
+                                        r"the command wrote nothing for 0.3 s$"):
+        load_manifest(location, cache=cache_settings(tmp_path / "cache", retries=0, read_timeout_s=0.3))
+    assert time.monotonic() - started < 5
+    assert not psutil.pid_exists(int(pid_file.read_text())), "the stalled command was left running"
+
+
+RANK_SCRIPT = """
+import sys
+from pathlib import Path
+from scaletrain.data.storage import ShardCacheSettings
+from tests.data.loaders import train_loader
+loader = train_loader(sys.argv[1], 128, 3, 8, 0, 1, 0, num_workers=1, cache=ShardCacheSettings(Path(sys.argv[2])))
+next(iter(loader))  # its worker blocks on a stalled shard
+"""
+
+
+def test_a_loader_worker_blocked_in_a_read_dies_with_its_rank(small_dataset: Path, tmp_path: Path) -> None:
+    """SIGKILL to the rank: its worker, blocked on a server that accepted and went silent, used to live
+    on under PID 1 (PyTorch's watchdog checks the parent only between batches)."""
+    shards = shard_names(small_dataset)
+    with serve(small_dataset, always=dict.fromkeys(shards, "stall")) as (url, requests):
+        rank = subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, url, str(tmp_path / "cache")], cwd=REPO,
+                                stderr=subprocess.PIPE, text=True)
+        workers: list[psutil.Process] = []
+        try:
+            deadline = time.monotonic() + 120
+            while not any(requests[name] for name in shards):
+                assert rank.poll() is None and time.monotonic() < deadline, rank.stderr.read()
+                time.sleep(0.05)
+            workers = psutil.Process(rank.pid).children()
+            assert len(workers) == 1
+            rank.kill()
+            rank.wait()
+            deadline = time.monotonic() + 10
+            while is_running(workers[0]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not is_running(workers[0]), "the loader worker outlived its rank"
+        finally:
+            rank.kill()
+            rank.wait()
+            for worker in workers:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.kill()
+
+
+def is_running(process: psutil.Process) -> bool:
+    """It exists and is not a zombie waiting for its new parent to reap it."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_corrupt_shard_is_fetched_again_once_then_refused(small_dataset: Path, tmp_path: Path) -> None:

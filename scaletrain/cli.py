@@ -247,7 +247,8 @@ def _train(args: argparse.Namespace) -> int:
     train.exit_after or train.exit_after_minutes stopped it at a checkpoint: resume by running again;
     EXIT_DIVERGED (3) when it stopped on non-finite losses or weights: change the config first;
     EXIT_RANK_LOST (76) when another rank was lost (parallel/peer_loss.py): resume by running again,
-    from the last checkpoint.
+    from the last checkpoint. A rank of several that a stop signal took out of a stalled wait for data
+    exits 75 without a checkpoint of the step in progress (loop._give_up_the_step says why).
 
     The stop handlers go in as soon as the config names them and are never taken out; once the
     exit code is known the stop signals are ignored (train/stopping.py StopSignals says why)."""
@@ -255,7 +256,7 @@ def _train(args: argparse.Namespace) -> int:
     from scaletrain.parallel.peer_loss import EXIT_RANK_LOST, RankLost
     from scaletrain.train.loop import train
     from scaletrain.train.nonfinite import EXIT_DIVERGED, TrainingDiverged
-    from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StopSignals
+    from scaletrain.train.stopping import EXIT_STOPPED_EARLY, StoppedWaitingForData, StopSignals
 
     quiet_cpu_notices()
     config = load_config(args.config, args.overrides)
@@ -271,6 +272,11 @@ def _train(args: argparse.Namespace) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"scaletrain train: error: {error}", file=sys.stderr, flush=True)
         return EXIT_RANK_LOST
+    except StoppedWaitingForData as stop:  # only the ranks whose data stalled know: each says so
+        print(f"scaletrain train: stopped early ({stop.reason}) on rank {os.environ.get('RANK', '0')}; the step "
+              "in progress is given up without a checkpoint, since the other ranks may be inside it; run the same "
+              "command again to resume from the last checkpoint", file=sys.stderr, flush=True)
+        return EXIT_STOPPED_EARLY
     finally:
         destroy_distributed()
         stop_signals.ignore_while_exiting()

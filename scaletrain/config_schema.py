@@ -1,8 +1,9 @@
 """The run config's schema as text (`scaletrain config --keys`): every key, its type, default and meaning.
 
 A key's meaning is the comment beside its field (and the comment lines just above it) in the
-dataclass that declares it, read from the source: config.py and the families' config classes stay
-the one place a key is described, and a new field shows up here without a second list to update.
+dataclass that declares it, read from the source, and a numeric key's range the one its field
+declares (config.bounded): config.py and the families' config classes stay the one place a key is
+described, and a new field shows up here without a second list to update.
 The families' classes are handed in (model/registry.py MODEL_SECTIONS), as to config.read_config.
 """
 
@@ -29,12 +30,14 @@ class SchemaKey:
     type: str
     default: Any  # dataclasses.MISSING for a field that must be given
     meaning: str
+    allowed: str = ""  # a numeric key's range as its field declares it (config.bounded): `>= 1`, `in [0, 1)`
 
     def line(self) -> str:
-        """`key: type = default  # meaning`, the default as YAML reads it (JSON is a subset)."""
+        """`key: type [range] = default  # meaning`, the default as YAML reads it (JSON is a subset)."""
+        allowed = f" {self.allowed}" if self.allowed else ""
         default = "" if self.default is dataclasses.MISSING else f" = {json.dumps(self.default)}"
         meaning = f"  # {self.meaning}" if self.meaning else ""
-        return f"{self.key}: {self.type}{default}{meaning}"
+        return f"{self.key}: {self.type}{allowed}{default}{meaning}"
 
 
 def schema_text(model_sections: ModelSections) -> str:
@@ -67,7 +70,8 @@ def _keys(cls: type, prefix: str, marker: str = "", skip: frozenset[str] = froze
             keys.extend(_keys(hint, f"{prefix}{field.name}.", marker))
             continue
         meaning = f"{marker} {meanings.get(field.name, '')}".strip()
-        keys.append(SchemaKey(f"{prefix}{field.name}", _type_name(hint), _default(field), meaning))
+        allowed = field.metadata["allowed"].phrase if "allowed" in field.metadata else ""
+        keys.append(SchemaKey(f"{prefix}{field.name}", _type_name(hint), _default(field), meaning, allowed))
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
         if dataclasses.is_dataclass(item):
             keys.extend(_keys(item, f"{prefix}{field.name}[].", marker))

@@ -5,6 +5,10 @@ The model is built and loaded as `generate` builds it (TP=PP=DP=1, no DeepSpeed)
 the training loop's own (train/evaluation.py, train/step.py), over the sequences its evaluations
 read, so the val_loss printed for a step is the one the run logged at that step (equal up to the
 order of float additions, which TP splits change).
+
+A training run may prune the checkpoint while eval reads or evaluates it: eval reads its meta.json
+and weights once, from one directory, before it evaluates (one that vanishes meanwhile gives way to
+the next newest, as in generate and export), and never goes back to it.
 """
 
 from __future__ import annotations
@@ -19,15 +23,15 @@ import torch
 from scaletrain.checkpoint.manager import (
     META_FILE,
     CheckpointError,
+    CheckpointMeta,
     checkpoint_root,
     first_loadable,
-    read_meta,
     translate_load_errors,
 )
 from scaletrain.checkpoint.run_config import announce_checkpoint, run_config, single_process_config
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.generate import load_model
+from scaletrain.generate import load_snapshot
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
 from scaletrain.train.evaluation import evaluation_samples, validation_metrics
@@ -60,11 +64,11 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, samples: 
     config = _with_samples(run_config(run_dir) if path is None else _checkpoint_config(path), samples)
     topology = init_distributed(config)
     try:
-        path, model = _load(run_dir, path, config)
-        announce_checkpoint(path)
+        path, (meta, model) = _load(run_dir, path, config)
+        announce_checkpoint(path, meta.step)
         model.to(topology.device)
         # The training run's DP size: its evaluations read whole steps of micro_batch_size x DP sequences.
-        trained_data_parallel = read_meta(path).layout["data"]
+        trained_data_parallel = meta.layout["data"]
         family, objective = get_family(config.model.family), build_objective(config)
         metrics = validation_metrics(lambda batches: model_evaluation_metrics(model, model, batches, family),
                                      objective, topology, trained_data_parallel)
@@ -72,14 +76,15 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: Path | None = None, samples: 
                 for validation in objective.validation_sets}
     finally:
         destroy_distributed()
-    return Evaluation(path, read_meta(path).step, read, config.model.seq_length, metrics)
+    return Evaluation(path, meta.step, read, config.model.seq_length, metrics)
 
 
-def _load(run_dir: Path, checkpoint: Path | None, config: Config) -> tuple[Path, torch.nn.Module]:
-    """The given checkpoint's model, or the newest of the run's that loads (each one skipped is named)."""
+def _load(run_dir: Path, checkpoint: Path | None, config: Config
+          ) -> tuple[Path, tuple[CheckpointMeta, torch.nn.Module]]:
+    """The given checkpoint's meta and model, or the newest of the run's that loads (each one skipped is named)."""
     if checkpoint is None:
-        return first_loadable(run_dir, partial(load_model, config))
-    return checkpoint, translate_load_errors(checkpoint, "its files", partial(load_model, config, checkpoint))
+        return first_loadable(run_dir, partial(load_snapshot, config))
+    return checkpoint, translate_load_errors(checkpoint, "its files", partial(load_snapshot, config, checkpoint))
 
 
 def _checkpoint_path(run_dir: Path, checkpoint: Path) -> Path:

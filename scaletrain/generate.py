@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, first_loadable
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, first_loadable, read_meta
 from scaletrain.checkpoint.run_config import announce_checkpoint, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
@@ -34,8 +34,8 @@ def generate_text(
     generation = generation_of(get_family(config.model.family), run_dir)
     init_distributed(config)
     try:
-        checkpoint, model = first_loadable(run_dir, lambda checkpoint: load_model(config, checkpoint))
-        announce_checkpoint(checkpoint)
+        checkpoint, (meta, model) = first_loadable(run_dir, partial(load_snapshot, config))
+        announce_checkpoint(checkpoint, meta.step)
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
         new_ids = generation.continue_prompt(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
                                              torch.Generator().manual_seed(seed))
@@ -95,6 +95,12 @@ def generation_of(family: ModelFamily, run_dir: Path) -> Generation:
         raise ValueError(f"model family {family.name} names generation {family.generation!r}, which is not "
                          f"registered; the known ones are {', '.join(GENERATIONS)} (generate.py GENERATIONS)")
     return GENERATIONS[family.generation]
+
+
+def load_snapshot(config: Config, checkpoint: Path) -> tuple[CheckpointMeta, torch.nn.Module]:
+    """A checkpoint's meta.json and model, read together: a command that uses them never reads the
+    checkpoint again, which a training run may prune meanwhile (checkpoint.keep_last)."""
+    return read_meta(checkpoint), load_model(config, checkpoint)
 
 
 def load_model(config: Config, checkpoint: Path) -> torch.nn.Module:

@@ -124,10 +124,11 @@ def test_config_keys_lists_every_key_with_its_type_default_and_meaning(capsys):
             assert " = " not in lines[key].split("  #")[0], f"{key} has no default: {lines[key]}"
         else:
             assert f" = {json.dumps(default)}" in lines[key], lines[key]
-    assert lines["train.warmup_fraction"].startswith("train.warmup_fraction: float | None = null  # the warmup as a "
-                                                     "fraction of train.steps")
+    assert lines["train.warmup_fraction"].startswith("train.warmup_fraction: float | None in [0, 1) = null  # the "
+                                                     "warmup as a fraction of train.steps")
     assert lines["model.num_kv_heads"].startswith("model.num_kv_heads: int | None = null  # (llama) ")
-    assert lines["model.layernorm_eps"] == "model.layernorm_eps: float = 1e-05"
+    assert lines["model.layernorm_eps"] == "model.layernorm_eps: float > 0 = 1e-05"
+    assert lines["data.blend[].weight"].startswith("data.blend[].weight: float > 0  # relative")
 
 
 def test_a_warmup_cut_for_a_shortened_run_is_one_warning_line():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 
 from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, resolve_for_world, save_config
 from scaletrain.config_loader import load_config
+from scaletrain.config_schema import schema_keys
+from scaletrain.model.registry import MODEL_SECTIONS
 from scaletrain.train.schedule import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +62,7 @@ def test_gpt3_175b_shape_and_batch():
         (["data.vocab_size=100"], "data.vocab_size=100 leaves too few learned pieces"),
         (["train.max_skipped_steps=0"], "train.max_skipped_steps=0 must be >= 1"),
         (["train.inject_nonfinite_loss_at=[3, 0]"], "train.inject_nonfinite_loss_at=[3, 0] must list steps >= 1"),
-        (["train.lr=.inf"], "train.lr=inf and train.min_lr=0.0002 must be finite numbers"),
+        (["train.lr=.inf"], "train.lr=inf must be a finite number > 0"),
         (["model.num_kv_heads=2"], "unknown key model.num_kv_heads"),  # a llama key in a gpt section
         (["model.family=llama", "model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
         (["model.family=llama", "model.num_heads=12", "model.head_dim=16", "model.num_kv_heads=3", "parallel.tensor=4"],
@@ -85,6 +88,81 @@ def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
     with pytest.raises(ConfigError) as error:
         load_config(TINY, overrides)
     assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.weight_decay=.nan", "train.weight_decay=nan must be a finite number >= 0 (AdamW: 0.1 is usual, 0 for "
+                                "none)"),
+    ("train.weight_decay=.inf", "train.weight_decay=inf must be a finite number >= 0"),
+    ("train.weight_decay=-1", "train.weight_decay=-1.0 must be >= 0"),
+    ("train.beta1=.nan", "train.beta1=nan must be a finite number in [0, 1)"),
+    ("train.beta2=2", "train.beta2=2.0 must be in [0, 1) (AdamW's second-moment decay; 0.95 or 0.999 are usual)"),
+    ("train.beta2=-1", "train.beta2=-1.0 must be in [0, 1)"),
+    ("train.grad_clip=.nan", "train.grad_clip=nan must be a finite number >= 0 (0 disables clipping)"),
+    ("train.grad_clip=.inf", "train.grad_clip=inf must be a finite number >= 0"),
+    ("parallel.timeout_s=.inf", "parallel.timeout_s=inf must be a finite number > 0"),
+    ("train.min_lr=.nan", "train.min_lr=nan must be a finite number >= 0"),
+    ("train.min_lr=1", "train.min_lr=1.0 must be <= train.lr=0.002"),
+    ("train.warmup_fraction=-.inf", "train.warmup_fraction=-inf must be a finite number in [0, 1)"),
+    ("model.dropout=1", "model.dropout=1.0 must be in [0, 1)"),
+    ("model.layernorm_eps=0", "model.layernorm_eps=0.0 must be > 0"),
+    ("model.vocab_divisible_by=0", "model.vocab_divisible_by=0 must be >= 1"),
+    ("objective.mask_prob=0", "objective.mask_prob=0.0 must be in (0, 1)"),
+    ("data.download_backoff_s=601", "data.download_backoff_s=601.0 must be in [0, 600]"),
+    ("tracking.peak_tflops=.inf", "tracking.peak_tflops=inf must be a finite number > 0"),
+    ("parallel.zero_stage=4", "parallel.zero_stage=4 must be in [0, 3]"),
+])
+def test_numeric_keys_out_of_their_declared_range_are_refused_with_it(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(TINY, [override])
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_every_float_key_of_every_section_and_family_is_refused_when_not_finite():
+    """Declared or not, a float key that is NaN is refused before anything is built, naming it: the
+    rule is config.py's walk over the typed sections, not a list of keys."""
+    float_keys = [key for key in schema_keys(MODEL_SECTIONS) if "float" in key.type]
+    assert len(float_keys) > 30
+    for key in float_keys:
+        family = key.meaning[1:].split(")")[0] if key.meaning.startswith("(") else "gpt"
+        if key.key == "data.blend[].weight":
+            override, named = "data.blend=[{dir: data/a, weight: .nan}]", "data.blend[0].weight"
+        else:
+            override, named = f"{key.key}=.nan", key.key
+        with pytest.raises(ConfigError) as error:
+            load_config(TINY, [f"model.family={family}", override])
+        assert str(error.value).startswith(f"{named}=nan must be a finite number"), (key.key, str(error.value))
+
+
+BILLION_LAUGHS = "".join(  # 396 bytes; 9^9 = 387 million strings once its aliases are expanded
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 9) if previous else ', '.join(['lol'] * 9)}]\n"
+    for previous, name in zip([None, *"abcdefgh"], "abcdefghi", strict=True))
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_naming_the_file(tmp_path):
+    """The aliases are counted as expanded without expanding them, so the refusal costs what parsing does."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"base: {TINY}\n{BILLION_LAUGHS}")
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as error:
+        load_config(bomb)
+    assert time.perf_counter() - started < 1.0
+    assert str(error.value).startswith(f"config file {bomb}: its YAML aliases (*name) expand to more than 100,000 "
+                                       "values"), str(error.value)
+    looped = tmp_path / "looped.yaml"
+    looped.write_text("train: &train\n  nested: *train\n")
+    with pytest.raises(ConfigError, match="a YAML alias \\(\\*name\\) refers to a value that holds it"):
+        load_config(looped)
+    flow_bomb = BILLION_LAUGHS.replace("\n", ", ").rstrip(", ")
+    with pytest.raises(ConfigError, match=r"^override 'train.stop_signals=\{a: "):
+        load_config(TINY, [f"train.stop_signals={{{flow_bomb}}}"])
+
+
+def test_yaml_aliases_of_ordinary_size_still_load(tmp_path):
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(f"base: {TINY}\ntrain:\n  lr: &peak 0.001\n  min_lr: *peak\n")
+    config = load_config(shared)
+    assert config.train.lr == config.train.min_lr == 0.001
 
 
 def test_compile_is_off_by_default_and_loads_with_every_zero_stage_but_3():

@@ -1,13 +1,17 @@
 """`scaletrain eval`: a checkpoint's validation loss, in one process, equals the one its training run
-logged at that step, whatever layout trained it; it names the checkpoint it read."""
+logged at that step, whatever layout trained it; it names the checkpoint it read, and a training run
+pruning that checkpoint meanwhile changes nothing."""
 
 from __future__ import annotations
 
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from scaletrain import evaluate
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
@@ -39,10 +43,16 @@ def _printed(stdout: str) -> dict[str, float]:
     return {name: float(value) for name, value in (line.split() for line in stdout.splitlines()[1:])}
 
 
-@pytest.mark.slow  # trains a 4-step run (~20 s on 2 cores)
-def test_eval_of_a_single_rank_run(small_dataset: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    logged = _train(small_dataset, run_dir, 1)
+@pytest.fixture(scope="module")
+def single_rank_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float]]:
+    """A 4-step run on one rank (~20 s on 2 cores) and its logged val_loss by step; eval writes nothing to it."""
+    run_dir = tmp_path_factory.mktemp("single_rank") / "run"
+    return run_dir, _train(small_dataset, run_dir, 1)
+
+
+@pytest.mark.slow
+def test_eval_of_a_single_rank_run(single_rank_run: tuple[Path, dict[int, float]]) -> None:
+    run_dir, logged = single_rank_run
     checkpoint = run_dir / "checkpoints" / f"step_{STEPS:08d}"
 
     result = _eval(run_dir)
@@ -69,3 +79,32 @@ def test_eval_of_a_tensor_parallel_run_in_one_process(small_dataset: Path, tmp_p
     result = _eval(run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert _printed(result.stdout)["val_loss"] == pytest.approx(logged[STEPS], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_eval_reads_one_snapshot_of_a_checkpoint_pruned_while_it_evaluates(
+    single_rank_run: tuple[Path, dict[int, float]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run beside a training run that prunes (checkpoint.keep_last), eval failed 3 times of 4: it read
+    meta.json again after evaluating, from a checkpoint pruned meanwhile. Here the prune comes as the
+    evaluation starts, in this process (eval is one process: no launcher needed)."""
+    trained, logged = single_rank_run
+    run_dir = Path(shutil.copytree(trained, tmp_path / "run"))
+    checkpoint = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+
+    def pruned_meanwhile(*args, **kwargs):
+        shutil.rmtree(checkpoint)
+        return validation_metrics(*args, **kwargs)
+
+    validation_metrics = evaluate.validation_metrics
+    monkeypatch.setattr(evaluate, "validation_metrics", pruned_meanwhile)
+    with socket.socket() as free:  # a world of one, its variables undone after the test
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    evaluation = evaluate.evaluate_checkpoint(run_dir)
+    assert not checkpoint.exists()
+    assert (evaluation.checkpoint, evaluation.step) == (checkpoint, STEPS)
+    assert evaluation.metrics["val_loss"] == pytest.approx(logged[STEPS], abs=1e-5)

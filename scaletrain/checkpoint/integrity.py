@@ -20,6 +20,11 @@ up to 32 bits, and misses other random damage with probability 2^-32 (Peterson &
 codes for error detection", Proc. IRE 1961). A cryptographic hash would add nothing against
 tampering: whoever can rewrite a file can rewrite meta.json too (a crafted file is refused by the
 restricted unpickler, safe_load.py, whatever its checksum).
+meta.json carries its own CRC-32 too (`seal_meta`): its step and consumed_samples say where a resume
+starts and which batches come next, so one changed in place (step 20 read as 28) would skip steps
+or replay data without a word. It is taken over the fields in one canonical JSON form, as the
+checksum cannot cover the file that holds it. A meta.json written before it was sealed (no
+`meta_crc32`) is read as before; manager.read_meta still checks its step against the directory name.
 Cost, same box (shared: load average 5 on its 2 cores; best of 15), a 256 MiB state in 16 MiB fp32
 tensors: saving 0.8-1.3 -> 1.2-1.7 s per GiB (+0.4-0.7 s: the CRC, 0.27 s per GiB alone, and
 torch.save writing through Python); loading 0.6-0.7 -> 1.5-2.0 s per GiB (+0.9-1.4 s: reading the
@@ -29,6 +34,7 @@ holds one file's bytes in memory beside its tensors while it unpickles them.
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 from collections.abc import Iterable, Mapping
@@ -41,6 +47,7 @@ import torch
 from scaletrain.checkpoint.errors import CheckpointError
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+META_CHECKSUM = "meta_crc32"  # meta.json's key for the CRC-32 of its other fields
 _CHUNK_BYTES = 16 << 20
 
 
@@ -128,6 +135,29 @@ def content_mismatch(
         return None
     return CheckpointError(f"checkpoint {checkpoint}: {name} {found}; resume from another checkpoint "
                            f"(train.resume=auto takes the one before) or delete {checkpoint}")
+
+
+def seal_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """meta.json's fields with the CRC-32 of the others under META_CHECKSUM."""
+    return {**meta, META_CHECKSUM: _meta_checksum(meta)}
+
+
+def check_meta_seal(meta: Mapping[str, Any], checkpoint: Path) -> None:
+    """Refuse meta.json's fields (`meta`, as read) if they differ from those sealed at the save."""
+    written = meta.get(META_CHECKSUM)
+    if written is None:  # written before meta.json was sealed
+        return
+    found = _meta_checksum(meta)
+    if found != written:
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: meta.json has CRC-32 {found}, {written} was written: its fields (step, "
+            "consumed_samples, file records) changed since the save; resume from another checkpoint "
+            f"(train.resume=auto takes the one before) or delete {checkpoint}")
+
+
+def _meta_checksum(meta: Mapping[str, Any]) -> str:
+    fields = {key: value for key, value in meta.items() if key != META_CHECKSUM}
+    return f"{zlib.crc32(json.dumps(fields, sort_keys=True, separators=(',', ':')).encode()):08x}"
 
 
 def check_finite(checkpoint: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

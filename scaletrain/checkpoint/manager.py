@@ -4,20 +4,23 @@ Layout of RUN_DIR/checkpoints:
     step_00000100/model/...        the training state by parameter name at full shape, each rank
                                    writing its share (checkpoint/layout_free.py): any layout resumes it
     step_00000100/rng/rank_*.pt    per-rank RNG states (restored when the layout is the same)
-    step_00000100/meta.json        step, consumed samples, layout, every file's size and CRC-32
-                                   (checkpoint/integrity.py); written last
+    step_00000100/meta.json        step, consumed samples, layout, every file's size and CRC-32, and
+                                   the CRC-32 of these fields (checkpoint/integrity.py); written last
     step_00000100/config.yaml      the full run config
     latest                         name of the newest complete checkpoint: a hint for other tools;
                                    scaletrain finds the newest by scanning
     diverged/step_...              checkpoints set aside after a divergence (never resumed from)
+    rejected/step_...              checkpoints a resume could not load and fell back past (never resumed
+                                   from, never counted by pruning)
 
 A save copies this rank's share of the state off the training tensors (collective: ZeRO gathers each
 parameter over its data-parallel group) and returns; a background thread writes the files into
 `.staging-step_...`, and once every rank's are in, rank 0 renames it into place, so a crash mid-save
 never leaves a directory that looks complete. One save is in flight at a time: the next save, a
-prune and the end of the run wait for it (`finish_pending_save`), and a failed write is raised there
-on every rank. The background thread agrees with the other ranks over its own gloo group, so it never
-interleaves with the training's collectives.
+prune and the end of the run wait for it (`finish_pending_save`); a failed write stops the run at
+the next step (the loop polls `pending_save_failed` with its stop reasons), raised on every rank.
+The background thread agrees with the other ranks over its own gloo group, so it never interleaves
+with the training's collectives.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import threading
@@ -41,7 +45,7 @@ import yaml
 
 from scaletrain.checkpoint import layout_free
 from scaletrain.checkpoint.errors import CheckpointError
-from scaletrain.checkpoint.integrity import FileRecord, file_checksum, save_with_checksum
+from scaletrain.checkpoint.integrity import FileRecord, check_meta_seal, file_checksum, save_with_checksum, seal_meta
 from scaletrain.checkpoint.safe_load import CheckedFiles, UnsafeCheckpointError
 from scaletrain.config import Config, save_config
 from scaletrain.disk import write_failure
@@ -49,6 +53,7 @@ from scaletrain.parallel.groups import Topology, resolve_precision
 
 META_FILE = "meta.json"
 DIVERGED_DIR = "diverged"  # checkpoints set aside after a divergence (set_aside_from)
+REJECTED_DIR = "rejected"  # checkpoints a resume fell back past (set_aside_rejected)
 FORMAT = 2  # 1: DeepSpeed's own files under state/ (before layout-free checkpoints); not read any more
 T = TypeVar("T")
 
@@ -62,6 +67,7 @@ class CheckpointMeta:
     consecutive_skipped_steps: int = 0  # of those, how many in a row up to this step
     files: dict[str, FileRecord] = field(default_factory=dict)  # path under the checkpoint -> size, CRC-32
     format: int = FORMAT
+    spikes: dict[str, Any] = field(default_factory=dict)  # the loss-spike rule's state (train/state.py)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -152,6 +158,12 @@ def finish_pending_save() -> None:
         raise pending.error
 
 
+def pending_save_failed() -> bool:
+    """Whether the checkpoint being written has failed, without waiting for it: the loop stops at the
+    next step instead of training on until the next save finds out (and its checkpoint with it)."""
+    return _pending is not None and _pending.error is not None
+
+
 def abandon_pending_save() -> None:
     """After a failure elsewhere (a lost rank), leave the write behind: its agreement with the other
     ranks may never come. The staging directory it leaves is removed at the next start."""
@@ -172,13 +184,13 @@ def checkpoint_group() -> Any:
 
 def save_checkpoint(
     engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int,
-    skipped_steps: int = 0, consecutive_skipped_steps: int = 0,
+    skipped_steps: int = 0, consecutive_skipped_steps: int = 0, spikes: dict[str, Any] | None = None,
 ) -> Path:
     """Copy this rank's share of the state off the training tensors and write it (in the background
     with checkpoint.async_save) into a staging directory that rank 0 publishes in one rename once all
     ranks' files are in. A failed write on any rank (a full disk) removes the staging directory and
-    raises one CheckpointError naming the file and the cause, on every rank, here or at the next
-    finish_pending_save; the previous checkpoints stay as they were."""
+    raises one CheckpointError naming the file, the cause and the newest checkpoint left, on every
+    rank, here or at the next finish_pending_save."""
     finish_pending_save()
     started = time.perf_counter()
     group = checkpoint_group()
@@ -188,7 +200,7 @@ def save_checkpoint(
     name = f"step_{step:08d}"
     meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
             "layout": layout_of(config, topology), "skipped_steps": skipped_steps,
-            "consecutive_skipped_steps": consecutive_skipped_steps}
+            "consecutive_skipped_steps": consecutive_skipped_steps, **({"spikes": spikes} if spikes else {})}
     write = partial(_write_and_publish, collected, rng, config, topology, meta, root / f".staging-{name}",
                     root / name, group, started)
     if config.checkpoint.async_save:
@@ -243,7 +255,7 @@ def _publish(
         if path.is_file():
             name = str(path.relative_to(staging))
             files[name] = FileRecord(path.stat().st_size, checksums.get(name) or file_checksum(path)).to_json()
-    (staging / META_FILE).write_text(json.dumps({**meta, "files": files}, indent=2))
+    (staging / META_FILE).write_text(json.dumps(seal_meta({**meta, "files": files}), indent=2))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     root = final.parent
@@ -268,7 +280,21 @@ def _agree(failure: str | None, staging: Path, topology: Topology, group: Any, p
         return [payload for _, payload in gathered]
     if topology.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    raise CheckpointError(f"checkpoint not saved: {first}; the previous checkpoints are intact")
+    raise CheckpointError(f"checkpoint not saved: {first}; {_checkpoints_left(staging.parent)}")
+
+
+def _checkpoints_left(root: Path) -> str:
+    """What a run can resume from after a failed save, as found on disk now (the save may have failed
+    in a directory that holds none, or after removing an older checkpoint of the same step)."""
+    try:
+        complete = complete_checkpoints(root.parent)
+    except OSError:
+        complete = []
+    if not complete:
+        return (f"no complete checkpoint of this run is left under {root}; once it is a writable directory "
+                "with room, run again (it starts over)")
+    return (f"the newest complete checkpoint left is {complete[-1]}; once {root} is writable with room, run "
+            "again to resume from it")
 
 
 def _merge_checksums(per_rank: list[dict[str, str]], staging: Path) -> dict[str, str]:
@@ -440,15 +466,29 @@ def set_aside_from(run_dir: Path, step: int) -> list[Path]:
     """Move the checkpoints at `step` and after into RUN/checkpoints/diverged/ (kept for a look, never
     resumed from or pruned) and point `latest` at the newest one left: after a divergence, resuming
     with train.resume=auto then starts before the blow-up. Rank 0 only. Returns their new paths."""
+    doomed = [path for path in complete_checkpoints(run_dir) if int(path.name.removeprefix("step_")) >= step]
+    return _set_aside(run_dir, doomed, DIVERGED_DIR)
+
+
+def set_aside_rejected(run_dir: Path, rejected: list[Path]) -> list[Path]:
+    """Move checkpoints that a resume could not load, and fell back past, into RUN/checkpoints/rejected/
+    (kept for a look): counted among the newest, a broken one would make keep_last prune the one the
+    run resumed from, leaving nothing loadable until the next save. Rank 0 only, once every rank has
+    loaded the checkpoint it resumes from. Returns their new paths."""
+    return _set_aside(run_dir, rejected, REJECTED_DIR)
+
+
+def _set_aside(run_dir: Path, checkpoints: list[Path], folder: str) -> list[Path]:
+    """Move `checkpoints` into RUN/checkpoints/`folder`/, out of resume's and pruning's sight, and point
+    `latest` at the newest one left."""
     root = checkpoint_root(run_dir)
     moved = []
-    for path in complete_checkpoints(run_dir):
-        if int(path.name.removeprefix("step_")) >= step:
-            target = root / DIVERGED_DIR / path.name
-            target.parent.mkdir(exist_ok=True)
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(path, target)
-            moved.append(target)
+    for path in checkpoints:
+        target = root / folder / path.name
+        target.parent.mkdir(exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(path, target)
+        moved.append(target)
     remaining = complete_checkpoints(run_dir)
     if remaining:
         _write_atomically(root / "latest", remaining[-1].name)
@@ -458,21 +498,30 @@ def set_aside_from(run_dir: Path, step: int) -> list[Path]:
 
 
 def read_meta(path: Path) -> CheckpointMeta:
+    """meta.json of the checkpoint `path`, refused if its fields changed since the save (its CRC-32) or
+    its step is not the one its directory is named for."""
     try:
         raw = json.loads((path / META_FILE).read_text())
         files = {name: FileRecord.from_json(record) for name, record in dict(raw.get("files", {})).items()}
         meta = CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
                               int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)), files,
-                              int(raw.get("format", 1)))
+                              int(raw.get("format", 1)), dict(raw.get("spikes", {})))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"
         ) from None
+    check_meta_seal(raw, path)
     if meta.format != FORMAT:
         raise CheckpointError(
             f"checkpoint {path} is in format {meta.format} (DeepSpeed's own files, written before scaletrain "
             f"kept layout-free checkpoints); this version reads format {FORMAT} only: finish that run "
             "with the scaletrain that wrote it, or start over here (train.resume=never or a new run.dir)")
+    named = re.fullmatch(r"step_(\d+)", path.name)
+    if named and int(named[1]) != meta.step:
+        raise CheckpointError(
+            f"checkpoint {path}: meta.json says step {meta.step}, its directory is named for step {int(named[1])}: "
+            "one of them changed since the save; resume from another checkpoint (train.resume=auto takes the one "
+            f"before) or delete {path}")
     return meta
 
 
@@ -545,23 +594,25 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int, keep_steps: list[int]) -> None:
-    """Remove all but the newest keep_last checkpoints, and those at checkpoint.keep_steps (branch
-    points). The loop calls it once the step after a save has trained with finite loss and gradients,
-    so the checkpoint before a blow-up is never pruned in favour of one holding the blown-up weights;
-    while that save is still being written, the prune runs once it is published. Each is renamed out
+def prune_checkpoints(run_dir: Path, keep_last: int, keep_steps: list[int], keep: Path | None = None) -> None:
+    """Remove all but the newest keep_last checkpoints, those at checkpoint.keep_steps (branch points)
+    and `keep`: the checkpoint the run resumed from or last saved itself, its newest known to load,
+    which newer ones it did not write (behind a train.resume=PATH) must not push out. The loop calls
+    it once the step after a save has trained with finite loss and gradients, so the checkpoint
+    before a blow-up is never pruned in favour of one holding the blown-up weights; while that save
+    is still being written, the prune runs once it is published. Each is renamed out
     of the `step_*` namespace first, so a kill mid-removal leaves no directory that looks like a
     checkpoint (clean_leftovers removes the rest at the next start)."""
-    prune = partial(_prune_now, run_dir, keep_last, keep_steps)
+    prune = partial(_prune_now, run_dir, keep_last, keep_steps, keep)
     pending = _pending
     if pending is None or not pending.run_after_write(prune):
         prune()
 
 
-def _prune_now(run_dir: Path, keep_last: int, keep_steps: list[int]) -> None:
+def _prune_now(run_dir: Path, keep_last: int, keep_steps: list[int], keep: Path | None) -> None:
     root = checkpoint_root(run_dir)
     for old in complete_checkpoints(run_dir)[:-keep_last]:
-        if int(old.name.removeprefix("step_")) not in keep_steps:
+        if int(old.name.removeprefix("step_")) not in keep_steps and old != keep:
             doomed = root / f".pruning-{old.name}"
             os.replace(old, doomed)
             shutil.rmtree(doomed)

@@ -27,7 +27,10 @@ def single_process_config(config: Config) -> Config:
     return resolve_for_world(single, world_size=1)
 
 
-def announce_checkpoint(checkpoint: Path) -> None:
+def announce_checkpoint(checkpoint: Path, step: int | None = None) -> None:
     """One line on stderr naming the checkpoint a command read and its step: the newest one that loads
-    may not be the newest one written (first_loadable skips broken ones), and stdout stays the output."""
-    print(f"using checkpoint {checkpoint} (step {read_meta(checkpoint).step})", file=sys.stderr, flush=True)
+    may not be the newest one written (first_loadable skips broken ones), and stdout stays the output.
+    `step` as the command read it; without it meta.json is read again, which fails if a training run
+    has pruned the checkpoint since."""
+    step = read_meta(checkpoint).step if step is None else step
+    print(f"using checkpoint {checkpoint} (step {step})", file=sys.stderr, flush=True)

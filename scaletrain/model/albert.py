@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, BatchSchema
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.model.bert import (
     BERT,
     BertEmbedding,
@@ -63,7 +63,8 @@ BLOCK_WEIGHTS = tuple(
 
 @dataclass
 class AlbertConfig(ModelConfig):
-    embedding_size: int = 128  # E of the factorized embedding (sec. 3.1; 128 in every published size)
+    # E of the factorized embedding (sec. 3.1; 128 in every published size)
+    embedding_size: int = bounded(128, ">= 1", "ALBERT: 128")
     type_vocab_size: int = 2  # segment embeddings
     sharing: str = "all"  # all (ALBERT) | attention | ffn | none: what the layers share (sec. 3.1, table 4)
 
@@ -240,8 +241,6 @@ def validate(config: Config) -> None:
     model, parallel = config.model, config.parallel
     if model.sharing not in SHARING:
         raise ConfigError(f"model.sharing={model.sharing!r}; use all (ALBERT), attention, ffn or none")
-    if model.embedding_size < 1:
-        raise ConfigError(f"model.embedding_size={model.embedding_size}; use a positive size (ALBERT: 128)")
     minimum_types = 2 if config.objective.sentence_pairs != "none" else 1
     if model.type_vocab_size < minimum_types:
         raise ConfigError(

@@ -32,7 +32,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from scaletrain.batch import BatchSchema
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.bart_noising import DenoisingNoise
 from scaletrain.data.errors import DataError
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
@@ -59,7 +59,7 @@ POSITION_OFFSET = 2  # HF's BartLearnedPositionalEmbedding looks up position + 2
 class BartConfig(ModelConfig):
     """model.seq_length is the encoder's and the decoder's length (data/bart_noising.py)."""
 
-    num_decoder_layers: int | None = None  # None: model.num_layers
+    num_decoder_layers: int | None = bounded(None, ">= 1", "or null: model.num_layers")  # None: model.num_layers
     max_position_embeddings: int | None = None  # learned positions per stack; None: model.seq_length
 
 

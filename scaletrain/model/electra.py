@@ -43,7 +43,7 @@ from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.replaced_tokens import REPLACEMENT_UNIFORMS
 from scaletrain.model.bert import BertEmbedding, DecoderBias, labelled_positions, replicated_linear
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
@@ -82,8 +82,9 @@ class ElectraConfig(ModelConfig):
     generator_num_heads: int | None = None  # None: num_heads / 4 (at least 1)
     generator_ffn_hidden_size: int | None = None  # None: 4 * generator hidden size
     generator_num_layers: int | None = None  # None: num_layers
-    discriminator_weight: float = 50.0  # λ of L_MLM + λ·L_disc (paper, sec. 2 and table 6)
-    type_vocab_size: int = 2  # segment embeddings
+    # λ of L_MLM + λ·L_disc (paper, sec. 2 and table 6)
+    discriminator_weight: float = bounded(50.0, ">= 0", "the paper's λ is 50")
+    type_vocab_size: int = bounded(2, ">= 1")  # segment embeddings
 
     @property
     def embedding_width(self) -> int:
@@ -472,10 +473,6 @@ def validate(config: Config) -> None:
         if value % tensor:
             raise ConfigError(f"parallel.tensor={tensor} does not divide model.{name}={value}; "
                               f"use a tensor-parallel size that divides it")
-    if model.discriminator_weight < 0:
-        raise ConfigError(f"model.discriminator_weight={model.discriminator_weight}; use >= 0 (the paper's λ is 50)")
-    if model.type_vocab_size < 1:
-        raise ConfigError(f"model.type_vocab_size={model.type_vocab_size}; use >= 1")
 
 
 def _schema(config: Config) -> BatchSchema:

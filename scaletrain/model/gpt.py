@@ -14,7 +14,7 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.batch import DOCUMENT_IDS, BatchSchema
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.model.attention_masks import (
     DocumentAttention,
     SharedBlockMask,
@@ -63,7 +63,7 @@ class DecoderConfig(ModelConfig):
     document_positions: bool = False
     # sliding-window attention (Beltagy et al. 2020; Mistral, Jiang et al. 2023): a query sees itself and the
     # sliding_window - 1 tokens before it, and generation caches as many keys per layer; null: no window
-    sliding_window: int | None = None
+    sliding_window: int | None = bounded(None, ">= 1", "the query itself; or null for full causal attention")
     # how a masked training forward (documents, window, prefix LM) attends: sdpa with a boolean [b, s, s] mask;
     # flex, FlexAttention with a block mask that skips the tiles nobody sees (CUDA to train; no attention dropout,
     # no context parallelism); auto: flex where it can run, else sdpa (`attention_backend`)
@@ -351,9 +351,6 @@ def validate_decoder(config: Config) -> None:
                           "parallel.context=1 or train a dense model")
     _validate_attention_backend(config)
     window = config.model.sliding_window
-    if window is not None and window < 1:
-        raise ConfigError(f"model.sliding_window={window} must be >= 1 (the query itself), or null for full "
-                          "causal attention")
     if window is not None and config.objective.kind == "prefix_lm":
         raise ConfigError(f"model.sliding_window={window} with objective.kind=prefix_lm: a window over a "
                           "bidirectional prefix is not defined here; train a prefix LM with model.sliding_window=null, "
@@ -377,8 +374,6 @@ def _validate_attention_backend(config: Config) -> None:
 
 
 def validate(config: Config) -> None:
-    if config.model.ffn_size < 1:
-        raise ConfigError(f"model.ffn_hidden_size={config.model.ffn_hidden_size} must be >= 1")
     validate_decoder(config)
 
 

@@ -16,7 +16,7 @@ import torch
 from megatron.core import tensor_parallel
 from torch import nn
 
-from scaletrain.config import Config, ConfigError
+from scaletrain.config import Config, ConfigError, bounded
 from scaletrain.model.chunked_cross_entropy import defer_lm_logits
 from scaletrain.model.counts import ModelCounts, mlp_counts
 from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
@@ -46,8 +46,8 @@ from scaletrain.parallel.sequence_parallel import scatter_to_sequence_parallel
 @dataclass
 class LlamaConfig(DecoderConfig):
     num_kv_heads: int | None = None  # None: num_heads (multi-head); fewer: grouped-query; 1: multi-query
-    rope_theta: float = 10000.0  # Llama 2: 1e4; Llama 3: 5e5
-    layernorm_eps: float = 1e-5  # RMSNorm eps
+    rope_theta: float = bounded(10000.0, "> 0", "Llama 2: 1e4; Llama 3: 5e5")  # Llama 2: 1e4; Llama 3: 5e5
+    layernorm_eps: float = bounded(1e-5, "> 0", "e.g. 1e-5")  # RMSNorm eps
 
     @property
     def ffn_size(self) -> int:
@@ -195,8 +195,6 @@ def validate(config: Config) -> None:
         )
     if model.attention_head_dim % 2:
         raise ConfigError(f"head dimension {model.attention_head_dim} must be even for rotary embeddings")
-    if model.rope_theta <= 0:
-        raise ConfigError(f"model.rope_theta={model.rope_theta} must be > 0")
     validate_decoder(config)
 
 

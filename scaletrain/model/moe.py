@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
+from scaletrain.config import bounded
 from scaletrain.model.init import InitMethod
 from scaletrain.model.layers import ParallelMLP, PartInit
 from scaletrain.parallel.expert_parallel import (
@@ -50,15 +51,18 @@ from scaletrain.parallel.expert_parallel import (
 class MoEConfig:
     """`model.moe:` of the causal decoders (gpt, llama): which blocks are MoE layers and how they route."""
 
-    num_experts: int = 0  # experts per MoE layer; 0: a dense model
+    num_experts: int = bounded(0, ">= 0", "0: a dense model")  # experts per MoE layer; 0: a dense model
     top_k: int = 2  # experts per token: 1 as Switch (Fedus et al. 2022), 2 as GShard and Mixtral
-    every: int = 1  # blocks 0, every, 2·every, ... are MoE layers (Megatron's --moe-layer-freq); 1: all
+    # blocks 0, every, 2·every, ... are MoE layers (Megatron's --moe-layer-freq); 1: all
+    every: int = bounded(1, ">= 1", "1: every block is a MoE layer")
     # Each expert takes at most ceil(capacity_factor · top_k · tokens / num_experts) assignments per forward
     # on a rank; the rest are dropped (their residual passes on). null: dropless, every assignment computed
-    capacity_factor: float | None = None
-    aux_loss_coeff: float = 0.01  # load-balancing loss weight (Switch eq. 4; the loss is 1 when balanced)
-    z_loss_coeff: float = 0.001  # router z-loss weight (Zoph et al. 2022, ST-MoE eq. 5)
-    ffn_hidden_size: int | None = None  # each expert's hidden size; null: the model's ffn size
+    capacity_factor: float | None = bounded(None, "> 0", "or null for dropless routing")
+    # load-balancing loss weight (Switch eq. 4; the loss is 1 when balanced)
+    aux_loss_coeff: float = bounded(0.01, ">= 0")
+    z_loss_coeff: float = bounded(0.001, ">= 0")  # router z-loss weight (Zoph et al. 2022, ST-MoE eq. 5)
+    # each expert's hidden size; null: the model's ffn size
+    ffn_hidden_size: int | None = bounded(None, ">= 1", "or null for the model's")
 
     @property
     def enabled(self) -> bool:
@@ -82,23 +86,13 @@ class MoEConfig:
 
 
 def validate_moe(moe: MoEConfig, sequence_parallel: bool) -> list[str]:
-    """What is wrong with `model.moe` (each message names the key and the fix); empty when nothing is."""
-    if moe.num_experts < 0:
-        return [f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)"]
+    """What is wrong with `model.moe` beyond its keys' ranges (declared with them; each message names the
+    key and the fix); empty when nothing is."""
     if not moe.enabled:
         return []
     problems = []
     if not 1 <= moe.top_k <= moe.num_experts:
         problems.append(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
-    if moe.every < 1:
-        problems.append(f"model.moe.every={moe.every} must be >= 1 (1: every block is a MoE layer)")
-    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-        problems.append(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null for dropless routing")
-    if moe.aux_loss_coeff < 0 or moe.z_loss_coeff < 0:
-        problems.append(f"model.moe.aux_loss_coeff={moe.aux_loss_coeff} and model.moe.z_loss_coeff="
-                        f"{moe.z_loss_coeff} must be >= 0")
-    if moe.ffn_hidden_size is not None and moe.ffn_hidden_size < 1:
-        problems.append(f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be >= 1, or null for the model's")
     if sequence_parallel:
         problems.append("parallel.sequence_parallel=true with model.moe.num_experts > 0: MoE layers route whole "
                         "sequences; set parallel.sequence_parallel=false")

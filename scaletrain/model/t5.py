@@ -41,7 +41,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from scaletrain.batch import BatchSchema
-from scaletrain.config import Config, ConfigError, ModelConfig
+from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.span_corruption import random_spans_helper
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
@@ -67,7 +67,7 @@ FFN_ACTIVATIONS = ("relu", "gated-gelu")
 class T5Config(ModelConfig):
     """model.seq_length is the encoder length; the decoder length follows from the objective."""
 
-    num_decoder_layers: int | None = None  # None: model.num_layers
+    num_decoder_layers: int | None = bounded(None, ">= 1", "or null: model.num_layers")  # None: model.num_layers
     ffn_activation: str = "gated-gelu"  # relu (T5) | gated-gelu (T5 v1.1)
     tie_embeddings: bool = True  # tied output with d_model**-0.5 scaling (original T5) or untied (v1.1)
     relative_attention_num_buckets: int = 32

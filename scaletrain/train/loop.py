@@ -12,19 +12,23 @@ import torch.distributed as dist
 import yaml
 
 from scaletrain.checkpoint.consolidate import load_full_state_dict
+from scaletrain.checkpoint.init_weights import check_init_from, load_init_weights
 from scaletrain.checkpoint.manager import (
     CheckpointError,
     CheckpointMeta,
     abandon_pending_save,
     check_files,
+    checkpoint_root,
     clean_leftovers,
+    complete_checkpoints,
     finish_pending_save,
     flatten_config,
     load_checkpoint,
+    pending_save_failed,
     read_meta,
     resume_candidates,
+    set_aside_rejected,
 )
-from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.counts import model_counts
 from scaletrain.parallel.groups import (
@@ -46,7 +50,7 @@ from scaletrain.planner.recompute import RecomputeDecision, device_memory, resol
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine, build_training_model
 from scaletrain.train.hooks import Hooks
-from scaletrain.train.hooks.checkpointing import Checkpointing
+from scaletrain.train.hooks.checkpointing import Checkpointing, set_aside_blown_up
 from scaletrain.train.hooks.console import LogLines, ProgressBar
 from scaletrain.train.hooks.divergence import DivergenceStop
 from scaletrain.train.hooks.evaluation import PeriodicEvaluation
@@ -56,14 +60,21 @@ from scaletrain.train.hooks.speed import SpeedMonitor, TimedBatches
 from scaletrain.train.hooks.summary import RUN_SUMMARY_FILE as RUN_SUMMARY_FILE  # noqa: F401 (sweeps read it here)
 from scaletrain.train.hooks.summary import RunSummary
 from scaletrain.train.jit_ops import clear_stale_build_locks
-from scaletrain.train.nonfinite import NonFiniteGuard
+from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged
 from scaletrain.train.objective import Objective, build_objective
-from scaletrain.train.preflight import check_data_matches
-from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock
+from scaletrain.train.preflight import check_checkpoints_writable, check_data_matches
+from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock, RunDirectoryStart
 from scaletrain.train.schedule import learning_rate
+from scaletrain.train.spikes import LossSpikes, Rewind
 from scaletrain.train.state import TrainState
 from scaletrain.train.step import train_step
-from scaletrain.train.stopping import StopConditions, StopSignals, stop_with_launcher
+from scaletrain.train.stopping import (
+    SAVE_FAILED,
+    StopConditions,
+    StoppedWaitingForData,
+    StopSignals,
+    stop_with_launcher,
+)
 
 
 def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState:
@@ -83,13 +94,20 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
         places = gather_places(topology)
         check_tensor_parallel_within_hosts(places, topology.tensor_parallel_size)
         check_data_matches(config)
+        _check_checkpoints_writable(Path(config.run.dir), topology)
+        check_init_from(config)  # before the run directory is made
+        start = RunDirectoryStart(Path(config.run.dir))
         lock = _lock_run_directory(Path(config.run.dir), topology)
         try:
-            return _train_locked(config, topology, places, signals, recompute)
+            return _train_locked(config, topology, places, signals, recompute, start)
         except RuntimeError as error:
             if topology.world_size > 1 and is_peer_failure(error):
                 raise RankLost(f"rank {topology.rank} on {places[topology.rank].host}: "
                                f"{describe_lost(error, places, config.parallel.timeout_s, topology.rank)}") from error
+            raise
+        except Exception:
+            if topology.rank == 0 and not start.trained:
+                start.take_back()
             raise
         finally:
             lock.release()
@@ -99,7 +117,7 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
 
 
 def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
-                  stop_signals: StopSignals, recompute: RecomputeDecision) -> TrainState:
+                  stop_signals: StopSignals, recompute: RecomputeDecision, start: RunDirectoryStart) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks (CP ranks, holding other tokens, do not). Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.replica_rank)
@@ -108,12 +126,12 @@ def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
     with stop_signals.held():  # DeepSpeed runs ninja while it loads its ops (StopSignals.held)
         model = build_training_model(config, topology)
         if config.train.init_from and not candidates:
-            weights = load_tensors(config.train.init_from)
+            weights = load_init_weights(config.train.init_from)
             load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
         engine = build_engine(model, config, topology)
-    guard = NonFiniteGuard(engine, topology.device)
     run_dir = Path(config.run.dir)
-    state = _restore_or_start(engine, config, topology, run_dir, candidates)
+    state = start.state = _restore_or_start(engine, config, topology, run_dir, candidates)
+    guard = NonFiniteGuard(engine, topology.device, LossSpikes.for_run(config.train.spike, state))
     facts = {**_scaling_facts(config, topology), "hosts": hosts_of(places)}
     if topology.is_logging_rank:
         print(_start_line(config, topology, facts, state, recompute), file=sys.stderr, flush=True)
@@ -125,6 +143,19 @@ def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
     finally:
         logger.close()
     return state
+
+
+def _check_checkpoints_writable(run_dir: Path, topology: Topology) -> None:
+    """Every rank writes its share of each checkpoint, so each checks that it can; all stop on the
+    first failure, which rank 0 names even when only another rank met it."""
+    error = None
+    try:
+        check_checkpoints_writable(run_dir)
+    except CheckpointError as failure:
+        error = failure
+    reason = _first_failure(error, topology)
+    if reason is not None:
+        raise CheckpointError(reason)
 
 
 def _lock_run_directory(run_dir: Path, topology: Topology) -> RunDirectoryLock:
@@ -148,26 +179,45 @@ def _run(
     """Steps until train.steps or an agreed early stop; every side concern is a hook (train/hooks/)."""
     global_batch = config.global_batch_size(topology.data_parallel_size)
     objective = build_objective(config)
-    batches = TimedBatches(_device_batches(
-        objective.train_loader(topology.data_parallel_rank, topology.data_parallel_size, state.consumed_samples),
-        topology.device,
-    ))
+
+    def batches_from(consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
+        loader = objective.train_loader(topology.data_parallel_rank, topology.data_parallel_size, consumed_samples)
+        return _device_batches(loader, topology.device, stop_signals)
+
+    batches = TimedBatches(batches_from(state.consumed_samples))
     hooks = _hooks(engine, objective, config, topology, logger, batches)
     stop = StopConditions(config.train, stop_signals)
     try:
         hooks.on_train_start(state)
         while state.step < config.train.steps:
             hooks.on_step_start(state)
-            guard.start_step(inject_nonfinite_loss=_injects_nonfinite_loss(config, topology, state.step + 1))
+            guard.start_step(inject_nonfinite_loss=_injects_nonfinite_loss(config, topology, state.step + 1),
+                             inject_spike=_injected_spike(config, topology, state.consumed_samples // global_batch + 1))
             # The LR is a function of the step and the config as written now, so a resume with a
             # changed train.lr, min_lr, steps or warmup follows the new schedule from this step.
-            record = train_step(
-                engine, guard, batches, config.train.grad_accum, learning_rate(state.step, config.train))
-            state.count_step(global_batch, guard.skipped)
+            try:
+                record = train_step(
+                    engine, guard, batches, config.train.grad_accum, learning_rate(state.step, config.train))
+            except StoppedWaitingForData as stalled:
+                _give_up_the_step(stalled, state, hooks, topology)
+                break
+            state.count_step(global_batch, guard.skipped, guard.spiked)
             record.update(step=state.step, skipped_steps=state.skipped_steps)
-            hooks.on_step_end(state, record)
+            if guard.spikes is not None:
+                guard.spikes.record(record, guard.skipped)
+                record["spike_steps"] = state.spike_steps
+            try:
+                hooks.on_step_end(state, record)
+            except Rewind as rewind:
+                _rewind(engine, config, topology, state, rewind, logger)
+                batches.replace(batches_from(state.consumed_samples))
+                hooks.on_rewind(state)
+                continue
             finished = state.step == config.train.steps
-            state.stopped_by = None if finished else stop.poll(state.steps_this_run, topology.device)
+            state.stopped_by = None if finished else stop.poll(state.steps_this_run, topology.device,
+                                                               pending_save_failed())
+            if state.stopped_by == SAVE_FAILED:
+                finish_pending_save()  # raises, on every rank, the failure the write agreed on
             hooks.after_stop_check(state)
             if state.stopped_by:
                 break
@@ -178,6 +228,52 @@ def _run(
     finally:
         hooks.close()
     hooks.on_train_end(state)
+
+
+def _rewind(engine: Any, config: Config, topology: Topology, state: TrainState, rewind: Rewind,
+            logger: MetricsLogger) -> None:
+    """Back to the last checkpoint before a run of spikes (train.spike.rewind), skipping the next
+    train.spike.rewind_skip_batches batches of data (PaLM, Chowdhery et al. 2022, sec. 5.1: restart about
+    100 steps before the spike and skip 200-500 batches). The checkpoints from the update before the first
+    spike on are set aside as a divergence's are. A function of the run's own history, so a rerun
+    rewinds at the same steps to the same checkpoint and skips the same samples."""
+    spike, run_dir = config.train.spike, Path(config.run.dir)
+    set_aside = set_aside_blown_up(config, topology, blown_up_at=rewind.first_spike - 1)
+    dist.barrier()  # rank 0 moved the blown-up checkpoints aside
+    good = [path for path in complete_checkpoints(run_dir)
+            if int(path.name.removeprefix("step_")) < rewind.first_spike - 1]
+    if not good:
+        raise TrainingDiverged(f"training diverged: the loss spiked at steps {rewind.first_spike}-{rewind.last_spike} "
+                               f"and no checkpoint before them is left to rewind to (train.spike.rewind). {set_aside}")
+    meta = _load_any_layout(engine, good[-1], config, topology)
+    skipped = spike.rewind_skip_batches * config.global_batch_size(topology.data_parallel_size)
+    earlier = TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(good[-1]),
+                         skipped_steps=meta.skipped_steps, consecutive_skipped_steps=meta.consecutive_skipped_steps)
+    earlier.restore_spikes(meta.spikes)
+    data_window = (meta.consumed_samples, meta.consumed_samples + skipped)
+    state.rewind_to(earlier, skipped)
+    # logged at the step it happened; the steps trained again after it log again (a later record of a step
+    # replaces an earlier one for metrics.jsonl's readers; W&B keeps the first of a step)
+    logger.log({"step": rewind.last_spike, "rewind": state.rewinds, "rewound_to_step": state.step,
+                "skipped_samples_from": data_window[0], "skipped_samples_to": data_window[1]})
+    if topology.is_logging_rank:
+        print(f"warning: the loss spiked at steps {rewind.first_spike}-{rewind.last_spike} "
+              f"(train.spike.patience={spike.patience}): rewound to {good[-1]} (step {state.step}), skipping samples "
+              f"{data_window[0]}-{data_window[1] - 1} ({spike.rewind_skip_batches} batches); rewind {state.rewinds} of "
+              f"at most {spike.max_rewinds}", file=sys.stderr, flush=True)
+
+
+def _give_up_the_step(stop: StoppedWaitingForData, state: TrainState, hooks: Hooks, topology: Topology) -> None:
+    """A stop signal ended a stalled wait for data (StopSignals.waiting_for_data); the step in progress is
+    given up before its update. One rank checkpoints its last complete step, as at any early stop (if
+    this invocation trained one). Ranks of a larger world cannot agree on a checkpoint while others may
+    be inside the step's collectives, so the rank leaves with the reason (the CLI exits 75) and the run
+    resumes from its last checkpoint."""
+    if topology.world_size > 1:
+        raise stop
+    state.stopped_by = stop.reason
+    if state.steps_this_run:
+        hooks.after_stop_check(state)
 
 
 def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology, logger: MetricsLogger,
@@ -192,6 +288,14 @@ def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology
                   RunSummary(config, topology, speed, evaluation)])
 
 
+def _injected_spike(config: Config, topology: Topology, batch: int) -> float:
+    """Fault injection for tests and drills (train.spike.inject_at): one data-parallel rank's micro-batch
+    losses on these global batches of the data order are multiplied by train.spike.inject_factor, a bad
+    batch every rank must skip (and a rewind's skipped data leaves behind)."""
+    spike = config.train.spike
+    return spike.inject_factor if batch in spike.inject_at and topology.data_parallel_rank == 0 else 1.0
+
+
 def _injects_nonfinite_loss(config: Config, topology: Topology, step: int) -> bool:
     """Fault injection for tests and drills (train.inject_nonfinite_loss_at): one data-parallel rank's
     loss is made non-finite at these steps, which every rank must then skip together."""
@@ -202,9 +306,10 @@ def _restore_or_start(
     engine: Any, config: Config, topology: Topology, run_dir: Path, candidates: list[Path]
 ) -> TrainState:
     """Resume from the first of `candidates` (manager.resume_candidates) that loads, naming any that
-    did not, or start at step 0. Every rank takes the same checkpoint: a failure on any rank skips
-    it on all. A checkpoint of another model shape stops the run instead of quietly falling back to
-    an older one: the config changed, not the checkpoint."""
+    did not and setting aside those of this run (manager.set_aside_rejected), or start at step 0.
+    Every rank takes the same checkpoint: a failure on any rank skips it on all. A checkpoint of
+    another model shape stops the run instead of quietly falling back to an older one: the config
+    changed, not the checkpoint."""
     if topology.rank == 0:
         for leftover in clean_leftovers(run_dir):
             print(f"removed {leftover}: left by a save or prune that was killed", file=sys.stderr)
@@ -218,9 +323,13 @@ def _restore_or_start(
         if reason is None:
             if path == _branch_point(config) and topology.is_logging_rank:
                 _write_run_config(config, run_dir)  # a branch starts its run directory here
-            return TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
-                              skipped_steps=meta.skipped_steps,
-                              consecutive_skipped_steps=meta.consecutive_skipped_steps)
+            if topology.rank == 0:
+                _set_aside_rejected(run_dir, candidates[:index])
+            state = TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
+                               skipped_steps=meta.skipped_steps,
+                               consecutive_skipped_steps=meta.consecutive_skipped_steps)
+            state.restore_spikes(meta.spikes)
+            return state
         _refuse_another_shape(path, config)
         if index + 1 == len(candidates):
             raise CheckpointError(
@@ -232,6 +341,13 @@ def _restore_or_start(
     if topology.is_logging_rank:
         _write_run_config(config, run_dir)
     return TrainState()
+
+
+def _set_aside_rejected(run_dir: Path, rejected: list[Path]) -> None:
+    own = [path for path in rejected if path.parent == checkpoint_root(run_dir)]
+    for moved in set_aside_rejected(run_dir, own):
+        print(f"warning: moved {moved.name} to {moved.parent}: it could not be loaded (the reason is above); "
+              "kept for a look, never resumed from or counted by checkpoint.keep_last", file=sys.stderr)
 
 
 def _first_failure(error: CheckpointError | None, topology: Topology) -> str | None:
@@ -285,8 +401,14 @@ def _load_any_layout(engine: Any, path: Path, config: Config, topology: Topology
     return meta
 
 
-def _device_batches(loader: Any, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    for batch in loader:
+def _device_batches(loader: Any, device: torch.device, stop_signals: StopSignals
+                    ) -> Iterator[dict[str, torch.Tensor]]:
+    batches = iter(loader)
+    while True:
+        with stop_signals.waiting_for_data():
+            batch = next(batches, None)
+        if batch is None:
+            return
         yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 

@@ -13,10 +13,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from scaletrain import upstream
 from scaletrain.parallel.groups import any_rank
 from scaletrain.train.flat_adamw import FlatAdamW
+from scaletrain.train.spikes import LossSpikes
 
 # A run that stopped because it diverged: not a temporary failure (75 asks a job script to requeue,
 # and resubmitting the same command would diverge again), not a config error (2).
@@ -39,39 +41,70 @@ class NonFiniteGuard:
     is False) count as skipped too.
     """
 
-    def __init__(self, engine: Any, device: torch.device) -> None:
+    def __init__(self, engine: Any, device: torch.device, spikes: LossSpikes | None = None) -> None:
         self._engine = engine
         self._device = device
+        self.spikes = spikes
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self._losses_seen = 0
         self._inject = False
+        self._inject_spike = 1.0
         self._skip_update = False
         self.skipped = False  # whether the last step's update was skipped
+        self.spiked = False  # ... because its loss was a spike (train/spikes.py)
         self._take_model_step = upstream.replace_model_step(engine, self._guarded_model_step)
         self._optimizer_step = upstream.replace_optimizer_step(engine, self._guarded_optimizer_step)
         upstream.watch_pipeline_loss(engine, self.watch_loss)  # the pipeline's last stage computes the loss
 
-    def start_step(self, inject_nonfinite_loss: bool = False) -> None:
+    def start_step(self, inject_nonfinite_loss: bool = False, inject_spike: float = 1.0) -> None:
         """Forget losses seen since the last step (evaluation's); with inject_nonfinite_loss, this
-        step's first micro-batch loss on this rank becomes NaN (train.inject_nonfinite_loss_at)."""
+        step's first micro-batch loss on this rank becomes NaN (train.inject_nonfinite_loss_at); with
+        inject_spike, this step's micro-batch losses on this rank are multiplied by it (train.spike.inject_at)."""
         self._nonfinite_loss = torch.zeros((), dtype=torch.bool, device=self._device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        self._losses_seen = 0
         self._inject = inject_nonfinite_loss
+        self._inject_spike = inject_spike
 
     def watch_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """A micro-batch loss on its way to backward: noted if non-finite (no host sync)."""
+        """A micro-batch loss on its way to backward: noted if non-finite, and summed for the spike rule
+        (no host sync)."""
         if self._inject:
             self._inject = False
             loss = loss * float("nan")
+        if self._inject_spike != 1.0:
+            loss = loss * self._inject_spike
         self._nonfinite_loss = self._nonfinite_loss | ~torch.isfinite(loss.detach()).all()
+        self._loss_sum = self._loss_sum + loss.detach().double().sum()
+        self._losses_seen += 1
         return loss
 
     def _guarded_model_step(self, *args: Any, **kwargs: Any) -> None:
         local = self._nonfinite_loss | ~torch.isfinite(_norm(self._gradients(), self._device))
-        self._skip_update = any_rank(local, self._device)
+        self.spiked = False
+        if self.spikes is None:
+            self._skip_update = any_rank(local, self._device)
+        else:
+            self._skip_update, self.spiked = self._agree_with_spikes(local)
         try:
             self._take_model_step(*args, **kwargs)
         finally:
             self.skipped = self._skip_update or not self._engine.was_step_applied()
             self._skip_update = False
+
+    def _agree_with_spikes(self, local_nonfinite: torch.Tensor) -> tuple[bool, bool]:
+        """(skip, spiked) on every rank from one all-reduce over the world group, as any_rank's: the
+        non-finite flags, and the step's loss as the loss records it, the mean over every micro-batch
+        loss seen (the last pipeline stage's; TP ranks count theirs alike, so the mean is unchanged)."""
+        figures = torch.stack([local_nonfinite.to(torch.float64), self._loss_sum,
+                               torch.tensor(float(self._losses_seen), dtype=torch.float64, device=self._device)])
+        dist.all_reduce(figures)
+        nonfinite, loss_sum, seen = figures.tolist()
+        if nonfinite or not seen:
+            return bool(nonfinite), False
+        spiked = self.spikes.judge(loss_sum / seen)
+        return spiked, spiked
 
     def _gradients(self) -> Iterable[torch.Tensor | None]:
         """This rank's gradients: FlatAdamW's one flat buffer, or each parameter's `.grad`."""

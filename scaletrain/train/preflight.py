@@ -2,18 +2,32 @@
 
 A job that waited hours in a queue should not learn of a typo in an override after its ranks have
 imported DeepSpeed and joined torch.distributed. The check reads the config and overrides, the
-prepared data's manifest, the layout for the world size, the run directory's lock and its latest
-checkpoint, and builds no model and no process group; launch/slurm.sbatch runs it before srun.
+prepared data's manifest, the layout for the world size, the run directory's lock, whether its
+checkpoints can be written, and its newest checkpoint whose meta.json is intact, and builds no model
+and no process group; launch/slurm.sbatch runs it before srun. `train` runs the same checks that
+need no other rank's word (check_data_matches, check_checkpoints_writable) before its first step.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.manager import describe_layout, read_meta, resume_candidates
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.manager import (
+    CheckpointMeta,
+    checkpoint_root,
+    describe_layout,
+    read_meta,
+    resume_candidates,
+    warn_once,
+)
 from scaletrain.config import Config, ConfigError, resolve_for_world
 from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer
@@ -85,9 +99,9 @@ def preflight(config_path: Path, overrides: list[str], world_size: int, ranks_pe
     if holder is not None:
         raise ConfigError(f"run.dir={run_dir} is in use by {holder}; wait for it to finish, stop it, "
                           "or set run.dir to another directory")
-    candidates = resume_candidates(config)
-    resume_path = candidates[0] if candidates else None
-    resume_step, resharded_from = _check_resume_layout(config, resume_path) if resume_path else (None, None)
+    check_checkpoints_writable(run_dir)
+    resume_path, meta = _newest_readable(resume_candidates(config))
+    resume_step, resharded_from = _check_resume_layout(config, meta) if meta else (None, None)
     if resume_path is None and config.train.init_from and not Path(config.train.init_from).is_file():
         raise ConfigError(f"train.init_from={config.train.init_from} does not exist; give the file "
                           "`scaletrain import` wrote, or leave train.init_from unset")
@@ -96,6 +110,47 @@ def preflight(config_path: Path, overrides: list[str], world_size: int, ranks_pe
 
 def _local_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _newest_readable(candidates: list[Path]) -> tuple[Path | None, CheckpointMeta | None]:
+    """The first of `candidates` whose meta.json is intact, as train falls back past one that is not
+    (naming it); the last one's error when none is."""
+    for index, path in enumerate(candidates):
+        try:
+            return path, read_meta(path)
+        except CheckpointError as error:
+            if index + 1 == len(candidates):
+                raise
+            warn_once(f"skipping checkpoint {path}: {error}; trying {candidates[index + 1]}")
+    return None, None
+
+
+def check_checkpoints_writable(run_dir: Path) -> None:
+    """Refuse a run whose checkpoints cannot be written (a plain file or a symlink loop where
+    RUN/checkpoints should be, a read-only disk) before its first step: a save is written in the
+    background, so its failure would come to light a checkpoint interval later, with nothing saved.
+    Makes and removes a directory where the first save makes its own: the kernel's answer, root's
+    too (a mode check would pass root on a read-only directory)."""
+    root = checkpoint_root(run_dir)
+    existing = next(path for path in (root, *root.parents) if _exists(path))
+    try:
+        if not stat.S_ISDIR(os.stat(existing).st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        os.rmdir(tempfile.mkdtemp(prefix=".scaletrain-write-check-", dir=existing))
+    except OSError as error:
+        where = "" if existing == root else f" cannot be made: {existing}"
+        raise CheckpointError(
+            f"{root}{where} is not a writable directory ({error.strerror or error}), so no checkpoint could be "
+            f"saved; make it one (move away what is there) or set run.dir to another directory") from None
+
+
+def _exists(path: Path) -> bool:
+    """Whether `path` names anything, a broken or looping symlink too (Path.exists follows links)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def check_data_matches(config: Config) -> Manifest:
@@ -115,10 +170,9 @@ def check_data_matches(config: Config) -> Manifest:
     return next(iter(manifests.values()))[1]
 
 
-def _check_resume_layout(config: Config, path: Path) -> tuple[int, str | None]:
+def _check_resume_layout(config: Config, meta: CheckpointMeta) -> tuple[int, str | None]:
     """The step of the checkpoint a resume would load, and its layout if it differs from this run's
     (any layout resumes any other: checkpoint/layout_free.py)."""
-    meta = read_meta(path)
     parallel = config.parallel
     layout = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "data": parallel.data,
               "zero_stage": parallel.zero_stage}

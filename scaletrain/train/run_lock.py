@@ -7,16 +7,23 @@ leaves its directory locked; the file itself only says who held it last. Not flo
 belongs to the open file, which forked children share, so a DataLoader worker orphaned by a kill -9
 kept the directory locked until it noticed (seconds later); a record lock belongs to the process.
 It is also released when the process closes any descriptor of the file, so nothing else opens it.
+
+A start that fails before its first step (a missing train.init_from, a checkpoint that does not load)
+takes back what it made in the directory (`RunDirectoryStart`): an empty run directory holding .lock,
+or a config.yaml of a run that never trained, looks like a run to `ls`, to sweeps and to `check`.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
 from typing import IO
+
+from scaletrain.train.state import TrainState
 
 LOCK_FILE = ".lock"
 
@@ -68,3 +75,31 @@ class RunDirectoryLock:
             fcntl.lockf(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+class RunDirectoryStart:
+    """The run directory as this invocation found it, so that a start that fails before training a
+    step leaves it so: what the start made is removed, the directory too if it made it."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.found = set(os.listdir(run_dir)) if run_dir.is_dir() else None  # None: no directory yet
+        self.state: TrainState | None = None  # the run's, once it has one: whether it trained a step
+
+    @property
+    def trained(self) -> bool:
+        return self.state is not None and self.state.steps_this_run > 0
+
+    def take_back(self) -> None:
+        """Remove what appeared in the run directory since this start (the caller holds its lock)."""
+        if self.found is None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
+        if not self.run_dir.is_dir():
+            return
+        for name in set(os.listdir(self.run_dir)) - self.found:
+            path = self.run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

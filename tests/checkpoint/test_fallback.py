@@ -1,5 +1,6 @@
 """A run's checkpoints as a hint and a fallback (issue 20): a garbled `latest`, a truncated newest
-checkpoint, what a killed prune leaves, a config of another shape. Each probe is run as a user runs
+checkpoint, what a killed prune leaves, a config of another shape, keep_last=1 after a fallback
+(issue 37). Each probe is run as a user runs
 it (train, generate, export as subprocesses) on copies of one short trained run."""
 
 from __future__ import annotations
@@ -10,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.runs import DEMO_CONFIG, REPO, launcher, run_scaletrain, scaletrain_environment, tiny_overrides
+from scaletrain.checkpoint.consolidate import consolidated_state_dict
+from scaletrain.checkpoint.manager import complete_checkpoints, prune_checkpoints
+from tests.train.runs import (
+    DEMO_CONFIG,
+    REPO,
+    launcher,
+    run_scaletrain,
+    scaletrain_environment,
+    start_training,
+    tiny_overrides,
+    wait_for_step,
+)
 
 
 def overrides(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -119,3 +131,41 @@ def test_a_config_of_another_shape_names_the_keys_and_both_ways_on(
     assert "to resume it, or train this config from scratch with train.resume=never or a new run.dir" in errors[0]
     assert "Delete the broken" not in result.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000008"]
+
+
+@pytest.mark.slow
+def test_keep_last_1_keeps_the_checkpoint_a_run_fell_back_to(trained_run: Path, small_dataset: Path, tmp_path: Path):
+    """The newest checkpoint broken, the run resumed from the one before, then pruned *that* one at its
+    first step (the broken one counted as the newest to keep): a kill before the next save left nothing
+    loadable. The broken one is set aside in checkpoints/rejected/ now, uncounted."""
+    run_dir = copied(trained_run, tmp_path)
+    truncate(model_states(run_dir, 8))
+    (run_dir / "metrics.jsonl").unlink()  # wait_for_step then sees this run's steps alone
+    log = tmp_path / "train.log"
+    process = start_training(overrides(small_dataset, run_dir, "train.steps=100", "checkpoint.every=50",
+                                       "checkpoint.keep_last=1"), log=log)
+    try:
+        wait_for_step(run_dir, 6, process)  # the prune ran after step 5, the first since resuming
+    finally:
+        process.kill()
+        process.wait()
+    root = run_dir / "checkpoints"
+    assert "resuming at step 4" in log.read_text(), log.read_text()[-3000:]
+    assert complete_checkpoints(run_dir) == [root / "step_00000004"]
+    consolidated_state_dict(root / "step_00000004")  # loads
+    assert (root / "rejected" / "step_00000008" / "meta.json").is_file()
+    assert f"moved step_00000008 to {root / 'rejected'}: it could not be loaded" in log.read_text()
+
+
+def test_pruning_keeps_the_checkpoint_the_run_resumed_from_until_it_saves_a_newer_one(tmp_path: Path):
+    """train.resume=PATH behind a newer checkpoint, keep_last=1: the newer one, not this run's, used to
+    push out the one the run resumed from."""
+    root = tmp_path / "checkpoints"
+    older, newer = root / "step_00000004", root / "step_00000008"
+    for checkpoint in (older, newer):
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "meta.json").write_text("{}")
+    prune_checkpoints(tmp_path, keep_last=1, keep_steps=[], keep=older)
+    assert complete_checkpoints(tmp_path) == [older, newer]
+    prune_checkpoints(tmp_path, keep_last=1, keep_steps=[], keep=newer)  # once the run has saved step 8 itself
+    assert complete_checkpoints(tmp_path) == [newer]

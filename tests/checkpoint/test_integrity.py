@@ -1,7 +1,8 @@
 """A checkpoint whose contents changed since its save is refused, and resume falls back to the one
 before (checkpoint/integrity.py): a NaN written over the embedding at the same size, one flipped bit
 in a file that one rank of two reads (caught by the CRC-32 alone; both ranks skip it), a NaN with
-meta.json's CRC rewritten to match (caught by the finiteness check alone); generate likewise.
+meta.json's CRC rewritten to match (caught by the finiteness check alone); generate likewise. A
+meta.json changed in place (its step, its consumed_samples) is refused by its own CRC-32 (issue 37).
 
 One straight run per layout trains 12 steps (checkpoints at 4, 8, 12); each case copies it, drops
 step 12, damages step 8 and resumes: the run must take step 4 and train steps 5-12 exactly as the
@@ -20,9 +21,18 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from scaletrain.checkpoint.integrity import FileRecord, check_finite, file_checksum, save_with_checksum
-from scaletrain.checkpoint.manager import CheckpointError, read_meta
+from scaletrain.checkpoint.consolidate import consolidated_state_dict
+from scaletrain.checkpoint.integrity import (
+    META_CHECKSUM,
+    FileRecord,
+    check_finite,
+    file_checksum,
+    save_with_checksum,
+    seal_meta,
+)
+from scaletrain.checkpoint.manager import CheckpointError, first_loadable, read_meta
 from scaletrain.checkpoint.safe_load import CheckedFiles, load_tensors
+from scaletrain.cli import main
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
@@ -113,10 +123,10 @@ def overwrite_tensor_bytes(file: Path, tensor: torch.Tensor, new: torch.Tensor) 
 
 
 def rewrite_checksum(checkpoint: Path, name: str) -> None:
-    """meta.json made to vouch for the damaged file, as someone who knew the format would."""
+    """meta.json made to vouch for the damaged file, and resealed, as someone who knew the format would."""
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["files"][name]["crc32"] = file_checksum(checkpoint / name)
-    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    (checkpoint / "meta.json").write_text(json.dumps(seal_meta(meta)))
 
 
 def piece_tensor(rank_file: Path, name: str, key: str = "weight") -> torch.Tensor:
@@ -192,11 +202,12 @@ def test_a_flipped_bit_on_one_rank_of_two_skips_the_checkpoint_on_both(
 def test_a_checkpoint_with_sizes_only_in_meta_json_still_resumes(
     small_dataset: Path, straight_run: Path, tmp_path: Path
 ):
-    """meta.json as checkpoints before issue 20 wrote it ({path: size}): resumed, size-checked only."""
+    """meta.json as checkpoints before issue 20 wrote it ({path: size}, not sealed): resumed, size-checked only."""
     run_dir = tmp_path / "run"
     checkpoint = interrupted_copy(straight_run, run_dir)
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["files"] = {name: record["bytes"] for name, record in meta["files"].items()}
+    del meta[META_CHECKSUM]
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     assert read_meta(checkpoint).files[MODEL_STATES] == FileRecord((checkpoint / MODEL_STATES).stat().st_size)
     result = resume(small_dataset, run_dir, 1, "parallel.zero_stage=0")
@@ -218,6 +229,36 @@ def test_generate_skips_a_checkpoint_with_non_finite_weights(straight_run: Path,
     assert f"skipping checkpoint {checkpoint}: checkpoint {checkpoint} holds non-finite values: weight " \
            f"{EMBEDDING} (8 of" in output.stderr
     assert output.stdout.strip()
+
+
+@pytest.mark.slow
+def test_a_changed_meta_json_makes_its_checkpoint_unloadable(
+    small_dataset: Path, straight_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """meta.json was outside the CRC: its step changed 12 -> 20 resumed "at step 20 from step_00000012"
+    (steps 13-20 never trained), and a changed consumed_samples shifted the data order, both with exit
+    0. Either change is refused in one line now, and the checkpoint before is taken, as for any damage."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight_run, run_dir)
+    newest, before = (run_dir / "checkpoints" / f"step_{step:08d}" for step in (STEPS, DAMAGED))
+    sealed = json.loads((newest / "meta.json").read_text())
+    for field in ("consumed_samples", "step"):
+        (newest / "meta.json").write_text(json.dumps({**sealed, field: sealed[field] + 8}, indent=2))
+        with pytest.raises(CheckpointError, match=rf"^checkpoint {newest}: meta.json has CRC-32 \w{{8}}, "
+                                                  rf"{sealed[META_CHECKSUM]} was written: its fields"):
+            read_meta(newest)
+    assert main(["check", *overrides(small_dataset, run_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert f"resumes at step {DAMAGED} of {STEPS} from {before}" in out
+    assert f"warning: skipping checkpoint {newest}: checkpoint {newest}: meta.json has CRC-32" in err
+    assert first_loadable(run_dir, consolidated_state_dict)[0] == before  # generate, export
+    unsealed = {key: value for key, value in sealed.items() if key != META_CHECKSUM}  # written before the seal
+    (newest / "meta.json").write_text(json.dumps(unsealed))
+    assert read_meta(newest).step == STEPS
+    (newest / "meta.json").write_text(json.dumps({**unsealed, "step": STEPS + 8}))
+    with pytest.raises(CheckpointError, match=f"meta.json says step {STEPS + 8}, its directory is named for "
+                                              f"step {STEPS}"):
+        read_meta(newest)
 
 
 def test_the_checksum_taken_while_saving_is_the_written_file_s(tmp_path: Path):

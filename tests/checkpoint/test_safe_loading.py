@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.checkpoint.integrity import seal_meta
 from tests.train.runs import DEMO_CONFIG, REPO, launcher, run_scaletrain, scaletrain_environment, tiny_overrides
 
 
@@ -27,12 +28,12 @@ class RunsCode:
 
 def craft(path: Path, marker: Path) -> None:
     """Replace a checkpoint file by one that carries code, with meta.json's size record updated
-    to match, as a deliberate attacker would."""
+    to match and resealed, as a deliberate attacker would."""
     torch.save({"module": {"weight": torch.zeros(2)}, "payload": RunsCode(marker)}, path)
     step_dir = path.parents[1]  # step_XXXXXXXX/{rng,state}/file
     meta = json.loads((step_dir / "meta.json").read_text())
     meta["files"][str(path.relative_to(step_dir))] = path.stat().st_size
-    (step_dir / "meta.json").write_text(json.dumps(meta))
+    (step_dir / "meta.json").write_text(json.dumps(seal_meta(meta)))
 
 
 @pytest.fixture(scope="module")

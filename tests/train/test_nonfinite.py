@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.checkpoint.integrity import seal_meta
 from scaletrain.train.nonfinite import weights_are_finite
 from tests.distributed.harness import run_on_ranks
 from tests.train.runs import (
@@ -115,7 +116,7 @@ def test_after_a_skip_training_goes_on_from_the_weights_before_it(
     shutil.copytree(checkpoint(run_dir, SKIPPED - 1), resumed_at)
     meta = json.loads((resumed_at / "meta.json").read_text())
     meta.update(step=SKIPPED, consumed_samples=SKIPPED * GLOBAL_BATCH)
-    (resumed_at / "meta.json").write_text(json.dumps(meta))
+    (resumed_at / "meta.json").write_text(json.dumps(seal_meta(meta)))
     run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, reference_dir, "parallel.zero_stage=0")])
     training, _ = read_metrics(run_dir)
     reference, _ = read_metrics(reference_dir)

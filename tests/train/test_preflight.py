@@ -1,5 +1,6 @@
 """`scaletrain check`: a summary and exit 0 for a run `train` would start, one clear error and exit 2
-for one it would refuse (bad override, layout, missing data, busy run directory, foreign checkpoint)."""
+for one it would refuse (bad override, layout, missing data, busy run directory, foreign checkpoint,
+a checkpoint directory that cannot be written)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,29 @@ def test_a_checkpoint_of_another_layout(small_dataset: Path, tmp_path: Path, cap
     assert exit_code == 2
     assert f"checkpoint {checkpoint} is in format 1" in err
     assert "finish that run with the scaletrain that wrote it" in err
+
+
+@pytest.mark.parametrize("obstacle", ["file", "symlink loop", "run.dir a file"])
+def test_a_checkpoint_directory_that_cannot_be_written(obstacle: str, small_dataset: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """check said ok, and train learned of it a checkpoint interval late, with nothing saved. Root writes
+    through a read-only mode, so these block the way with what root cannot write through."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    if obstacle == "run.dir a file":
+        run_dir.write_text("in the way")
+    elif obstacle == "file":
+        run_dir.mkdir()
+        checkpoints.write_text("in the way")
+    else:
+        run_dir.mkdir()
+        checkpoints.symlink_to(checkpoints)
+    exit_code, out, err = check(capsys, *tiny_overrides(small_dataset, run_dir))
+
+    culprit = {"file": f"{checkpoints} is not a writable directory (not a directory)",
+               "symlink loop": f"{checkpoints} is not a writable directory (Too many levels of symbolic links)",
+               "run.dir a file": f"{checkpoints} cannot be made: {run_dir} is not a writable directory (not a "
+                                 "directory)"}[obstacle]
+    assert (exit_code, out) == (2, "")
+    assert err == (f"scaletrain check: error: {culprit}, so no checkpoint could be saved; make it one (move away "
+                   "what is there) or set run.dir to another directory\n")

@@ -246,10 +246,51 @@ def test_a_full_disk_names_the_file_keeps_the_last_checkpoint_and_resumes(
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     staging = run_dir / "checkpoints" / ".staging-step_00000020"
     assert f"checkpoint not saved: could not write {staging}/" in errors[0], errors[0]
-    assert "no space left on device" in errors[0] and "the previous checkpoints are intact" in errors[0]
+    assert "no space left on device" in errors[0]
+    assert f"the newest complete checkpoint left is {run_dir / 'checkpoints' / 'step_00000010'}" in errors[0]
+    assert 20 < logged_steps(run_dir)[-1] < 25, "it stopped a step or so after the failed save, not at the end"
     assert checkpoint_steps(run_dir) == [10] and not staging.exists()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_00000010"
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     resumed = run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir)])
     assert resumed is not None
     assert_same_trajectory(run_dir, straight_run)
+
+
+@pytest.mark.slow
+def test_an_unwritable_checkpoint_directory_stops_the_run_before_its_first_step_or_at_the_next(
+    small_dataset: Path, tmp_path: Path
+):
+    """A plain file in place of checkpoints/ (root writes through a read-only mode, not through this):
+    `train` used to train on, learn of its failed background save only at the save after, and exit
+    saying "the previous checkpoints are intact" with none saved. It is refused before the first step
+    now, and a directory that goes bad mid-run stops the run at the step after the failed save."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    args = overrides(small_dataset, run_dir, "train.eval_every=0", "train.steps=60", "checkpoint.every=20")
+    checkpoints.parent.mkdir()
+    checkpoints.write_text("in the way")
+    refused = subprocess.run([*launcher(1), "train", str(DEMO_CONFIG), *args], cwd=REPO, env=scaletrain_environment(),
+                             capture_output=True, text=True, timeout=300)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("scaletrain train: error:")]
+    assert refused.returncode == 2 and errors == [
+        f"scaletrain train: error: {checkpoints} is not a writable directory (not a directory), so no checkpoint "
+        "could be saved; make it one (move away what is there) or set run.dir to another directory"
+    ], refused.stderr[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists(), "no step trained"
+
+    checkpoints.unlink()
+    process = start_training(args, log=tmp_path / "train.log")
+    try:
+        wait_for_step(run_dir, 1, process)
+        checkpoints.write_text("in the way")  # the first save, at step 20, fails
+        assert process.wait(timeout=300) == 2
+    finally:
+        process.kill()
+    log = (tmp_path / "train.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("scaletrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert f"checkpoint not saved: could not write {checkpoints / '.staging-step_00000020'}" in errors[0]
+    assert f"no complete checkpoint of this run is left under {checkpoints}" in errors[0]
+    assert "intact" not in errors[0]
+    assert 20 < logged_steps(run_dir)[-1] < 25, "it stopped a step or so after the failed save, not at the next (40)"

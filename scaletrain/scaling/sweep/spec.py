@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from scaletrain.config import ConfigError, build_dataclass
+from scaletrain.config import ConfigError, build_dataclass, read_yaml
 from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, PARAMS_COLUMNS
 from scaletrain.scaling.sweep.hyperparams import HyperparameterRules, validate_rules
 
@@ -202,7 +202,7 @@ def load_sweep_spec(path: str | Path) -> SweepSpec:
             f"sweep spec {path} does not exist; pass a YAML file such as configs/sweeps/isoflop_shakespeare.yaml"
         )
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = read_yaml(path.read_text(), f"sweep spec {path}") or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"sweep spec {path} is not valid YAML: {error}") from None
     spec = build_dataclass(SweepSpec, raw, prefix="", source=f"sweep spec {path}")

@@ -34,6 +34,9 @@ class Hook:
     def after_stop_check(self, state: TrainState) -> None:
         """After the loop has agreed on every rank whether the run stops after this step."""
 
+    def on_rewind(self, state: TrainState) -> None:
+        """After the loop rewound to an earlier checkpoint (train.spike.rewind): `state` is that checkpoint's."""
+
     def on_train_end(self, state: TrainState) -> None:
         """After the last step of this invocation, when the loop ended without an exception."""
 
@@ -63,6 +66,10 @@ class Hooks(Hook):
     def after_stop_check(self, state: TrainState) -> None:
         for hook in self._hooks:
             hook.after_stop_check(state)
+
+    def on_rewind(self, state: TrainState) -> None:
+        for hook in self._hooks:
+            hook.on_rewind(state)
 
     def on_train_end(self, state: TrainState) -> None:
         for hook in self._hooks:

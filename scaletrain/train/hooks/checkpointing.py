@@ -2,7 +2,8 @@
 
 A checkpoint is saved every checkpoint.every steps, at checkpoint.keep_steps, when the run stops
 early and at the last step; older ones are pruned (checkpoint.keep_last) only once a step after the
-newest has trained finitely, so a checkpoint that is about to blow up never costs its predecessor.
+newest has trained finitely, so a checkpoint that is about to blow up never costs its predecessor, and
+never the checkpoint the run resumed from or last saved: the newest it knows to load.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ class Checkpointing(Hook):
     def __init__(self, engine: Any, config: Config, topology: Topology) -> None:
         self._engine, self._config, self._topology = engine, config, topology
         self._prune_due = True
+        self._newest_own: Path | None = None  # resumed from or saved by this run: never pruned
         checkpoint_group()  # now, not at the first save: that may come after the rendezvous store is gone
+
+    def on_train_start(self, state: TrainState) -> None:
+        self._newest_own = Path(state.resumed_from) if state.resumed_from else None
+
+    def on_rewind(self, state: TrainState) -> None:
+        self._newest_own, self._prune_due = Path(state.resumed_from), False
 
     def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
         if self._prune_due and not state.consecutive_skipped_steps:
@@ -57,14 +65,16 @@ class Checkpointing(Hook):
                 f"training diverged: the weights are non-finite after step {state.step}; no checkpoint was "
                 f"saved. {set_aside_blown_up(self._config, self._topology, blown_up_at=state.step)}"
             )
-        save_checkpoint(self._engine, self._config, self._topology, state.step, state.consumed_samples,
-                        state.skipped_steps, state.consecutive_skipped_steps)
+        self._newest_own = save_checkpoint(self._engine, self._config, self._topology, state.step,
+                                           state.consumed_samples, state.skipped_steps, state.consecutive_skipped_steps,
+                                           spikes=state.spike_record())
         return True
 
     def _prune(self) -> None:
         if self._topology.rank == 0:
             checkpoint = self._config.checkpoint
-            prune_checkpoints(Path(self._config.run.dir), checkpoint.keep_last, checkpoint.keep_steps)
+            prune_checkpoints(Path(self._config.run.dir), checkpoint.keep_last, checkpoint.keep_steps,
+                              keep=self._newest_own)
 
 
 def set_aside_blown_up(config: Config, topology: Topology, blown_up_at: int) -> str:

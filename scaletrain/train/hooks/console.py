@@ -29,6 +29,10 @@ class ProgressBar(Hook):
             desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
         )
 
+    def on_rewind(self, state: TrainState) -> None:
+        self._bar.n = state.step
+        self._bar.refresh()
+
     def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)

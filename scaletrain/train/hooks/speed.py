@@ -34,6 +34,13 @@ class TimedBatches:
         finally:
             self.waited_s += time.perf_counter() - started
 
+    def replace(self, batches: Iterator[dict[str, torch.Tensor]]) -> None:
+        """Read from `batches` from now on (a rewind's loader); the old loader's workers are shut down."""
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
+        self._batches = batches
+
     def take_waited(self) -> float:
         waited, self.waited_s = self.waited_s, 0.0
         return waited

@@ -150,6 +150,8 @@ class DataConfig:
     # after a dropped connection, HTTP 5xx or truncated body; backoff doubles
     download_retries: int = bounded(4, ">= 0")
     download_backoff_s: float = bounded(1.0, "[0, 600]")
+    # a transfer that receives no byte for this long (a server that accepts and stalls) is abandoned, then retried
+    download_timeout_s: float = bounded(60.0, "> 0")
     # Train on a weighted mix of prepared datasets (Megatron's --data-path 0.3 A 0.7 B) instead of dir:
     # [{dir: data/fineweb_edu, weight: 0.7}, {dir: data/wikipedia, weight: 0.3}]. All must share one tokenizer.
     blend: list[BlendEntry] = field(default_factory=list)

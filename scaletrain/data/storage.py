@@ -84,7 +84,8 @@ class ShardCacheSettings:
     @classmethod
     def from_data_config(cls, data: DataConfig) -> ShardCacheSettings:
         return cls(Path(data.cache_dir) if data.cache_dir else default_cache_dir(),
-                   int(data.cache_limit_gb * (1 << 30)), data.download_retries, data.download_backoff_s)
+                   int(data.cache_limit_gb * (1 << 30)), data.download_retries, data.download_backoff_s,
+                   data.download_timeout_s)
 
 
 def validate_locations(data: DataConfig) -> None:

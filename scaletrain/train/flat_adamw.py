@@ -21,7 +21,10 @@ rank) on TP rank 0 only, as DeepSpeed's and Megatron's clipping do, with two red
 segment is one parameter of torch's fused AdamW with its own weight decay (none on biases and
 gains, GPT-3). A post-accumulate-grad hook adds each parameter's gradient into its fp32 slice during
 backward and frees it (Megatron's fp32 main_grad accumulation: micro-batches accumulate in fp32,
-where DeepSpeed's bf16 ZeRO-0 path accumulated in bf16). The master weights start as the working
+where DeepSpeed's bf16 ZeRO-0 path accumulated in bf16). The first gradient of a step is copied into
+its slice rather than added, so the buffer is never zeroed between steps (a pass over every gradient
+that the plain loop's `zero_grad(set_to_none=True)` does not pay); the slices of parameters that got
+no gradient in a step are zeroed at its end, and the padding stays zero. The master weights start as the working
 weights (rounded to bf16 under bf16, as DeepSpeed's wrappers start them), so every layout trains
 from the same initial weights.
 """
@@ -102,12 +105,26 @@ class FlatAdamW(torch.optim.AdamW):
         self._tensor_parallel_group = tensor_parallel_group
         self._data_parallel_group = data_parallel_group
         self._global_grad_norm: torch.Tensor | None = None
+        self._parameters = parameters
+        self._written: set[int] = set()  # the parameters whose slice holds this step's gradient so far
         for parameter in parameters:
             parameter.register_post_accumulate_grad_hook(self._accumulate)
 
     def _accumulate(self, parameter: nn.Parameter) -> None:
-        self.gradient_of(parameter).add_(parameter.grad)
+        if id(parameter) in self._written:
+            self.gradient_of(parameter).add_(parameter.grad)
+        else:
+            self.gradient_of(parameter).copy_(parameter.grad)
+            self._written.add(id(parameter))
         parameter.grad = None
+
+    def _zero_unwritten(self) -> None:
+        """Zero the slices no gradient reached this step (they hold an earlier step's), before they are read."""
+        if len(self._written) != len(self._slices):
+            for parameter in self._parameters:
+                if id(parameter) not in self._written:
+                    self.gradient_of(parameter).zero_()
+                    self._written.add(id(parameter))
 
     @property
     def padding(self) -> int:
@@ -117,6 +134,7 @@ class FlatAdamW(torch.optim.AdamW):
     @property
     def gradients(self) -> torch.Tensor:
         """All gradients, flat fp32 (with zero padding between slices), accumulated since the last step."""
+        self._zero_unwritten()
         return self._gradients
 
     def gradient_of(self, parameter: nn.Parameter) -> torch.Tensor:
@@ -150,6 +168,7 @@ class FlatAdamW(torch.optim.AdamW):
     def step(self, closure: None = None) -> None:
         if closure is not None:
             raise NotImplementedError("FlatAdamW takes no closure")
+        self._zero_unwritten()
         if self._data_parallel_group is not None and dist.get_world_size(self._data_parallel_group) > 1:
             # DeepSpeed's ZeRO-0 reduction: sum, then divide by the group size (engine.allreduce_bucket)
             dist.all_reduce(self._gradients, group=self._data_parallel_group)
@@ -161,7 +180,7 @@ class FlatAdamW(torch.optim.AdamW):
             self._gradients.mul_(torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0))
         super().step()
         self.load_working_weights()
-        self._gradients.zero_()
+        self._written.clear()  # the next gradients are copied in, not added
 
     def gradient_norm(self) -> torch.Tensor:
         """The global 2-norm of the gradients: tensor-parallel slices on every TP rank, replicated ones once."""
@@ -174,6 +193,6 @@ class FlatAdamW(torch.optim.AdamW):
         return squared.sqrt()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the accumulated gradients (a skipped step's); the flat buffer stays allocated."""
-        self._gradients.zero_()
+        """Drop the accumulated gradients (a skipped step's): the next ones are copied over them."""
+        self._written.clear()
         self._global_grad_norm = None

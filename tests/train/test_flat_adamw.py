@@ -153,3 +153,19 @@ def test_the_optimizer_step_dispatches_as_many_operators_for_8_layers_as_for_2(p
     host_reads = eight["operators"]["aten::_local_scalar_dense"]
     assert host_reads == two["operators"]["aten::_local_scalar_dense"]
     assert host_reads <= 1 + eight["segments"], f"{host_reads} host reads in one optimizer step"
+
+
+def test_a_parameter_without_gradient_this_step_reads_zero_not_the_last_steps():
+    """The first gradient of a step is copied over its slice instead of the buffer being zeroed between steps
+    (module docstring); a parameter that no gradient reaches in a step must still read zero then."""
+    model = small_model()
+    optimizer = flat_adamw(model, max_grad_norm=1.0)
+    micro_batch_loss(model, 0, 0).backward()
+    optimizer.step()
+    last_layer = model[3]
+    hidden = model[2](model[1](model[0](torch.randn(5, 6))))
+    (hidden.pow(2).mean() * 50).backward()  # no gradient reaches the last layer
+    optimizer.gradients  # noqa: B018 (what the guard and step read: it zeroes the slices no gradient reached)
+    for parameter in model.parameters():
+        expected_zero = parameter is last_layer.weight or parameter is last_layer.bias
+        assert bool(optimizer.gradient_of(parameter).eq(0).all()) == expected_zero

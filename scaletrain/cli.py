@@ -251,7 +251,9 @@ def _train(args: argparse.Namespace) -> int:
     exits 75 without a checkpoint of the step in progress (loop._give_up_the_step says why).
 
     The stop handlers go in as soon as the config names them and are never taken out; once the
-    exit code is known the stop signals are ignored (train/stopping.py StopSignals says why)."""
+    exit code is known the stop signals are ignored (train/stopping.py StopSignals says why).
+    A run already at train.steps says so in one line and exits 0 (run_config.NothingToTrain)."""
+    from scaletrain.checkpoint.run_config import NothingToTrain
     from scaletrain.parallel.groups import destroy_distributed
     from scaletrain.parallel.peer_loss import EXIT_RANK_LOST, RankLost
     from scaletrain.train.loop import train
@@ -263,13 +265,16 @@ def _train(args: argparse.Namespace) -> int:
     stop_signals = StopSignals(config.train.stop_signals)
     try:
         state = train(config, stop_signals)
+    except NothingToTrain as finished:
+        if _is_reporting_rank():
+            print(finished, file=sys.stderr)
+        return 0
     except TrainingDiverged as error:
         if _is_reporting_rank():
             print(f"scaletrain train: error: {error}", file=sys.stderr)
         return EXIT_DIVERGED
     except RankLost as error:
-        # every surviving rank knows; one line per host (its first local rank) says it
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        if error.reports:  # every surviving rank knows; the first surviving one of each host says it
             print(f"scaletrain train: error: {error}", file=sys.stderr, flush=True)
         return EXIT_RANK_LOST
     except StoppedWaitingForData as stop:  # only the ranks whose data stalled know: each says so
@@ -284,9 +289,15 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    """The summary of the run `train` would start; train's own line for what it would refuse (exit 2),
+    and for a run with nothing left to train (exit 0, as train)."""
+    from scaletrain.checkpoint.run_config import NothingToTrain
     from scaletrain.train.preflight import preflight
 
-    print(preflight(args.config, args.overrides, args.world_size, args.ranks_per_node).summary())
+    try:
+        print(preflight(args.config, args.overrides, args.world_size, args.ranks_per_node).summary())
+    except NothingToTrain as finished:
+        print(finished)
 
 
 def _config(args: argparse.Namespace) -> None:
@@ -318,10 +329,17 @@ def _fit(args: argparse.Namespace) -> None:
     print(fit_from_args(args), end="")
 
 
-def _export(args: argparse.Namespace) -> None:
-    from scaletrain.checkpoint.export import export_run
+def _export(args: argparse.Namespace) -> int:
+    """Exit 0, or 128 + the signal's number when Ctrl-C or SIGTERM stopped it (the shell's convention)."""
+    from scaletrain.checkpoint.export import ExportInterrupted, export_run
 
-    print(f"exported {export_run(args.run_dir, args.out_dir)}")
+    try:
+        print(f"exported {export_run(args.run_dir, args.out_dir)}")
+    except ExportInterrupted as stop:
+        print(f"scaletrain export: stopped by {signal.Signals(stop.signal).name}; nothing was written at "
+              f"{args.out_dir}", file=sys.stderr)
+        return 128 + stop.signal
+    return 0
 
 
 def _import(args: argparse.Namespace) -> None:

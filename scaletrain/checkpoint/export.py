@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.hf.tokenizer import write_hf_tokenizer
-from scaletrain.checkpoint.manager import CheckpointError, first_loadable
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, first_loadable, read_meta
 from scaletrain.checkpoint.run_config import announce_checkpoint, run_config
+from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
 from scaletrain.model.registry import FAMILY_MODULES, get_family
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def export_run(run_dir: Path, out_dir: Path) -> Path:
@@ -22,15 +29,62 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
     a transformers model directory (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM,
     T5ForConditionalGeneration, LlamaForCausalLM; ELECTRA's generator/ and discriminator/ side by side)
     plus, beside each model, our tokenizer files and the Hugging Face ones
-    made from them (hf/tokenizer.py), every file readable by all as the umask allows."""
+    made from them (hf/tokenizer.py), every file readable by all as the umask allows.
+
+    The files are written to a staging directory renamed to `out_dir` when complete; a failure or a stop
+    signal (Ctrl-C, SIGTERM: ExportInterrupted) removes it, so `out_dir` appears whole or not at all."""
     config = run_config(run_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
-    # The checkpoint's index merges the weights: no model is built, so each weight is held once.
-    checkpoint, state = first_loadable(run_dir, consolidated_state_dict)
-    announce_checkpoint(checkpoint)
+    with _staging_beside(out_dir) as staging:
+        # The checkpoint's index merges the weights: no model is built, so each weight is held once.
+        checkpoint, (meta, state) = first_loadable(run_dir, _meta_and_weights)
+        announce_checkpoint(checkpoint, meta.step)
+        _write_model_dirs(state, config, staging)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(staging, out_dir)
+    return out_dir
+
+
+class ExportInterrupted(KeyboardInterrupt):
+    """A stop signal ended the export; `signal` is its number. A KeyboardInterrupt, as Ctrl-C's is, so
+    only the clean-up on the way out runs."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(signal.Signals(number).name)
+        self.signal = number
+
+
+@contextlib.contextmanager
+def _staging_beside(out_dir: Path) -> Iterator[Path]:
+    """A staging directory for `out_dir`, removed on the way out unless renamed to it: after a failure,
+    Ctrl-C or SIGTERM too. Both signals raise ExportInterrupted meanwhile (Python's default for SIGTERM
+    ends the process at once, without clean-up), and are ignored while the clean-up runs."""
     staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    previous = {number: signal.signal(number, _raise_interrupted) for number in STOP_SIGNALS}
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        yield staging
+    finally:
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        shutil.rmtree(staging, ignore_errors=True)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _raise_interrupted(number: int, frame: FrameType | None) -> None:
+    raise ExportInterrupted(number)
+
+
+def _meta_and_weights(checkpoint: Path) -> tuple[CheckpointMeta, dict[str, torch.Tensor]]:
+    """meta.json and the merged weights, read together: the line naming the checkpoint's step needs no
+    second read, which fails if a training run has pruned the checkpoint since (checkpoint.keep_last)."""
+    return read_meta(checkpoint), consolidated_state_dict(checkpoint)
+
+
+def _write_model_dirs(state: dict[str, torch.Tensor], config: Config, staging: Path) -> None:
     family = get_family(config.model.family)
     family.hf().export(state, config, staging)
     tokenizer_files = dataset_location(config.data).tokenizer_files()
@@ -39,10 +93,6 @@ def export_run(run_dir: Path, out_dir: Path) -> Path:
             shutil.copy(tokenizer_file, model_dir / tokenizer_file.name)
         write_hf_tokenizer(model_dir / tokenizer_files[0].name, family, config.model.seq_length, model_dir)
     _give_ordinary_permissions(staging)
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.replace(staging, out_dir)
-    return out_dir
 
 
 def _give_ordinary_permissions(directory: Path) -> None:

@@ -8,12 +8,12 @@ blames the run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.integrity import nonfinite_tensors
 from scaletrain.checkpoint.manager import resume_candidates
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError
@@ -50,21 +50,3 @@ def load_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"train.init_from={path} holds non-finite values: {nonfinite}; training from it "
                               "would give NaN. Import it again from a checkpoint whose weights are finite")
     return weights
-
-
-def nonfinite_tensors(tensors: Iterable[tuple[str, torch.Tensor]], shown: int = 3) -> str:
-    """The tensors holding a NaN or infinity, as `name (count of total values)`, the first `shown` of
-    them and how many more; empty when every value is finite. A sum is non-finite when a value is, and
-    costs a small part of an isfinite mask as large as the tensor, so the mask counts only behind one."""
-    found = []
-    for name, tensor in tensors:
-        tensor = tensor.detach()
-        if not tensor.is_floating_point() or not tensor.numel():
-            continue
-        accumulate = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-        if not torch.isfinite(tensor.sum(dtype=accumulate)):
-            count = int((~torch.isfinite(tensor)).sum())
-            if count:  # finite values can overflow the sum
-                found.append(f"{name} ({count:,} of {tensor.numel():,} values)")
-    more = f" and {len(found) - shown} more" if len(found) > shown else ""
-    return "; ".join(found[:shown]) + more

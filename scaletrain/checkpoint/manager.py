@@ -47,7 +47,7 @@ from scaletrain.checkpoint import layout_free
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.integrity import FileRecord, check_meta_seal, file_checksum, save_with_checksum, seal_meta
 from scaletrain.checkpoint.safe_load import CheckedFiles, UnsafeCheckpointError
-from scaletrain.config import Config, save_config
+from scaletrain.config import Config, ConfigError, save_config
 from scaletrain.disk import write_failure
 from scaletrain.parallel.groups import Topology, resolve_precision
 
@@ -68,6 +68,8 @@ class CheckpointMeta:
     files: dict[str, FileRecord] = field(default_factory=dict)  # path under the checkpoint -> size, CRC-32
     format: int = FORMAT
     spikes: dict[str, Any] = field(default_factory=dict)  # the loss-spike rule's state (train/state.py)
+    tokenizer_sha256: str | None = None  # the tokenizer whose ids the run trained on (None: not recorded)
+    started_from: str | None = None  # the explicit train.resume checkpoint the run started from (resume_candidates)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -185,12 +187,14 @@ def checkpoint_group() -> Any:
 def save_checkpoint(
     engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int,
     skipped_steps: int = 0, consecutive_skipped_steps: int = 0, spikes: dict[str, Any] | None = None,
+    provenance: dict[str, str] | None = None,
 ) -> Path:
     """Copy this rank's share of the state off the training tensors and write it (in the background
     with checkpoint.async_save) into a staging directory that rank 0 publishes in one rename once all
     ranks' files are in. A failed write on any rank (a full disk) removes the staging directory and
     raises one CheckpointError naming the file, the cause and the newest checkpoint left, on every
-    rank, here or at the next finish_pending_save."""
+    rank, here or at the next finish_pending_save. `provenance` goes into meta.json as it is
+    (run_config.checkpoint_provenance: the tokenizer, the checkpoint the run started from)."""
     finish_pending_save()
     started = time.perf_counter()
     group = checkpoint_group()
@@ -200,7 +204,8 @@ def save_checkpoint(
     name = f"step_{step:08d}"
     meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
             "layout": layout_of(config, topology), "skipped_steps": skipped_steps,
-            "consecutive_skipped_steps": consecutive_skipped_steps, **({"spikes": spikes} if spikes else {})}
+            "consecutive_skipped_steps": consecutive_skipped_steps, **({"spikes": spikes} if spikes else {}),
+            **(provenance or {})}
     write = partial(_write_and_publish, collected, rng, config, topology, meta, root / f".staging-{name}",
                     root / name, group, started)
     if config.checkpoint.async_save:
@@ -307,28 +312,67 @@ def _merge_checksums(per_rank: list[dict[str, str]], staging: Path) -> dict[str,
 
 
 def resume_candidates(config: Config) -> list[Path]:
-    """train.resume as checkpoints to try in order: `never` none; `auto` every complete one, newest
-    first (a newest one that fails to load gives way to the one before); an explicit path that one.
-    Where that leaves none, a cooldown branch (train.branch_from) starts from its checkpoint, so an
-    interrupted branch resumes its own checkpoints rather than branching again."""
-    setting = config.train.resume
+    """train.resume as checkpoints to try in order: `auto` every complete one, newest first (a newest
+    one that fails to load gives way to the one before); `never` none, refused in a run directory that
+    holds checkpoints (_refuse_used_run_directory); an explicit path that one, but a starting point
+    once: the run's own checkpoints saved since it started there (their meta.json names it) come
+    first, so a rerun of the same command goes on from where the run got to instead of starting
+    over at the path (and then pruning it). Where `auto` or `never` leave none, a cooldown branch
+    (train.branch_from) starts from its checkpoint, so an interrupted branch resumes its own
+    checkpoints rather than branching again."""
+    setting, run_dir = config.train.resume, Path(config.run.dir)
+    if setting == "never":
+        _refuse_used_run_directory(run_dir)
     if setting in ("never", "auto"):
-        own = _own_checkpoints(Path(config.run.dir)) if setting == "auto" else []
+        own = _own_checkpoints(run_dir) if setting == "auto" else []
         if own or config.train.branch_from is None:
             return own
         return [check_branch_point(Path(config.train.branch_from), config)]
     path = Path(setting)
+    since = [own for own in _own_checkpoints(run_dir) if _started_from(own) == started_from_key(path)]
     if not (path / META_FILE).is_file():
+        if since:
+            return since
         raise CheckpointError(
             f"train.resume={setting}: no complete checkpoint there (missing {META_FILE}); "
-            f"use train.resume=auto or a directory under {checkpoint_root(Path(config.run.dir))}"
+            f"use train.resume=auto or a directory under {checkpoint_root(run_dir)}"
         )
-    return [path]
+    return [*since, path]
 
 
 def _own_checkpoints(run_dir: Path) -> list[Path]:
     latest_checkpoint(run_dir)  # the warning about a wrong `latest` pointer, if any
     return complete_checkpoints(run_dir)[::-1]
+
+
+def started_from_key(path: Path) -> str:
+    """How a checkpoint's meta.json names the explicit train.resume its run started from."""
+    return str(path.resolve())
+
+
+def _started_from(checkpoint: Path) -> str | None:
+    try:
+        return read_meta(checkpoint).started_from
+    except CheckpointError:
+        return None  # a broken checkpoint names no start; resume skips it like any other
+
+
+def _refuse_used_run_directory(run_dir: Path) -> None:
+    """train.resume=never where a run has left checkpoints: refused, rather than trained into or moved.
+
+    Trained into, the new run's checkpoints mixed with the old run's: keep_last pruned across both,
+    metrics.jsonl was replaced, and a later train.resume=auto went on from whichever was newest,
+    the old weights too. Moving the old run aside (RUN_DIR/previous-TIME/) was the other way out,
+    but it moves what the user did not name (W&B and TensorBoard files, summary.json that sweeps
+    read, a log a launcher is still writing into the directory) and keeps every earlier attempt's
+    checkpoints on disk out of sight. A refusal loses nothing and each way on is one command."""
+    complete = complete_checkpoints(run_dir)
+    if complete:
+        raise ConfigError(
+            f"train.resume=never, but run.dir={run_dir} holds the checkpoints of a run (the newest: "
+            f"{complete[-1].name}); to start a new run give a new run.dir, or move the old run aside "
+            f"(mv {run_dir} {run_dir}-previous) and run again; to continue it set train.resume=auto"
+        )
 
 
 # Keys a cooldown branch may set apart from the run it branches from: its length and schedule,
@@ -505,7 +549,8 @@ def read_meta(path: Path) -> CheckpointMeta:
         files = {name: FileRecord.from_json(record) for name, record in dict(raw.get("files", {})).items()}
         meta = CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
                               int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)), files,
-                              int(raw.get("format", 1)), dict(raw.get("spikes", {})))
+                              int(raw.get("format", 1)), dict(raw.get("spikes", {})), raw.get("tokenizer_sha256"),
+                              raw.get("started_from"))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"
@@ -515,7 +560,7 @@ def read_meta(path: Path) -> CheckpointMeta:
         raise CheckpointError(
             f"checkpoint {path} is in format {meta.format} (DeepSpeed's own files, written before scaletrain "
             f"kept layout-free checkpoints); this version reads format {FORMAT} only: finish that run "
-            "with the scaletrain that wrote it, or start over here (train.resume=never or a new run.dir)")
+            "with the scaletrain that wrote it, or start over in a new run.dir")
     named = re.fullmatch(r"step_(\d+)", path.name)
     if named and int(named[1]) != meta.step:
         raise CheckpointError(

@@ -27,12 +27,14 @@ class RankPlace:
     host: str
     device: str
     address: str = ""  # the host name's address, which gloo advertises (and names in its errors)
+    pid: int = 0  # its process on that host (0: not known), for the ranks beside it to tell if it still runs
 
 
 def gather_places(topology: Topology) -> list[RankPlace]:
     """Every rank's place, in rank order, on every rank (one all_gather_object at start-up)."""
     host = socket.gethostname()
-    mine = RankPlace(topology.rank, int(os.environ.get("LOCAL_RANK", 0)), host, str(topology.device), _address(host))
+    mine = RankPlace(topology.rank, int(os.environ.get("LOCAL_RANK", 0)), host, str(topology.device), _address(host),
+                     os.getpid())
     if topology.world_size == 1:
         return [mine]
     places: list[RankPlace | None] = [None] * topology.world_size

@@ -33,11 +33,15 @@ class JsonlSink:
     """
 
     def __init__(self, path: Path, resumed_step: int = 0) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            _truncate_after_step(path, resumed_step)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                _truncate_after_step(path, resumed_step)
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as error:
+            raise write_failure(path, error, "this start trained nothing; run the same command again once the disk has "
+                                "room") from None
         self._path = path
-        self._file = path.open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
         try:
@@ -68,8 +72,11 @@ def _truncate_after_step(path: Path, step: int) -> None:
         if step > 0 and isinstance(record, dict) and record.get("step", 0) <= step:
             kept.append(line + "\n")
     staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text("".join(kept), encoding="utf-8")
-    os.replace(staging, path)
+    try:
+        staging.write_text("".join(kept), encoding="utf-8")
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)  # a full disk fails the write: the old file stays whole, alone
 
 
 class WandbSink:

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from scaletrain.checkpoint.consolidate import load_full_state_dict
 from scaletrain.checkpoint.init_weights import check_init_from, load_init_weights
@@ -22,13 +21,13 @@ from scaletrain.checkpoint.manager import (
     clean_leftovers,
     complete_checkpoints,
     finish_pending_save,
-    flatten_config,
     load_checkpoint,
     pending_save_failed,
     read_meta,
     resume_candidates,
     set_aside_rejected,
 )
+from scaletrain.checkpoint.run_config import Resumption, checkpoint_provenance, resume_rules, resumption_from
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.counts import model_counts
 from scaletrain.parallel.groups import (
@@ -38,7 +37,7 @@ from scaletrain.parallel.groups import (
     resolve_precision,
     world_size_from_environment,
 )
-from scaletrain.parallel.peer_loss import RankLost, describe_lost, is_peer_failure
+from scaletrain.parallel.peer_loss import is_peer_failure, rank_lost
 from scaletrain.parallel.placement import (
     RankPlace,
     check_tensor_parallel_within_hosts,
@@ -62,7 +61,7 @@ from scaletrain.train.hooks.summary import RunSummary
 from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged
 from scaletrain.train.objective import Objective, build_objective
-from scaletrain.train.preflight import check_checkpoints_writable, check_data_matches
+from scaletrain.train.preflight import check_checkpoints_writable, check_data_matches, describe_resume
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock, RunDirectoryStart
 from scaletrain.train.schedule import learning_rate
 from scaletrain.train.spikes import LossSpikes, Rewind
@@ -93,17 +92,16 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
         config, recompute = resolve_recompute(config, device_memory(topology.device))
         places = gather_places(topology)
         check_tensor_parallel_within_hosts(places, topology.tensor_parallel_size)
-        check_data_matches(config)
+        tokenizer_sha256 = check_data_matches(config).tokenizer_sha256
         _check_checkpoints_writable(Path(config.run.dir), topology)
         check_init_from(config)  # before the run directory is made
         start = RunDirectoryStart(Path(config.run.dir))
         lock = _lock_run_directory(Path(config.run.dir), topology)
         try:
-            return _train_locked(config, topology, places, signals, recompute, start)
+            return _train_locked(config, topology, places, signals, recompute, start, tokenizer_sha256)
         except RuntimeError as error:
             if topology.world_size > 1 and is_peer_failure(error):
-                raise RankLost(f"rank {topology.rank} on {places[topology.rank].host}: "
-                               f"{describe_lost(error, places, config.parallel.timeout_s, topology.rank)}") from error
+                raise rank_lost(error, places, config.parallel.timeout_s, topology.rank) from error
             raise
         except Exception:
             if topology.rank == 0 and not start.trained:
@@ -116,13 +114,14 @@ def train(config: Config, stop_signals: StopSignals | None = None) -> TrainState
             signals.restore()
 
 
-def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
-                  stop_signals: StopSignals, recompute: RecomputeDecision, start: RunDirectoryStart) -> TrainState:
+def _train_locked(config: Config, topology: Topology, places: list[RankPlace], stop_signals: StopSignals,
+                  recompute: RecomputeDecision, start: RunDirectoryStart, tokenizer_sha256: str) -> TrainState:
     # The default generator drives dropout only; TP ranks share a stream so replicated
     # activations get identical masks (CP ranks, holding other tokens, do not). Its state is checkpointed per rank.
     torch.manual_seed(config.train.seed + 1000 * topology.pipeline_parallel_rank + topology.replica_rank)
     clear_stale_build_locks()  # before DeepSpeed loads (and maybe JIT-builds) its ops
     candidates = resume_candidates(config)
+    resume_rules(config, candidates, tokenizer_sha256)  # `check` runs the same: refusals before any model is built
     with stop_signals.held():  # DeepSpeed runs ninja while it loads its ops (StopSignals.held)
         model = build_training_model(config, topology)
         if config.train.init_from and not candidates:
@@ -130,16 +129,18 @@ def _train_locked(config: Config, topology: Topology, places: list[RankPlace],
             load_full_state_dict(model, weights, topology.tensor_parallel_rank, topology.tensor_parallel_size)
         engine = build_engine(model, config, topology)
     run_dir = Path(config.run.dir)
-    state = start.state = _restore_or_start(engine, config, topology, run_dir, candidates)
+    state, resumption = _restore_or_start(engine, config, topology, run_dir, candidates, tokenizer_sha256)
+    start.state = state
     guard = NonFiniteGuard(engine, topology.device, LossSpikes.for_run(config.train.spike, state))
     facts = {**_scaling_facts(config, topology), "hosts": hosts_of(places)}
     if topology.is_logging_rank:
-        print(_start_line(config, topology, facts, state, recompute), file=sys.stderr, flush=True)
+        print(_start_line(config, topology, facts, state, resumption, recompute), file=sys.stderr, flush=True)
         if topology.world_size > 1:
             print("\n".join(place_lines(places, topology)), file=sys.stderr, flush=True)
     logger = MetricsLogger.for_run(config, run_dir, topology.is_logging_rank, facts, resumed_step=state.step)
     try:
-        _run(engine, guard, config, topology, state, logger, stop_signals)
+        _run(engine, guard, config, topology, state, logger, stop_signals,
+             checkpoint_provenance(config, tokenizer_sha256))
     finally:
         logger.close()
     return state
@@ -174,9 +175,10 @@ def _lock_run_directory(run_dir: Path, topology: Topology) -> RunDirectoryLock:
 
 def _run(
     engine: Any, guard: NonFiniteGuard, config: Config, topology: Topology, state: TrainState, logger: MetricsLogger,
-    stop_signals: StopSignals,
+    stop_signals: StopSignals, provenance: dict[str, str],
 ) -> None:
-    """Steps until train.steps or an agreed early stop; every side concern is a hook (train/hooks/)."""
+    """Steps until train.steps or an agreed early stop; every side concern is a hook (train/hooks/).
+    `provenance` goes into each checkpoint's meta.json (run_config.checkpoint_provenance)."""
     global_batch = config.global_batch_size(topology.data_parallel_size)
     objective = build_objective(config)
 
@@ -185,7 +187,7 @@ def _run(
         return _device_batches(loader, topology.device, stop_signals)
 
     batches = TimedBatches(batches_from(state.consumed_samples))
-    hooks = _hooks(engine, objective, config, topology, logger, batches)
+    hooks = _hooks(engine, objective, config, topology, logger, batches, provenance)
     stop = StopConditions(config.train, stop_signals)
     try:
         hooks.on_train_start(state)
@@ -277,15 +279,15 @@ def _give_up_the_step(stop: StoppedWaitingForData, state: TrainState, hooks: Hoo
 
 
 def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology, logger: MetricsLogger,
-           batches: TimedBatches) -> Hooks:
+           batches: TimedBatches, provenance: dict[str, str]) -> Hooks:
     """In the order each point calls them: a step's record gets its speed fields before it is logged
     and printed; a diverged run stops before anything is pruned; the summary follows the last checkpoint."""
     speed, progress = SpeedMonitor(config, topology, batches), ProgressBar(config, topology)
     evaluation = PeriodicEvaluation(engine, objective, config, topology, logger, progress)
     routing = ExpertStatistics.for_model(engine.module, topology.device)  # None without MoE layers
     return Hooks([speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
-                  DivergenceStop(config, topology), Checkpointing(engine, config, topology), progress, evaluation,
-                  RunSummary(config, topology, speed, evaluation)])
+                  DivergenceStop(config, topology), Checkpointing(engine, config, topology, provenance), progress,
+                  evaluation, RunSummary(config, topology, speed, evaluation)])
 
 
 def _injected_spike(config: Config, topology: Topology, batch: int) -> float:
@@ -303,44 +305,44 @@ def _injects_nonfinite_loss(config: Config, topology: Topology, step: int) -> bo
 
 
 def _restore_or_start(
-    engine: Any, config: Config, topology: Topology, run_dir: Path, candidates: list[Path]
-) -> TrainState:
+    engine: Any, config: Config, topology: Topology, run_dir: Path, candidates: list[Path], tokenizer_sha256: str
+) -> tuple[TrainState, Resumption | None]:
     """Resume from the first of `candidates` (manager.resume_candidates) that loads, naming any that
     did not and setting aside those of this run (manager.set_aside_rejected), or start at step 0.
-    Every rank takes the same checkpoint: a failure on any rank skips it on all. A checkpoint of
-    another model shape stops the run instead of quietly falling back to an older one: the config
-    changed, not the checkpoint."""
+    Every rank takes the same checkpoint: a failure on any rank skips it on all. Each is held to the
+    resume rules (run_config.resumption_from) before it loads: a checkpoint of another config stops
+    the run instead of quietly falling back to an older one, since the config changed, not the checkpoint."""
     if topology.rank == 0:
         for leftover in clean_leftovers(run_dir):
             print(f"removed {leftover}: left by a save or prune that was killed", file=sys.stderr)
     for index, path in enumerate(candidates):
         error = None
         try:
+            resumption = resumption_from(config, path, read_meta(path), tokenizer_sha256)
             meta = _load_any_layout(engine, path, config, topology)
         except CheckpointError as failure:
             error = failure
         reason = _first_failure(error, topology)
         if reason is None:
-            if path == _branch_point(config) and topology.is_logging_rank:
-                _write_run_config(config, run_dir)  # a branch starts its run directory here
+            if path.parent != checkpoint_root(run_dir) and topology.is_logging_rank:
+                _write_run_config(config, run_dir)  # a branch, or a run from another's checkpoint, starts its directory
             if topology.rank == 0:
                 _set_aside_rejected(run_dir, candidates[:index])
             state = TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
                                skipped_steps=meta.skipped_steps,
                                consecutive_skipped_steps=meta.consecutive_skipped_steps)
             state.restore_spikes(meta.spikes)
-            return state
-        _refuse_another_shape(path, config)
+            return state, resumption
         if index + 1 == len(candidates):
             raise CheckpointError(
                 f"no checkpoint of {run_dir} could be loaded; the last tried: {reason}. Delete the broken "
-                "checkpoints (or set train.resume=never to start over)"
+                "checkpoints, or start a new run (a new run.dir)"
             )
         if topology.is_logging_rank:
             print(f"warning: skipping checkpoint {path}: {reason}; trying {candidates[index + 1]}", file=sys.stderr)
     if topology.is_logging_rank:
         _write_run_config(config, run_dir)
-    return TrainState()
+    return TrainState(), None
 
 
 def _set_aside_rejected(run_dir: Path, rejected: list[Path]) -> None:
@@ -357,35 +359,6 @@ def _first_failure(error: CheckpointError | None, topology: Topology) -> str | N
     dist.all_gather_object(reasons, str(error) if error else None)
     return next((f"{reason} (rank {rank})" if topology.world_size > 1 else reason
                  for rank, reason in enumerate(reasons) if reason), None)
-
-
-# Keys that fix the shapes of the weights and optimizer state: a checkpoint loads only into the same.
-SHAPE_KEYS = ("model.", "data.vocab_size", "data.num_sentinels")
-
-
-def _refuse_another_shape(path: Path, config: Config) -> None:
-    """A checkpoint that failed to load and was trained with other shape keys than this config's:
-    one error listing them and both ways on (every rank reads the same files, so all raise it)."""
-    stored_config = path / "config.yaml"
-    if not stored_config.is_file():
-        return
-    try:
-        stored = flatten_config(yaml.safe_load(stored_config.read_text()))
-    except (OSError, yaml.YAMLError):
-        return
-    ours = flatten_config(config.to_dict())
-    differing = [f"{key}: {stored.get(key)!r} there, {ours.get(key)!r} here" for key in sorted(set(ours) | set(stored))
-                 if key.startswith(SHAPE_KEYS) and key in stored and stored.get(key) != ours.get(key)]
-    if differing:
-        raise ConfigError(
-            f"checkpoint {path} holds another model than this config builds ({'; '.join(differing)}). Set these "
-            f"back as the run had them ({stored_config}) to resume it, or train this config from scratch with "
-            f"train.resume=never or a new run.dir"
-        )
-
-
-def _branch_point(config: Config) -> Path | None:
-    return Path(config.train.branch_from) if config.train.branch_from else None
 
 
 def _write_run_config(config: Config, run_dir: Path) -> None:
@@ -426,8 +399,10 @@ def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
 
 
 def _start_line(config: Config, topology: Topology, facts: dict[str, Any], state: TrainState,
-                recompute: RecomputeDecision) -> str:
-    resumed = f"resuming at step {state.step} from {state.resumed_from}" if state.resumed_from else "starting at step 0"
+                resumption: Resumption | None, recompute: RecomputeDecision) -> str:
+    """The run in one line; a resume says what changed since its checkpoint, with the LR before and now."""
+    resumed = (f"resuming at step {state.step} from {state.resumed_from}; {describe_resume(resumption, config.train)}"
+               if resumption else "starting at step 0")
     active = f", {facts['active_params']:,} active" if facts["active_params"] != facts["params"] else ""
     return (f"train: {config.model.family}, {facts['params']:,} parameters ({facts['non_embedding_params']:,} "
             f"non-embedding{active}); world {topology.world_size} = TP {topology.tensor_parallel_size} x "

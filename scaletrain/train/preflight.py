@@ -5,11 +5,13 @@ imported DeepSpeed and joined torch.distributed. The check reads the config and 
 prepared data's manifest, the layout for the world size, the run directory's lock, whether its
 checkpoints can be written, and its newest checkpoint whose meta.json is intact, and builds no model
 and no process group; launch/slurm.sbatch runs it before srun. `train` runs the same checks that
-need no other rank's word (check_data_matches, check_checkpoints_writable) before its first step.
+need no other rank's word (check_data_matches, check_checkpoints_writable, check_init_from, and the
+resume rules: run_config.resume_rules) before its first step, so `check` refuses with train's line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -20,15 +22,10 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.errors import CheckpointError
-from scaletrain.checkpoint.manager import (
-    CheckpointMeta,
-    checkpoint_root,
-    describe_layout,
-    read_meta,
-    resume_candidates,
-    warn_once,
-)
-from scaletrain.config import Config, ConfigError, resolve_for_world
+from scaletrain.checkpoint.init_weights import check_init_from
+from scaletrain.checkpoint.manager import checkpoint_root, describe_layout, resume_candidates, warn_once
+from scaletrain.checkpoint.run_config import SCHEDULE_KEYS, Resumption, resume_rules
+from scaletrain.config import Config, ConfigError, TrainConfig, resolve_for_world
 from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest
@@ -37,6 +34,7 @@ from scaletrain.model.counts import model_counts
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.train.run_lock import RunDirectoryLock
+from scaletrain.train.schedule import learning_rate
 
 
 @dataclass(frozen=True)
@@ -46,8 +44,7 @@ class Preflight:
     config: Config  # resolved for the world size
     world_size: int
     manifest: Manifest
-    resume_step: int | None
-    resume_path: Path | None
+    resumption: Resumption | None  # None: the run starts at step 0
     resharded_from: str | None = None  # the checkpoint's own layout, when it differs from this run's
     recompute: RecomputeDecision | None = None  # what train.activation_checkpoint runs on this host's device
 
@@ -65,10 +62,12 @@ class Preflight:
         parallel = config.parallel
         global_batch = config.global_batch_size(parallel.data)
         tokens_per_step = global_batch * config.model.seq_length
-        start = (f"resumes at step {self.resume_step} of {config.train.steps} from {self.resume_path}"
-                 if self.resume_path else "starts at step 0")
-        if self.resharded_from:
-            start += f" (resharded from {self.resharded_from})"
+        resumption, start = self.resumption, "starts at step 0"
+        if resumption:
+            start = f"resumes at step {resumption.step} of {config.train.steps} from {resumption.checkpoint}"
+            if self.resharded_from:
+                start += f" (resharded from {self.resharded_from})"
+            start += f"; {describe_resume(resumption, config.train)}"
         return "\n".join([
             f"ok: {config.model.family}, {counts.total_params:,} parameters "
             f"({counts.non_embedding_params:,} non-embedding)",
@@ -100,29 +99,34 @@ def preflight(config_path: Path, overrides: list[str], world_size: int, ranks_pe
         raise ConfigError(f"run.dir={run_dir} is in use by {holder}; wait for it to finish, stop it, "
                           "or set run.dir to another directory")
     check_checkpoints_writable(run_dir)
-    resume_path, meta = _newest_readable(resume_candidates(config))
-    resume_step, resharded_from = _check_resume_layout(config, meta) if meta else (None, None)
-    if resume_path is None and config.train.init_from and not Path(config.train.init_from).is_file():
-        raise ConfigError(f"train.init_from={config.train.init_from} does not exist; give the file "
-                          "`scaletrain import` wrote, or leave train.init_from unset")
-    return Preflight(config, world_size, manifest, resume_step, resume_path, resharded_from, recompute)
+    check_init_from(config)
+    resumption = resume_rules(config, resume_candidates(config), manifest.tokenizer_sha256, warn=warn_once)
+    resharded_from = _resharded_from(config, resumption.meta.layout) if resumption else None
+    return Preflight(config, world_size, manifest, resumption, resharded_from, recompute)
+
+
+def describe_resume(resumption: Resumption, train: TrainConfig) -> str:
+    """What the config changes since the checkpoint was saved; when the LR schedule changes, the LR of
+    the next step before and now (a function of (step, config): train/schedule.py) and the new shape."""
+    changed = {key.removeprefix("train."): there for key, there, _ in resumption.changes if key in SCHEDULE_KEYS}
+    if not changed:
+        return resumption.changed_since()
+    before, step = dataclasses.replace(train, **changed), resumption.step
+    return (f"{resumption.changed_since()}; LR at step {step + 1}: {learning_rate(step, before):.3g} before, "
+            f"{learning_rate(step, train):.3g} now ({_schedule_shape(train)})")
+
+
+def _schedule_shape(train: TrainConfig) -> str:
+    if train.lr_schedule != "wsd":
+        return f"cosine to {train.min_lr:g} at step {train.steps}"
+    if not train.cooldown_steps:
+        return f"constant {train.lr:g} to step {train.steps}"
+    return (f"constant {train.lr:g}, then a {train.cooldown_shape} cooldown to {train.min_lr:g} over steps "
+            f"{train.steps - train.cooldown_steps + 1}-{train.steps}")
 
 
 def _local_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _newest_readable(candidates: list[Path]) -> tuple[Path | None, CheckpointMeta | None]:
-    """The first of `candidates` whose meta.json is intact, as train falls back past one that is not
-    (naming it); the last one's error when none is."""
-    for index, path in enumerate(candidates):
-        try:
-            return path, read_meta(path)
-        except CheckpointError as error:
-            if index + 1 == len(candidates):
-                raise
-            warn_once(f"skipping checkpoint {path}: {error}; trying {candidates[index + 1]}")
-    return None, None
 
 
 def check_checkpoints_writable(run_dir: Path) -> None:
@@ -170,12 +174,10 @@ def check_data_matches(config: Config) -> Manifest:
     return next(iter(manifests.values()))[1]
 
 
-def _check_resume_layout(config: Config, meta: CheckpointMeta) -> tuple[int, str | None]:
-    """The step of the checkpoint a resume would load, and its layout if it differs from this run's
-    (any layout resumes any other: checkpoint/layout_free.py)."""
+def _resharded_from(config: Config, layout: dict[str, int]) -> str | None:
+    """The checkpoint's layout if it differs from this run's (any layout resumes any other:
+    checkpoint/layout_free.py)."""
     parallel = config.parallel
-    layout = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "data": parallel.data,
-              "zero_stage": parallel.zero_stage}
-    if all(meta.layout.get(key) == value for key, value in layout.items()):
-        return meta.step, None
-    return meta.step, describe_layout(meta.layout)
+    ours = {"tensor": parallel.tensor, "pipeline": parallel.pipeline, "data": parallel.data,
+            "zero_stage": parallel.zero_stage}
+    return None if all(layout.get(key) == value for key, value in ours.items()) else describe_layout(layout)

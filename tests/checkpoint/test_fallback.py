@@ -126,9 +126,9 @@ def test_a_config_of_another_shape_names_the_keys_and_both_ways_on(
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("scaletrain train: error:")]
     assert len(errors) == 1, result.stderr[-2000:]
-    assert (f"checkpoint {run_dir / 'checkpoints' / 'step_00000008'} holds another model than this config builds "
-            "(model.hidden_size: 64 there, 32 here; model.num_heads: 4 there, 2 here)") in errors[0]
-    assert "to resume it, or train this config from scratch with train.resume=never or a new run.dir" in errors[0]
+    assert (f"cannot resume from {run_dir / 'checkpoints' / 'step_00000008'}: model.hidden_size 64 there, 32 here; "
+            "model.num_heads 4 there, 2 here;") in errors[0]
+    assert "Set them back as the run had them" in errors[0] and "as a new run (a new run.dir)" in errors[0]
     assert "Delete the broken" not in result.stderr
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000008"]
 

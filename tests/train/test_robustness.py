@@ -159,9 +159,10 @@ def test_a_second_train_on_the_same_run_dir_is_refused(small_dataset: Path, tmp_
     finally:
         first.kill()
         first.wait()
-    # a killed holder leaves no stale lock: the next run starts
-    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.resume=never",
-                                                          "train.steps=3", "train.eval_every=0")])
+    # a killed holder leaves no stale lock: the next run starts (and trains a step)
+    run_scaletrain("train", [str(DEMO_CONFIG), *overrides(small_dataset, run_dir, "train.steps=100000",
+                                                          "train.eval_every=0", "train.exit_after=1")],
+                   stopped_early=True)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 
-from scaletrain.checkpoint.init_weights import nonfinite_tensors
+from scaletrain.checkpoint.integrity import nonfinite_tensors
 from scaletrain.checkpoint.safe_load import load_tensors
 
 if TYPE_CHECKING:  # the model classes come from the adapters, which import transformers

@@ -18,12 +18,17 @@ import torch
 from safetensors.torch import save_file
 
 from scaletrain.checkpoint.hf.conversion import StateDict, fp32, weights_only
-from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
+from scaletrain.checkpoint.hf.reading import REFETCH, load_checked, read_hf_config
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
 from scaletrain.model.t5 import T5Architecture
 from scaletrain.model.t5 import architecture as model_architecture
+
+# The sizes read_t5_architecture takes from config.json. transformers would fill one that is absent with
+# t5-small's (T5Config's defaults) and build another model than the weights'; the other keys it reads
+# have defaults that are T5's own (relu, 32 buckets, 1e-6).
+REQUIRED_KEYS = ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "num_layers")
 
 
 def export_hf(
@@ -62,14 +67,19 @@ def import_hf(hf_dir: str | Path) -> StateDict:
     from transformers import T5ForConditionalGeneration  # here: exporting T5 needs no transformers
 
     hf_dir = Path(hf_dir)
+    architecture = read_t5_architecture(hf_dir)  # first: a config.json without a size is refused naming it
     hf_weights = load_checked(T5ForConditionalGeneration, hf_dir).state_dict()
     return {name: fp32(torch.cat([hf_weights[hf_name] for hf_name in hf_names], dim=0))
-            for name, hf_names in _weight_map(read_t5_architecture(hf_dir)).items()}
+            for name, hf_names in _weight_map(architecture).items()}
 
 
 def read_t5_architecture(hf_dir: str | Path) -> T5Architecture:
-    """The `T5Architecture` of a Hugging Face T5 config.json."""
+    """The `T5Architecture` of a Hugging Face T5 config.json, which must set each of REQUIRED_KEYS."""
     config = read_hf_config(Path(hf_dir))
+    unset = [key for key in REQUIRED_KEYS if config.get(key) is None]
+    if unset:
+        raise ValueError(f"{Path(hf_dir) / 'config.json'} sets no {unset[0]}; a T5 config.json sets "
+                         f"{', '.join(REQUIRED_KEYS)} (as save_pretrained writes them): {REFETCH}")
     activation = config.get("feed_forward_proj", "relu")
     if activation not in ("relu", "gated-gelu"):
         raise ValueError(f"{hf_dir}: feed_forward_proj={activation!r} is not supported; T5 uses relu or gated-gelu")

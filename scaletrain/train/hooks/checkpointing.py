@@ -32,8 +32,11 @@ class Checkpointing(Hook):
     """Saves at the steps the config asks for, after the stop check (an early stop saves too), and
     prunes older checkpoints after the first finite step since the newest (a resumed run's first)."""
 
-    def __init__(self, engine: Any, config: Config, topology: Topology) -> None:
+    def __init__(self, engine: Any, config: Config, topology: Topology, provenance: dict[str, str]) -> None:
+        """`provenance`: what each checkpoint's meta.json records for the next resume's rules
+        (run_config.checkpoint_provenance)."""
         self._engine, self._config, self._topology = engine, config, topology
+        self._provenance = provenance
         self._prune_due = True
         self._newest_own: Path | None = None  # resumed from or saved by this run: never pruned
         checkpoint_group()  # now, not at the first save: that may come after the rendezvous store is gone
@@ -67,7 +70,7 @@ class Checkpointing(Hook):
             )
         self._newest_own = save_checkpoint(self._engine, self._config, self._topology, state.step,
                                            state.consumed_samples, state.skipped_steps, state.consecutive_skipped_steps,
-                                           spikes=state.spike_record())
+                                           spikes=state.spike_record(), provenance=self._provenance)
         return True
 
     def _prune(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import re
 import shutil
@@ -45,6 +46,9 @@ SBIN_DIRECTORIES = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 JOB_GRACE_S = 3.0
+TIME_LIMIT_CHECK_S = 30  # PERIODIC_TIMEOUT, slurmctld/controller.c: not configurable
+# What slurmctld logs at debug levels on every tick of its 1 s loop; log_tails leaves it out.
+EVERY_SECOND_LOG_LINES = ("sched: Running job scheduler", "SchedulerParameters=")
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -98,14 +102,19 @@ class SlurmCluster:
         """The KEY=VALUE fields `scontrol show job` gives for a plain job (JobState, ExitCode, Restarts, ...)."""
         return dict(re.findall(r"(\w+)=(\S*)", self.run(["scontrol", "--oneliner", "show", "job", str(job_id)])))
 
-    def time_limit_checks(self) -> list[float]:
-        """When (epoch seconds) slurmctld has looked at the running jobs' time limits, which it does
-        every 30 s (PERIODIC_TIMEOUT, slurmctld/controller.c) and is when it sends a job's --signal;
-        logged from the first call on (it raises slurmctld's log level to debug2)."""
-        self.run(["scontrol", "setdebug", "debug2"])
+    def next_time_limit_check(self) -> float:
+        """The earliest time (epoch seconds) at which slurmctld next looks at the running jobs' time
+        limits, which is when it sends a job's --signal. Its 1 s background loop looks once 30 whole
+        seconds have passed since the last look (PERIODIC_TIMEOUT, slurmctld/controller.c), so at the
+        first tick of that second or, rarely, the next; the first look counts from the loop's start, just
+        after "Running as primary controller". Each look is logged (SlurmctldDebug=debug2, write_conf)."""
         log = (self.directory / "slurmctld.log").read_text(errors="replace")
-        stamps = re.findall(r"^\[([\d\-T:.]+)\] debug2: Testing job time limits", log, flags=re.MULTILINE)
-        return [datetime.fromisoformat(stamp).timestamp() for stamp in stamps]
+        looks = re.findall(r"^\[([\d\-T:.]+)\] debug2: Testing job time limits", log, flags=re.MULTILINE)
+        if not looks:
+            looks = re.findall(r"^\[([\d\-T:.]+)\] Running as primary controller", log, flags=re.MULTILINE)
+        if not looks:
+            raise AssertionError(f"slurmctld has not logged its start\n{self.log_tails()}")
+        return math.floor(datetime.fromisoformat(looks[-1]).timestamp()) + TIME_LIMIT_CHECK_S
 
     def wait(self, job_id: int, timeout: float = 60.0) -> dict[int, str]:
         """Poll until no task of the job (array tasks included) can still run; final JobState by task id."""
@@ -129,7 +138,9 @@ class SlurmCluster:
         """The last lines of each daemon's log file and of its own stdout/stderr."""
         tails = []
         for log in sorted(self.directory.glob("*.log")):
-            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            events = [line for line in log.read_text(errors="replace").splitlines()
+                      if not any(noise in line for noise in EVERY_SECOND_LOG_LINES)]
+            tail = events[-lines:]
             tails.append(f"--- {log} ---\n" + "\n".join(tail))
         return "\n".join(tails)
 
@@ -181,8 +192,9 @@ def write_conf(directory: Path, nodes: Sequence[tuple[str, str]], ports: tuple[i
         "AuthType": "auth/none",
         "CredType": "cred/none",
         # A requeued job waits cred_expire + 1 s before it may start again (slurmctld/job_mgr.c,
-        # _job_requeue_op), 121 s by default; 10 s keeps a step's launch credential valid on a busy host.
-        "AuthInfo": "cred_expire=10",
+        # _job_requeue_op), 121 s by default; 5 s is the least slurm_cred.c accepts, and a step's launch
+        # credential is checked by slurmd within a second of slurmctld making it.
+        "AuthInfo": "cred_expire=5",
         # No cgroups or systemd in containers: track job processes by parent pid, bind nothing.
         "ProctrackType": "proctrack/linuxproc",
         "TaskPlugin": "task/none",
@@ -204,12 +216,16 @@ def write_conf(directory: Path, nodes: Sequence[tuple[str, str]], ports: tuple[i
         "SlurmctldPidFile": directory / "slurmctld.pid",
         "SlurmdPidFile": directory / f"slurmd{per_node}.pid",
         "SlurmctldLogFile": directory / "slurmctld.log",
+        # debug2 logs each of the controller's time-limit checks (SlurmCluster.next_time_limit_check).
+        "SlurmctldDebug": "debug2",
         "SlurmdLogFile": directory / f"slurmd{per_node}.log",
     }
     if several:
         # A node that stops answering is DOWN after 10 s, not 300: the job on it ends NODE_FAIL and,
-        # with --requeue, starts again on the other nodes (slurm.conf(5) SlurmdTimeout).
+        # with --requeue, starts again on the other nodes (slurm.conf(5) SlurmdTimeout). The controller
+        # sees it after two pings have failed, each waiting MessageTimeout: 5 s, not 10 (about 18 s, not 24).
         settings["SlurmdTimeout"] = 10
+        settings["MessageTimeout"] = 5
     lines = [f"{key}={value}" for key, value in settings.items()]
     lines += [f"NodeName={name} NodeAddr={address} CPUs={os.cpu_count()} "
               f"RealMemory={max(memory_mib // (2 * len(nodes)), 1)} State=UNKNOWN" for name, address in nodes]

@@ -1,4 +1,6 @@
-"""The benchmarks run (their figures are measured by hand or on a GPU; here only that they work)."""
+"""The benchmarks run (their figures are measured by hand or on a GPU; here only that they work), each as
+`python benchmarks/NAME.py ARGS` in a warm fork (tests/warm.py), which has imported torch, DeepSpeed and
+megatron-core already."""
 
 from __future__ import annotations
 
@@ -10,17 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.runs import REPO, scaletrain_environment
+from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
+from tests.warm import SCRIPT
+
+
+def run_benchmark(script: str, *args: str, environment: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT ARGS` from the repository, in a warm fork: the script runs as __main__."""
+    return subprocess.run([sys.executable, str(WARM_CLIENT), SCRIPT, f"benchmarks/{script}", *args], cwd=REPO,
+                          env=environment or scaletrain_environment(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
 def test_gpt_throughput_times_scaletrain_and_the_plain_reference(small_dataset: Path):
-    result = subprocess.run(
-        [sys.executable, "benchmarks/gpt_throughput.py", "configs/gpt_tiny.yaml", f"data.dir={small_dataset}",
-         "data.vocab_size=1024", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-         "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=8", "--steps", "2",
-         "--warmup", "1"],
-        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+    result = run_benchmark(
+        "gpt_throughput.py", "configs/gpt_tiny.yaml", f"data.dir={small_dataset}", "data.vocab_size=1024",
+        "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.seq_length=32",
+        "train.micro_batch_size=4", "train.global_batch_size=8", "--steps", "2", "--warmup", "1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"scaletrain: +[\d.]+ ms/step", result.stdout), result.stdout
@@ -29,11 +36,10 @@ def test_gpt_throughput_times_scaletrain_and_the_plain_reference(small_dataset: 
 
 @pytest.mark.slow
 def test_document_masking_times_causal_documents_and_a_window():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/document_masking.py", "configs/llama_tiny.yaml", "model.num_layers=2",
-         "model.hidden_size=64", "model.ffn_hidden_size=176", "model.seq_length=64", "train.micro_batch_size=2",
-         "--mean-document", "16", "--window", "8", "--steps", "1", "--pairs", "3", "--warmup", "1"],
-        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+    result = run_benchmark(
+        "document_masking.py", "configs/llama_tiny.yaml", "model.num_layers=2", "model.hidden_size=64",
+        "model.ffn_hidden_size=176", "model.seq_length=64", "train.micro_batch_size=2", "--mean-document", "16",
+        "--window", "8", "--steps", "1", "--pairs", "3", "--warmup", "1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("causal", "document masking", "sliding window 8"):
@@ -43,12 +49,11 @@ def test_document_masking_times_causal_documents_and_a_window():
 @pytest.mark.slow
 def test_checkpoint_save_reports_stall_write_and_size_with_and_without_async(small_dataset: Path):
     for async_save in ("true", "false"):
-        result = subprocess.run(
-            [sys.executable, "benchmarks/checkpoint_save.py", "configs/gpt_tiny.yaml", f"data.dir={small_dataset}",
-             "data.vocab_size=1024", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-             "model.seq_length=32", "train.micro_batch_size=4", "train.global_batch_size=8",
-             f"checkpoint.async_save={async_save}", "--saves", "2", "--every", "2"],
-            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
+        result = run_benchmark(
+            "checkpoint_save.py", "configs/gpt_tiny.yaml", f"data.dir={small_dataset}", "data.vocab_size=1024",
+            "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.seq_length=32",
+            "train.micro_batch_size=4", "train.global_batch_size=8", f"checkpoint.async_save={async_save}",
+            "--saves", "2", "--every", "2",
         )
         assert result.returncode == 0, result.stderr[-3000:]
         mode = "async" if async_save == "true" else "synchronous"
@@ -57,10 +62,7 @@ def test_checkpoint_save_reports_stall_write_and_size_with_and_without_async(sma
 
 
 def test_generation_speed_times_both_decoders():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/generation_speed.py", "--tokens", "4", "--seq-length", "16"],
-        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
-    )
+    result = run_benchmark("generation_speed.py", "--tokens", "4", "--seq-length", "16")
     assert result.returncode == 0, result.stderr[-3000:]
     for family in ("llama", "gpt"):
         assert re.search(rf"{family} .* KV cache [\d.]+ tokens/s, recomputation [\d.]+ tokens/s, speedup [\d.]+x",
@@ -68,11 +70,10 @@ def test_generation_speed_times_both_decoders():
 
 
 def test_loader_throughput_reports_every_configuration():
-    result = subprocess.run(
-        [sys.executable, "benchmarks/loader_throughput.py", "--tokens", "200000", "--tokens-per-shard", "50000",
-         "--seq-length", "128", "--micro-batch", "2", "--batches", "3", "--workers", "1", "2"],
-        cwd=REPO, env={**scaletrain_environment(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=600,
+    result = run_benchmark(
+        "loader_throughput.py", "--tokens", "200000", "--tokens-per-shard", "50000", "--seq-length", "128",
+        "--micro-batch", "2", "--batches", "3", "--workers", "1", "2",
+        environment={**scaletrain_environment(), "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for label, workers in itertools.product(("local", "http warm", "http cold"), (1, 2)):
@@ -80,11 +81,8 @@ def test_loader_throughput_reports_every_configuration():
                          r"\(8 loaders\) +[\d.]+x", result.stdout), result.stdout
 def test_tokenize_throughput_times_the_plain_loop_and_prepare(small_dataset_raw: list[Path]):
     works = [str(path) for path in small_dataset_raw if path.name.startswith(("phoenix", "sonnets"))]
-    result = subprocess.run(
-        [sys.executable, "benchmarks/tokenize_throughput.py", *works, "--vocab-size", "400", "--num-sentinels",
-         "8", "--repeats", "1", "--end-to-end"],
-        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=600,
-    )
+    result = run_benchmark("tokenize_throughput.py", *works, "--vocab-size", "400", "--num-sentinels", "8",
+                           "--repeats", "1", "--end-to-end")
     assert result.returncode == 0, result.stderr[-3000:]
     rate = r"[\d,]+ tokens/s, [\d.]+ MB/s"
     assert re.search(rf"plain sentencepiece encode loop: {rate}", result.stdout), result.stdout
@@ -102,8 +100,7 @@ def test_cross_host_measures_all_reduce_on_one_and_on_two_hosts():
     reason = missing_requirement()
     if reason is not None:
         pytest.skip(reason)
-    result = subprocess.run([sys.executable, "benchmarks/cross_host.py", "--sizes-mb", "1", "--iterations", "2"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_benchmark("cross_host.py", "--sizes-mb", "1", "--iterations", "2")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     rows = re.findall(r"^(one host|two hosts) +all-reduce 1 MB +[\d.]+ ms +([\d.]+) GB/s$", result.stdout,
                       flags=re.MULTILINE)

@@ -14,7 +14,8 @@ runs the tests train take a second: start-up was most of the suite's time. Two w
   torchrun's rendezvous, error files and exit codes are real. The fork ends when its client ends.
   A client whose first argument is TORCHRUN stands for `python -m torch.distributed.run ARGS` instead
   (importing torch for torchrun took 1.5 s of each multi-rank run), SCALETRAIN_TORCHRUN for
-  `python -m scaletrain.torchrun ARGS`; their ranks are clients in turn.
+  `python -m scaletrain.torchrun ARGS`; their ranks are clients in turn. One whose first argument is
+  SCRIPT stands for `python SCRIPT ARGS` (the benchmarks, tests/test_benchmarks.py).
 - A fork enters its client's network, UTS and mount namespaces when they differ from the server's, so a
   client started as a namespace host (tests/hosts.py) gets a fork that is that host: its addresses,
   hostname and /etc/hosts. `warm_bin()` is a directory of `python`, `scaletrain` and
@@ -54,9 +55,11 @@ SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"  # where tests/warm_client.py fi
 PYTHON_VARIABLE = "SCALETRAIN_TEST_PYTHON"  # the interpreter behind tests/warm_python
 TORCHRUN = "--torchrun"  # a client's first argument when it stands for `python -m torch.distributed.run`
 SCALETRAIN_TORCHRUN = "--scaletrain-torchrun"  # ... for `python -m scaletrain.torchrun`
+SCRIPT = "--script"  # ... for `python SCRIPT ARGS` (tests/warm_script.py)
 # a client's first argument -> (argv[0], the module whose main() runs); any other: scaletrain.cli
 PROGRAMS = {TORCHRUN: ("torchrun", "torch.distributed.run"),
-            SCALETRAIN_TORCHRUN: ("scaletrain-torchrun", "scaletrain.torchrun")}
+            SCALETRAIN_TORCHRUN: ("scaletrain-torchrun", "scaletrain.torchrun"),
+            SCRIPT: ("python", "tests.warm_script")}
 NAMESPACES = (("uts", 0x04000000), ("net", 0x40000000), ("mnt", 0x00020000))  # CLONE_NEWUTS, NEWNET, NEWNS
 WARM_PYTHON = Path(__file__).resolve().parent / "warm_python"
 HEADER = struct.Struct("!I")  # the length of the JSON request that follows it

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.slurm_cluster import FINAL_STATES, SlurmCluster
 from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, tiny_overrides
-from tests.warm import warm_environment
+from tests.warm import warm_bin, warm_environment
 
 STEPS = 40
 SCRIPT = REPO / "launch" / "slurm.sbatch"
@@ -35,13 +35,30 @@ def submit_training(cluster: SlurmCluster, data_dir: Path, run_dir: Path, log: P
                     extra: Sequence[str] = (), warm: bool = True) -> int:
     """sbatch launch/slurm.sbatch from the repository; `extra` overrides follow the tiny run's. With
     `warm`, warm_bin() (tests/warm.py) is first on the job's PATH, so its `python -m scaletrain` processes
-    are warm forks, each in its node's namespaces; else this Python's directory, and every process a
-    fresh interpreter (a test of a signal that comes while the ranks start up needs a real start-up)."""
-    environment = {"PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}", "OMP_NUM_THREADS": "1",
-                   "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "STOP_REPEAT_S": "1"}
+    are warm forks, each in its node's namespaces. Else every process of the job's first start is a fresh
+    interpreter (a test of a signal that comes while the ranks start up needs a real start-up): first on
+    its PATH is a directory that is empty until warm_later_starts(log) puts warm_bin()'s programs in it."""
+    python_path = f"{Path(sys.executable).parent}:{cluster.env['PATH']}"
+    environment = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "STOP_REPEAT_S": "1"}
+    if warm:
+        environment = warm_environment({**environment, "PATH": python_path})
+    else:
+        later_bin(log).mkdir()
+        environment = {**warm_environment(environment), "PATH": f"{later_bin(log)}:{python_path}"}
     return cluster.submit([*CPU_NODE, *sbatch_args, f"--output={log}", str(SCRIPT), str(DEMO_CONFIG),
-                           *overrides(data_dir, run_dir), *extra], cwd=REPO,
-                          env=warm_environment(environment) if warm else environment)
+                           *overrides(data_dir, run_dir), *extra], cwd=REPO, env=environment)
+
+
+def later_bin(log: Path) -> Path:
+    """The first directory on the PATH of a job submitted with warm=False, beside its log."""
+    return log.with_name(f"{log.stem}-later-bin")
+
+
+def warm_later_starts(log: Path) -> None:
+    """From now on, the job submitted with warm=False and logging to `log` starts warm forks, as a warm
+    job does: for a requeued job's next start, which does not test the start-up."""
+    for program in warm_bin().iterdir():
+        (later_bin(log) / program.name).symlink_to(program)
 
 
 def assert_same_losses(run_dir: Path, reference: Path, tolerance: float = 0.0) -> None:
@@ -73,15 +90,12 @@ def script_log_time(log: str, event: str) -> float:
 
 def submit_before_a_time_limit_check(cluster: SlurmCluster, submit: Callable[[], int],
                                      lead_s: tuple[float, float] = (2, 6)) -> int:
-    """Submit when slurmctld's next time-limit check is lead_s seconds away, so the job's signal comes
-    at that check, while the job script starts up, on a fast host as on a slow one."""
+    """Submit when slurmctld's next time-limit check is lead_s seconds away (or up to a second more), so
+    the job's signal comes at that check, while the job script starts up, on a fast host as on a slow one."""
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        checks = cluster.time_limit_checks()
-        if checks:
-            next_check = checks[-1] + 30  # the controller's loop may add up to a second
-            if lead_s[0] <= next_check - time.time() <= lead_s[1]:
-                return submit()
+        if lead_s[0] <= cluster.next_time_limit_check() - time.time() <= lead_s[1]:
+            return submit()
         time.sleep(0.2)
     raise AssertionError(f"no time-limit check logged in 90 s\n{cluster.log_tails()}")
 

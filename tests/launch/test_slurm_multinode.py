@@ -8,7 +8,8 @@
   (TP2 x DP2 -> TP2 x DP3) and trains the single-rank model.
 
 Every process of a job is a warm fork (tests/warm.py) that entered its node's namespaces: the job's PATH
-starts with warm_bin().
+starts with warm_bin(); but for the first start of the preempted job, whose signal comes as its fresh
+ranks start up.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tests.launch.slurm_jobs import (
     submit_training,
     wait_for_requeue,
     wait_for_slurm_step,
+    warm_later_starts,
 )
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 from tests.slurm_cluster import SlurmCluster, start_slurm_on_hosts
@@ -111,6 +113,7 @@ def test_a_preempted_two_node_job_requeues_and_finishes_like_the_uninterrupted_o
         cluster, lambda: submit_training(cluster, small_dataset, run_dir, log, [*TWO_NODES, *TIME_LIMIT],
                                          TENSOR_PARALLEL, warm=False))
     wait_for_requeue(cluster, job_id, log, JOB_TIMEOUT_S)
+    warm_later_starts(log)  # fresh ranks for the signal at start-up; the resumed start need not be
     stopped_at = max(read_metrics(run_dir)[0])
     assert 1 <= stopped_at < STEPS and checkpoint_steps(run_dir) == [stopped_at]
     cluster.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=30"])  # finish in the second start

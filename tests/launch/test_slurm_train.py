@@ -19,6 +19,7 @@ from tests.launch.slurm_jobs import (
     submit_before_a_time_limit_check,
     submit_training,
     wait_for_requeue,
+    warm_later_starts,
 )
 from tests.slurm_cluster import (  # noqa: F401 (slurm_cluster_fixture registers the fixture)
     FINAL_STATES,
@@ -62,13 +63,15 @@ def test_time_limit_signal_checkpoints_at_the_step_requeues_and_resumes_exactly(
 ) -> None:
     """slurmctld sends --signal only at its time-limit checks, every 30 s: the signal is placed at a
     check just after the job starts, while the ranks start up, so it is the same on any host. The ranks
-    ignore USR1 until their handler is in; the script repeats it every STOP_REPEAT_S (1 s here)."""
+    ignore USR1 until their handler is in; the script repeats it every STOP_REPEAT_S (1 s here). Only
+    the first start tests the start-up: the second, which resumes, runs warm forks (tests/warm.py)."""
     run_dir, log = tmp_path / "run", tmp_path / "job.out"
     started = time.monotonic()
     job_id = submit_before_a_time_limit_check(
         slurm_cluster, lambda: submit_training(slurm_cluster, small_dataset, run_dir, log, TIME_LIMIT, warm=False))
 
     wait_for_requeue(slurm_cluster, job_id, log)
+    warm_later_starts(log)
     first_start = log.read_text()
     stopped_at = max(read_metrics(run_dir)[0])
     assert 1 <= stopped_at < STEPS

@@ -46,6 +46,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,25 +78,27 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
 
 _server: subprocess.Popen | None = None
 _socket_path: Path | None = None
+_starting = threading.Lock()  # runs start from two threads at once (test_layouts.py's TrainedAhead)
 
 
 def warm_socket() -> Path:
     """The socket of this test session's WarmServer, started on first use and stopped at exit."""
     global _server, _socket_path
-    if _server is None or _server.poll() is not None:
-        directory = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
-        _socket_path = directory / "server.sock"
-        log = (directory / "server.log").open("w")
-        repo = Path(__file__).resolve().parents[1]
-        _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(_socket_path)], cwd=repo,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not _socket_path.exists():
-            if _server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the warm test server did not start: {(directory / 'server.log').read_text()}")
-            time.sleep(0.05)
-        atexit.register(_stop_server, _server)
-    return _socket_path
+    with _starting:
+        if _server is None or _server.poll() is not None:
+            directory = Path(tempfile.mkdtemp(prefix="scaletrain-warm-"))
+            _socket_path = directory / "server.sock"
+            log = (directory / "server.log").open("w")
+            repo = Path(__file__).resolve().parents[1]
+            _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(_socket_path)], cwd=repo,
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + 300
+            while not _socket_path.exists():
+                if _server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the warm test server did not start: {(directory / 'server.log').read_text()}")
+                time.sleep(0.05)
+            atexit.register(_stop_server, _server)
+        return _socket_path
 
 
 def warm_bin() -> Path:
@@ -282,7 +285,6 @@ def _leave_server_resources() -> None:
 def _end_with_client(connection: socket.socket) -> None:
     """The fork is killed when its client ends (killed with SIGKILL, say): the client holds the other end
     of the connection, so a thread that reads it sees end-of-file then."""
-    import threading
 
     def watch() -> None:
         while connection.recv(1):

@@ -6,6 +6,7 @@ and a run started from the imported weights must begin at the source run's valid
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import transformers
 
 from tests.distributed.harness import run_on_ranks
-from tests.train.runs import REPO, read_metrics, run_scaletrain, tiny_overrides
+from tests.train.runs import REPO, TrainedAhead, read_metrics, run_scaletrain, tiny_overrides
 
 FAMILIES = {
     "gpt": ("gpt_tiny.yaml", transformers.GPT2LMHeadModel),
@@ -69,11 +70,25 @@ LAYOUTS = [("gpt", "parallel.tensor=2"), ("bert", "parallel.tensor=2"), ("t5", "
            ("t5", "parallel.pipeline=2")]
 
 
+@pytest.fixture(scope="module")
+def parallel_runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    """parallel_runs(family, layout): the run directory of each LAYOUTS case's 2-rank run; the next case's
+    trains while a test checks its export."""
+
+    def train(key: tuple[str, str], run_dir: Path) -> Path:
+        family, layout = key
+        _train(family, small_dataset, run_dir, [layout], nproc=2)
+        return run_dir
+
+    runs = TrainedAhead(train, lambda key: tmp_path_factory.mktemp("-".join(key)) / "run", LAYOUTS)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, layout", LAYOUTS)
-def test_export_of_a_parallel_run_matches_transformers(family, layout, small_dataset, tmp_path):
-    run_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    _train(family, small_dataset, run_dir, [layout], nproc=2)
+def test_export_of_a_parallel_run_matches_transformers(family, layout, small_dataset, parallel_runs, tmp_path):
+    run_dir, hf_dir = parallel_runs(family, layout), tmp_path / "hf"
     run_scaletrain("export", [str(run_dir), str(hf_dir)])
     ours_inputs, hf_inputs = _inputs(family)
     ours = run_on_ranks(_our_logits, 1, run_dir, ours_inputs)[0]

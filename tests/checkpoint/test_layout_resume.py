@@ -14,6 +14,7 @@ TP2, each into a different layout, plus the earlier TP2xDP2 ZeRO-2 -> PP2xDP2 ca
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tests.distributed.harness import run_on_ranks
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
+    TrainedAhead,
     launcher,
     read_metrics,
     run_scaletrain,
@@ -66,37 +68,49 @@ def train_args(data_dir: Path, run_dir: Path, name: str, *extra: str) -> list[st
     return [str(DEMO_CONFIG), *common, *layout(name)[1], *extra]
 
 
-class StraightRuns:
-    """The uninterrupted source-layout runs, each trained once per module and shared by the tests."""
-
-    def __init__(self, data_dir: Path, root: Path) -> None:
-        self.data_dir, self.root, self.runs = data_dir, root, {}
-
-    def __call__(self, layout: str) -> Path:
-        if layout not in self.runs:
-            run_dir = self.root / layout.replace("@", "_")
-            run_scaletrain("train", train_args(self.data_dir, run_dir, layout), LAYOUTS[layout.partition("@")[0]][0])
-            self.runs[layout] = run_dir
-        return self.runs[layout]
-
-    def checkpoint(self, layout: str) -> Path:
-        return self(layout) / "checkpoints" / f"step_{RESUME_STEP:08d}"
+def checkpoint_of(straight: Path) -> Path:
+    return straight / "checkpoints" / f"step_{RESUME_STEP:08d}"
 
 
 @pytest.fixture(scope="module")
-def straight_runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> StraightRuns:
-    return StraightRuns(small_dataset, tmp_path_factory.mktemp("straight"))
+def straight_runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    """The uninterrupted source-layout runs, straight_runs(layout) -> its run directory, each trained once
+    per module and shared by the tests."""
+    root = tmp_path_factory.mktemp("straight")
+
+    def train(key: tuple[str], run_dir: Path) -> Path:
+        (name,) = key
+        run_scaletrain("train", train_args(small_dataset, run_dir, name), LAYOUTS[name.partition("@")[0]][0])
+        return run_dir
+
+    runs = TrainedAhead(train, lambda key: root / key[0].replace("@", "_"))
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(
+    small_dataset: Path, straight_runs: TrainedAhead, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TrainedAhead]:
+    """resumed_runs(source, target) -> (the run resumed in the target layout from the source's step-10
+    checkpoint, the resume's stderr); the next case of CASES trains ahead."""
+
+    def train(key: tuple[str, str], resumed: Path) -> tuple[Path, str]:
+        source, target = key
+        args = train_args(small_dataset, resumed, target, f"train.resume={checkpoint_of(straight_runs(source))}")
+        return resumed, run_and_read_stderr(args, layout(target)[0])
+
+    runs = TrainedAhead(train, lambda key: tmp_path_factory.mktemp("-to-".join(key).replace("@", "_")) / "resumed",
+                        CASES)
+    yield runs
+    runs.close()
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{source}-to-{target}" for source, target in CASES])
-def resumed_case(
-    request, straight_runs: StraightRuns, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Path, str]:
-    """(the straight source-layout run, the run resumed in the target layout, the resume's stderr)."""
+def resumed_case(request, straight_runs: TrainedAhead, resumed_runs: TrainedAhead) -> tuple[str, Path, Path, str]:
+    """(the source layout, its straight run, the run resumed in the target layout, the resume's stderr)."""
     source, target = request.param
-    resumed = tmp_path_factory.mktemp(f"{source}-to-{target}".replace("@", "_")) / "resumed"
-    args = train_args(straight_runs.data_dir, resumed, target, f"train.resume={straight_runs.checkpoint(source)}")
-    return source, straight_runs(source), resumed, run_and_read_stderr(args, layout(target)[0])
+    return source, straight_runs(source), *resumed_runs(source, target)
 
 
 def run_and_read_stderr(args: list[str], nproc: int, succeed: bool = True) -> str:
@@ -138,10 +152,10 @@ def _full_states(rank: int, world_size: int, checkpoints: list[Path]) -> list[di
 
 
 @pytest.mark.slow
-def test_adam_state_reads_the_same_from_any_layout(straight_runs: StraightRuns):
+def test_adam_state_reads_the_same_from_any_layout(straight_runs: TrainedAhead):
     """The same 10 steps saved from one rank (ZeRO-0, torch's own state) and from TP2 x DP2 ZeRO-2 (flat
     partitions cut by tensor rank) hold the same per-parameter Adam state (up to the layouts' rounding)."""
-    checkpoints = [straight_runs.checkpoint("tp1_zero0"), straight_runs.checkpoint("tp2_dp2_zero2")]
+    checkpoints = [checkpoint_of(straight_runs("tp1_zero0")), checkpoint_of(straight_runs("tp2_dp2_zero2"))]
     single, sharded = run_on_ranks(_full_states, 1, checkpoints)[0]
     assert single["step"] == sharded["step"] == RESUME_STEP
     assert single["parameters"].keys() == sharded["parameters"].keys()

@@ -1,5 +1,7 @@
 """A mini IsoFLOP sweep through the CLI: runs, results.csv, fit, plots, W&B group; and an interrupted
-sweep that, run again, trains only its unfinished runs and ends with the same results."""
+sweep that, run again, trains only its unfinished runs and ends with the same results. The module's three
+sweeps (finished, interrupted, on 2 ranks) are independent: each one after the first runs while the tests
+of the one before check it."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib.image
@@ -24,18 +28,71 @@ from scaletrain.scaling.sweep.results import RESULT_COLUMNS, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
-from tests.train.runs import REPO, launcher, run_scaletrain, scaletrain_environment
+from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
 
 NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
 COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
 
 
+@dataclass(frozen=True)
+class InterruptedSweep:
+    sweep_dir: Path
+    planned: list[str]  # the runs' names in the order the sweep trains them
+    done_before: list[str]  # the runs that had finished when the sweep was killed
+    output: str  # of the sweep run again
+
+
+def finish_sweep(data_dir: Path, root: Path) -> tuple[Path, Path, str]:
+    """Every run of the tiny sweep, W&B offline: (spec, sweep directory, output)."""
+    spec_path = write_spec(root / "spec.yaml", tiny_spec(data_dir, root / "sweep", wandb="offline"))
+    return spec_path, root / "sweep", run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500)
+
+
+def interrupt_and_run_again(data_dir: Path, root: Path) -> InterruptedSweep:
+    """The tiny sweep killed (SIGKILL to the sweep and its trainer, mid-run, as a preemption would) once
+    its second run has written its first checkpoint, then run again."""
+    sweep_dir = root / "sweep"
+    spec_path = write_spec(root / "spec.yaml", tiny_spec(data_dir, sweep_dir))
+    planned = [run.name for run in plan_sweep(load_sweep_spec(spec_path)).runs]
+    victim = sweep_dir / "runs" / planned[1] / "checkpoints" / "latest"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    sweep = subprocess.Popen([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not victim.exists() and sweep.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(sweep.pid, signal.SIGKILL)
+    sweep.wait()
+    done_before = [name for name in planned if (sweep_dir / "runs" / name / "summary.json").exists()]
+    return InterruptedSweep(sweep_dir, planned, done_before,
+                            run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500))
+
+
+def sweep_with_torchrun(data_dir: Path, root: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny sweep's first budget, each run on 2 ranks: (sweep directory, `sweep run`'s result)."""
+    sweep_dir = root / "sweep"
+    spec_path = write_spec(root / "spec.yaml", tiny_spec(data_dir, sweep_dir, budgets=[TINY_BUDGETS[0]]))
+    return sweep_dir, subprocess.run(
+        [*launcher(1), "sweep", "run", str(spec_path), "--executor", "torchrun", "--nproc", "2"], cwd=REPO,
+        env=scaletrain_environment(), capture_output=True, text=True, timeout=1500)
+
+
+SWEEPS = {"finished": finish_sweep, "interrupted": interrupt_and_run_again, "torchrun": sweep_with_torchrun}
+
+
 @pytest.fixture(scope="module")
-def finished_sweep(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    root = tmp_path_factory.mktemp("sweep")
-    spec_path = write_spec(root / "spec.yaml", tiny_spec(small_dataset, root / "sweep", wandb="offline"))
-    output = run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500)
-    return spec_path, root / "sweep", output
+def sweeps(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    """sweeps(name) of SWEEPS, each run once; the next one (in SWEEPS' order, the tests') runs in the
+    background while the tests before it check theirs (a sweep's runs are single processes: one core)."""
+    runs = TrainedAhead(lambda key, root: SWEEPS[key[0]](small_dataset, root),
+                        lambda key: tmp_path_factory.mktemp(key[0]), [(name,) for name in SWEEPS])
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def finished_sweep(sweeps: TrainedAhead) -> tuple[Path, Path, str]:
+    return sweeps("finished")
 
 
 def read_results(sweep_dir: Path) -> list[dict[str, str]]:
@@ -119,25 +176,14 @@ def test_fit_command_on_the_sweep(finished_sweep: tuple[Path, Path, str], tmp_pa
 
 @pytest.mark.slow
 def test_interrupted_sweep_trains_only_unfinished_runs(
-    finished_sweep: tuple[Path, Path, str], small_dataset: Path, tmp_path: Path
+    finished_sweep: tuple[Path, Path, str], sweeps: TrainedAhead
 ) -> None:
     _, reference_dir, _ = finished_sweep
-    sweep_dir = tmp_path / "sweep"
-    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir))
-    planned = [row["name"] for row in read_results(reference_dir)]
-    victim = sweep_dir / "runs" / planned[1] / "checkpoints" / "latest"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    sweep = subprocess.Popen([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while not victim.exists() and sweep.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its trainer, mid-run, as a preemption would
-    sweep.wait()
-    done_before = [name for name in planned if (sweep_dir / "runs" / name / "summary.json").exists()]
-    assert done_before == planned[:1], "the kill should land in the second run, after its first checkpoint"
+    interrupted = sweeps("interrupted")
+    sweep_dir, planned, output = interrupted.sweep_dir, interrupted.planned, interrupted.output
+    assert planned == [row["name"] for row in read_results(reference_dir)]
+    assert interrupted.done_before == planned[:1], "the kill should land in the second run, after its first checkpoint"
 
-    output = run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500)
     assert f"trained {NUM_RUNS - 1} runs, skipped 1 already done, 0 failed" in output
     resumed = json.loads((sweep_dir / "runs" / planned[1] / "status.json").read_text())
     assert resumed["attempts"] == 2
@@ -149,14 +195,11 @@ def test_interrupted_sweep_trains_only_unfinished_runs(
 
 @pytest.mark.slow
 def test_torchrun_executor_trains_the_same_runs_on_two_ranks(
-    finished_sweep: tuple[Path, Path, str], small_dataset: Path, tmp_path: Path
+    finished_sweep: tuple[Path, Path, str], sweeps: TrainedAhead
 ) -> None:
     """--executor torchrun --nproc 2: every run data-parallel on 2 ranks, same global batch, same model."""
     _, reference_dir, _ = finished_sweep
-    sweep_dir = tmp_path / "sweep"
-    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, sweep_dir, budgets=[TINY_BUDGETS[0]]))
-    result = subprocess.run([*launcher(1), "sweep", "run", str(spec_path), "--executor", "torchrun", "--nproc", "2"],
-                            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=1500)
+    sweep_dir, result = sweeps("torchrun")
     # three runs at one budget are too few for any fit: every run trains, then `sweep run` exits 1 saying so
     assert result.returncode == 1, result.stderr[-3000:]
     assert f"the fit failed ({len(TINY_SHAPES)} of {len(TINY_SHAPES)} runs done)" in result.stderr

@@ -6,8 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
 from tests.warm import SOCKET_VARIABLE, TORCHRUN, warm_socket
@@ -128,3 +132,34 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(path.name.removeprefix("step_")) for path in (run_dir / "checkpoints").glob("step_*"))
+
+
+class TrainedAhead:
+    """Runs by key (a tuple: runs(name, layout)), each trained once, `train(key, directory(key))`, and kept.
+    Given the order in which the module's tests ask for them, the next one trains in the background while
+    a test waits for or checks its own: a tiny run leaves much of the 2-core box idle (start-up,
+    rendezvous, exit), so two at a time take about a fifth less wall time than one after the other.
+    Close it at the module's end."""
+
+    def __init__(self, train: Callable[[tuple, Path], Any], directory: Callable[[tuple], Path],
+                 order: Sequence[tuple] = ()) -> None:
+        self.train, self.directory, self.order = train, directory, list(order)
+        self.futures: dict[tuple, Future] = {}
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trained-ahead")
+        self.lock = threading.Lock()  # a run trained ahead may ask another TrainedAhead for its source
+
+    def __call__(self, *key: str) -> Any:
+        self._start(key)
+        if key in self.order:
+            for ahead in self.order[self.order.index(key) + 1:][:1]:
+                self._start(ahead)
+        return self.futures[key].result()
+
+    def _start(self, key: tuple) -> None:
+        with self.lock:
+            if key not in self.futures:
+                self.futures[key] = self.pool.submit(self.train, key, self.directory(key))
+
+    def close(self) -> None:
+        """Wait for a run in progress (one trained ahead for a test that did not run), drop the rest."""
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -9,12 +9,18 @@ positions and a sliding window, which the ring applies by global position.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train.runs import DEMO_CONFIG, REPO
-from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_runs_by_model
+from tests.train.runs import DEMO_CONFIG, REPO, TrainedAhead
+from tests.train.test_layouts import (
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    cached_runs_by_model,
+    in_asking_order,
+)
 
 LONG_SEQUENCE = ["model.seq_length=256", "train.eval_samples=8"]
 CONFIGS = {
@@ -32,8 +38,11 @@ CASES = [("gpt", "cp2"), ("gpt", "tp2_cp2"), ("gpt", "cp2_dp2_zero1"), ("llama",
 
 
 @pytest.fixture(scope="module")
-def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_runs_by_model(small_dataset, tmp_path_factory, CONFIGS, "context_", CONTEXT_LAYOUTS)
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    trained = cached_runs_by_model(small_dataset, tmp_path_factory, CONFIGS, "context_", CONTEXT_LAYOUTS,
+                                   in_asking_order(CASES))
+    yield trained
+    trained.close()
 
 
 @pytest.mark.slow

@@ -8,12 +8,18 @@ Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train.runs import REPO, read_metrics, run_scaletrain
-from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
+from tests.train.runs import REPO, TrainedAhead, read_metrics, run_scaletrain
+from tests.train.test_layouts import (
+    STEPS,
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    cached_layout_runs,
+)
 
 CONFIG = str(REPO / "configs" / "electra_tiny.yaml")
 # tiny_overrides' hidden 64 and 4 heads; a 32-wide generator with 2 heads (TP2 splits them), E = 32
@@ -24,11 +30,15 @@ METRICS = ("val_discriminator_accuracy", "val_replaced_accuracy", "val_discrimin
 # that differ by rounding alone flip one (the single rank's with FlatAdamW's flat-buffer norm against
 # DeepSpeed's per-tensor one: val_loss equal to 1e-7, AUC 0.599586 against 0.600647 at step 20). Two such steps.
 AUC_STEP = 2.2e-3
+LAYOUT_NAMES = ["tp2", "dp2_zero3"]
 
 
 @pytest.fixture(scope="module")
-def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, OVERRIDES, "electra")
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    trained = cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, OVERRIDES, "electra",
+                                 order=["single", *LAYOUT_NAMES])
+    yield trained
+    trained.close()
 
 
 def validation_records(run_dir: Path) -> dict[int, dict]:
@@ -49,7 +59,7 @@ def test_single_rank_learns_resumes_and_reports_its_metrics(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "dp2_zero3"])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_layout_resumes_exactly_and_matches_single_rank(runs, layout: str):
     ours = runs(layout)
     assert_resume_is_exact(ours)

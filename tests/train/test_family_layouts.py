@@ -5,12 +5,18 @@ Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_runs_by_model
+from tests.train.runs import REPO, TrainedAhead, read_metrics
+from tests.train.test_layouts import (
+    STEPS,
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    cached_runs_by_model,
+)
 
 FAMILIES = {
     "bert": [f"base={REPO / 'configs' / 'bert_tiny.yaml'}"],
@@ -38,9 +44,12 @@ def family_config(family: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
     models = {family: (family_config(family), family_overrides(family)) for family in FAMILIES}
-    return cached_runs_by_model(small_dataset, tmp_path_factory, models)
+    trained = cached_runs_by_model(small_dataset, tmp_path_factory, models,
+                                   order=[*((family, "single") for family in sorted(FAMILIES)), *CASES])
+    yield trained
+    trained.close()
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ shared dataset's tokenizer), so nearly every sequence holds a document start and
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,13 @@ import pytest
 from scaletrain.data.dataset import PackedSequenceDataset
 from scaletrain.data.prepare import prepare_dataset
 from tests.conftest import SMALL_DATASET_SETTINGS
-from tests.train.runs import DEMO_CONFIG, REPO, read_metrics, run_scaletrain, tiny_overrides
-from tests.train.test_layouts import assert_matches_single_rank, assert_resume_is_exact, cached_runs_by_model
+from tests.train.runs import DEMO_CONFIG, REPO, TrainedAhead, read_metrics, run_scaletrain, tiny_overrides
+from tests.train.test_layouts import (
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    cached_runs_by_model,
+    in_asking_order,
+)
 
 LINES_PER_DOCUMENT = 2  # about 20 tokens: most 32-token sequences hold one or two document starts
 LONG_SEQUENCE_OPTIONS = ["model.document_masking=true", "model.document_positions=true"]
@@ -50,8 +56,10 @@ def short_documents(small_dataset: Path, small_dataset_raw: list[Path], tmp_path
 
 
 @pytest.fixture(scope="module")
-def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_runs_by_model(short_documents, tmp_path_factory, CONFIGS)
+def runs(short_documents: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    trained = cached_runs_by_model(short_documents, tmp_path_factory, CONFIGS, order=in_asking_order(CASES))
+    yield trained
+    trained.close()
 
 
 @pytest.mark.slow

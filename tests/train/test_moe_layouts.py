@@ -12,35 +12,44 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train.runs import REPO, launcher, read_metrics, scaletrain_environment, tiny_overrides
+from tests.train.runs import REPO, TrainedAhead, launcher, read_metrics, scaletrain_environment, tiny_overrides
 from tests.train.test_layouts import (
     EXPERT_LAYOUTS,
     LAYOUTS,
     STEPS,
     assert_matches_single_rank,
     assert_resume_is_exact,
-    cached_layout_runs,
+    cached_runs_by_model,
+    in_asking_order,
 )
 
 CONFIG = str(REPO / "configs" / "mixtral_tiny.yaml")
 # tiny_overrides' 2 layers of hidden 64; 4 experts of width 32, top-2
 TINY = ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "model.moe.capacity_factor=1.0",
         "model.moe.aux_loss_coeff=0.05"]
+LAYOUT_NAMES = ["tp2", "dp2_zero1", "dp2_zero3", "pp2", "ep2_zero0", "ep2_tp2", "ep2_dp2_zero2", "ep2_pp2"]
+# four data-parallel ranks of micro-batch 4 take a global batch of 16; the reference then takes
+# the same micro-batches (4 x 4 accumulated), so capacity and the balancing loss see the same tokens
+MODELS = {"moe": (CONFIG, TINY), "moe16": (CONFIG, [*TINY, "train.global_batch_size=16"])}
+
+
+def model_of(layout: str) -> str:
+    return "moe16" if layout == "ep2_dp2_zero2" else "moe"
 
 
 @pytest.fixture(scope="module")
-def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, TINY, "moe", LAYOUTS | EXPERT_LAYOUTS)
-
-
-@pytest.fixture(scope="module")
-def runs_of_16(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, [*TINY, "train.global_batch_size=16"], "moe16",
-                              EXPERT_LAYOUTS)
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    """runs(model, layout) of the MODELS."""
+    trained = cached_runs_by_model(small_dataset, tmp_path_factory, MODELS, layouts=LAYOUTS | EXPERT_LAYOUTS,
+                                   order=in_asking_order([("moe", "single"),
+                                                          *((model_of(layout), layout) for layout in LAYOUT_NAMES)]))
+    yield trained
+    trained.close()
 
 
 def routing_records(run_dir: Path) -> dict[int, dict]:
@@ -50,7 +59,7 @@ def routing_records(run_dir: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_single_rank_learns_resumes_and_logs_its_routing(runs):
-    reference = runs("single")
+    reference = runs("moe", "single")
     assert_resume_is_exact(reference)
     training, _ = read_metrics(reference.straight)
     assert training[STEPS]["loss"] < training[1]["loss"] - 0.5, "the MoE model did not learn"
@@ -69,16 +78,12 @@ def test_single_rank_learns_resumes_and_logs_its_routing(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "dp2_zero1", "dp2_zero3", "pp2", "ep2_zero0", "ep2_tp2", "ep2_dp2_zero2",
-                                    "ep2_pp2"])
-def test_layout_resumes_exactly_and_matches_single_rank(runs, runs_of_16, layout: str):
-    # four data-parallel ranks of micro-batch 4 take a global batch of 16; the reference then takes
-    # the same micro-batches (4 x 4 accumulated), so capacity and the balancing loss see the same tokens
-    layout_runs = runs_of_16 if layout == "ep2_dp2_zero2" else runs
-    ours = layout_runs(layout)
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_layout_resumes_exactly_and_matches_single_rank(runs, layout: str):
+    ours = runs(model_of(layout), layout)
     assert_resume_is_exact(ours)
-    assert_matches_single_rank(ours, layout_runs("single"))
-    reference = routing_records(layout_runs("single").straight)
+    assert_matches_single_rank(ours, runs(model_of(layout), "single"))
+    reference = routing_records(runs(model_of(layout), "single").straight)
     for step, record in routing_records(ours.straight).items():
         assert record["moe/aux_loss"] == pytest.approx(reference[step]["moe/aux_loss"], rel=1e-4), step
         assert record["moe/dropped_fraction"] == pytest.approx(reference[step]["moe/dropped_fraction"], abs=5e-3)

@@ -6,20 +6,30 @@ Same protocol as test_layouts.py (20 steps straight vs 10 + resume + 10, global 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.train.runs import REPO, read_metrics
-from tests.train.test_layouts import STEPS, assert_matches_single_rank, assert_resume_is_exact, cached_layout_runs
+from tests.train.runs import REPO, TrainedAhead, read_metrics
+from tests.train.test_layouts import (
+    STEPS,
+    assert_matches_single_rank,
+    assert_resume_is_exact,
+    cached_layout_runs,
+)
 
 CONFIG = str(REPO / "configs" / "bert_tiny.yaml")
 SPAN_BOUNDARY = ["objective.span_masking=true", "objective.span_boundary=true"]
+LAYOUT_NAMES = ["tp2", "dp2_zero3", "pp2"]
 
 
 @pytest.fixture(scope="module")
-def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory):
-    return cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, SPAN_BOUNDARY, "sbo")
+def runs(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainedAhead]:
+    trained = cached_layout_runs(small_dataset, tmp_path_factory, CONFIG, SPAN_BOUNDARY, "sbo",
+                                 order=["single", *LAYOUT_NAMES])
+    yield trained
+    trained.close()
 
 
 @pytest.mark.slow
@@ -31,7 +41,7 @@ def test_single_rank_learns_and_resumes_exactly(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "dp2_zero3", "pp2"])
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_layout_resumes_exactly_and_matches_single_rank(runs, layout: str):
     ours = runs(layout)
     assert_resume_is_exact(ours)

@@ -14,7 +14,7 @@ TORCH_PIP_ARGS ?=
 CORPUS := data/raw/shakespeare
 ENGLISH_CORPUS := data/raw/english
 
-.PHONY: bench-gpu install demo corpus corpus-english corpus-fineweb-edu test test-fast lint wheelhouse clean
+.PHONY: bench-gpu install demo corpus corpus-english corpus-fineweb-edu eval-tasks test test-fast lint wheelhouse clean
 
 # install ends by building DeepSpeed's CPU comm op (~90 s, once per venv) that the first run would build.
 install: $(VENV)/.installed
@@ -43,6 +43,13 @@ demo: corpus
 	$(BIN)/scaletrain prepare configs/gpt_tiny.yaml
 	$(BIN)/scaletrain train configs/gpt_tiny.yaml
 	$(BIN)/scaletrain generate runs/gpt_tiny --prompt "ROMEO:" --max-new-tokens 80
+
+# The data of the local lm-evaluation-harness tasks configs/eval_tasks/shakespeare_*.yaml (held-out passages,
+# next-line multiple choice, cloze) from the demo dataset's val split; then, after `make demo`:
+# scaletrain eval runs/gpt_tiny --tasks scaletrain_shakespeare --include-path configs/eval_tasks
+eval-tasks: corpus
+	$(BIN)/scaletrain prepare configs/gpt_tiny.yaml
+	$(BIN)/scaletrain eval-tasks build configs/gpt_tiny.yaml --out data/eval_tasks/shakespeare
 
 test: install
 	$(BIN)/python -m pytest tests

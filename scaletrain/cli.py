@@ -1,4 +1,4 @@
-"""Command line: `scaletrain prepare|train|check|config|plan|sweep|fit|generate|eval|export|import`
+"""Command line: `scaletrain prepare|train|check|config|plan|sweep|fit|generate|eval|eval-tasks|export|import`
 (or `python -m scaletrain`)."""
 
 from __future__ import annotations
@@ -166,10 +166,13 @@ def _build_parser() -> argparse.ArgumentParser:
     add_fit_arguments(fit)
     fit.set_defaults(handler=_fit)
 
-    export = commands.add_parser("export", help="write a run's newest checkpoint that loads as a Hugging Face model")
+    export = commands.add_parser("export", help="write a run's checkpoint as a Hugging Face model")
     export.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
     export.add_argument("out_dir", type=Path, help="where to write the Hugging Face model (config + weights)")
     export.add_argument("--format", choices=["hf"], default="hf", help="output format: Hugging Face transformers")
+    _add_checkpoint_argument(export)
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="the exported weights' type (default: fp32, the master weights' own)")
     export.set_defaults(handler=_export)
 
     import_ = commands.add_parser("import", help="convert a Hugging Face model into weights for train.init_from")
@@ -179,24 +182,66 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="the model family to import into")
     import_.set_defaults(handler=_import)
 
-    generate = commands.add_parser("generate", help="sample text from a run's newest checkpoint that loads")
+    generate = commands.add_parser("generate", help="sample text from a run's checkpoint (the newest that loads)")
     generate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
     generate.add_argument("--prompt", default="", help="text to continue (default: empty)")
     generate.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: 100)")
     generate.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default: 0.8)")
     generate.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default: 50)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_checkpoint_argument(generate)
     generate.set_defaults(handler=_generate)
 
-    evaluate = commands.add_parser("eval", help="validation metrics of a run's checkpoint, without training")
+    evaluate = commands.add_parser("eval", help="validation metrics of a run's checkpoint, without training; with "
+                                   "--tasks, lm-evaluation-harness tasks (in one process, or under torchrun in the "
+                                   "run's tensor-parallel layout)")
     evaluate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
-    evaluate.add_argument("--checkpoint", type=Path, default=None,
-                          help="a checkpoint directory, or its name under RUN/checkpoints, e.g. step_00000300 "
-                               "(default: the newest that loads)")
-    evaluate.add_argument("--samples", type=int, default=None,
-                          help="validation sequences to read (default: the run's train.eval_samples)")
+    _add_checkpoint_argument(evaluate)
+    evaluate.add_argument("--samples", default=None,
+                          help="validation sequences to read: a number (a sample drawn with the run's "
+                               "train.eval_seed) or all (default: the run's train.eval_samples)")
+    _add_task_arguments(evaluate)
     evaluate.set_defaults(handler=_evaluate)
+
+    eval_tasks = commands.add_parser("eval-tasks", help="the data of the local lm-evaluation-harness tasks "
+                                     "(configs/eval_tasks/)")
+    eval_tasks_commands = eval_tasks.add_subparsers(dest="eval_tasks_command", required=True)
+    build = eval_tasks_commands.add_parser(
+        "build", help="write the local tasks' JSONL files from the held-out (val) split of a prepared dataset")
+    build.add_argument("config", type=Path, help="a config whose data.dir is prepared, e.g. configs/gpt_tiny.yaml")
+    build.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.dir=data/other")
+    build.add_argument("--out", type=Path, required=True,
+                       help="the directory the task YAMLs read, e.g. data/eval_tasks/shakespeare")
+    build.add_argument("--count", type=int, default=100, help="records per task (default: 100)")
+    build.add_argument("--seed", type=int, default=0, help="seeds the draw of records and choices (default: 0)")
+    build.set_defaults(handler=_build_eval_tasks)
     return parser
+
+
+def _add_checkpoint_argument(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--checkpoint", default=None,
+                         help="a step (300), a checkpoint's name under RUN/checkpoints (step_00000300) or its "
+                              "directory (default: the newest that loads)")
+
+
+def _add_task_arguments(evaluate: argparse.ArgumentParser) -> None:
+    """`eval --tasks`'s options: lm-evaluation-harness's, by the names its CLI gives them."""
+    evaluate.add_argument("--tasks", default=None,
+                          help="lm-evaluation-harness tasks instead of the validation loss: names (hub datasets, "
+                               "where reachable), task YAML files or directories of them, comma-separated, e.g. "
+                               "configs/eval_tasks/shakespeare_passages.yaml (needs pip install 'scaletrain[eval]')")
+    evaluate.add_argument("--include-path", type=Path, action="append", default=[],
+                          help="a directory of local task YAMLs that --tasks names refer to, e.g. configs/eval_tasks "
+                               "(repeatable)")
+    evaluate.add_argument("--limit", default=None, help="documents per task: a number, or a fraction below 1")
+    evaluate.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's)")
+    evaluate.add_argument("--batch-size", type=int, default=8, help="requests per forward (default: 8)")
+    evaluate.add_argument("--bootstrap-iters", type=int, default=100_000,
+                          help="bootstrap resamples for the stderr of perplexity metrics; 0: none (default: 100000)")
+    evaluate.add_argument("--out", type=Path, default=None,
+                          help="where to write lm-eval's results JSON (default: RUN/eval/step_NNNNNNNN)")
+    evaluate.add_argument("--log-samples", action="store_true",
+                          help="also write each document's requests and responses (samples_TASK_TIME.jsonl)")
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -334,7 +379,7 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import ExportInterrupted, export_run
 
     try:
-        print(f"exported {export_run(args.run_dir, args.out_dir)}")
+        print(f"exported {export_run(args.run_dir, args.out_dir, args.checkpoint, args.dtype)}")
     except ExportInterrupted as stop:
         print(f"scaletrain export: stopped by {signal.Signals(stop.signal).name}; nothing was written at "
               f"{args.out_dir}", file=sys.stderr)
@@ -352,10 +397,45 @@ def _import(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from scaletrain.generate import generate_text
 
-    print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    print(generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                        args.checkpoint))
+
+
+TASK_OPTIONS = {"include_path": "--include-path", "limit": "--limit", "num_fewshot": "--num-fewshot",
+                "out": "--out", "log_samples": "--log-samples"}
 
 
 def _evaluate(args: argparse.Namespace) -> None:
+    """The validation metrics, or with --tasks lm-evaluation-harness's (evaluation/downstream.py)."""
+    if args.tasks is not None:
+        _evaluate_tasks(args)
+        return
+    given = [option for name, option in TASK_OPTIONS.items() if getattr(args, name)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --tasks (lm-evaluation-"
+                          "harness tasks); without it eval reports the validation loss")
     from scaletrain.evaluate import evaluate_checkpoint
 
     print(evaluate_checkpoint(args.run_dir, args.checkpoint, args.samples).summary())
+
+
+def _evaluate_tasks(args: argparse.Namespace) -> None:
+    from scaletrain.evaluation.downstream import TaskRun, evaluate_downstream, parse_limit, task_list
+
+    if args.samples is not None:
+        raise ConfigError("--samples sets the validation sequences, which --tasks does not read; --limit sets "
+                          "the documents per task")
+    run = TaskRun(task_list(args.tasks), tuple(args.include_path),
+                  parse_limit(args.limit) if args.limit is not None else None, args.num_fewshot, args.batch_size,
+                  args.bootstrap_iters, args.log_samples)
+    evaluation = evaluate_downstream(args.run_dir, run, args.checkpoint, args.out)
+    if evaluation is not None:
+        print(evaluation.summary())
+
+
+def _build_eval_tasks(args: argparse.Namespace) -> None:
+    from scaletrain.evaluation.task_data import build_task_data
+
+    config = load_config(args.config, args.overrides)
+    files = build_task_data(config.data, args.out, args.seed, args.count)
+    print(f"wrote {', '.join(str(path) for path in files.values())} from the held-out split of {config.data.dir}")

@@ -281,7 +281,13 @@ class TrainConfig:
     resume: str = "auto"  # auto | never | path to a checkpoint directory
     init_from: str | None = None  # weights file from `scaletrain import`, loaded when a run starts fresh
     eval_every: int = bounded(50, ">= 0", "0 disables validation")  # 0 disables periodic validation
-    eval_samples: int = bounded(64, ">= 1")  # validation sequences per evaluation
+    # Validation sequences per evaluation: `all` reads the whole split (every sequence once, the loss the
+    # token-weighted mean over it); a number below the split's size reads a random sample of that many,
+    # drawn without replacement from eval_seed alone (not train.seed), so every run of a sweep, every layout
+    # and every resume reads the same sequences; a number at least the split's size reads all of it
+    eval_samples: int | str = bounded(64, ">= 1", "or all for the whole validation split")
+    # seeds the draw of that sample (train/evaluation.py); runs compared or fitted together keep the same one
+    eval_seed: int = bounded(0, ">= 0")
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # What backward recomputes instead of keeping (Korthikanti et al. 2022): none; selective, each block's
     # attention core (softmax(QK^T)V) from its kept q, k, v (sec. 4.3); full, every block from its input
@@ -778,6 +784,9 @@ def _validate_numbers(section: Any, prefix: str) -> None:
                 raise ConfigError(f"{key}={value} must be a finite number")
 
 
+EVAL_ALL = "all"  # train.eval_samples: the whole validation split
+
+
 def _validate_train(config: Config) -> None:
     train = config.train
     catchable = {"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT"}
@@ -800,6 +809,9 @@ def _validate_train(config: Config) -> None:
         raise ConfigError("train.init_from is empty; give the weights file `scaletrain import` wrote, or null")
     if train.init_from is not None and config.parallel.pipeline > 1:
         raise ConfigError("train.init_from loads into the unpipelined model; start with parallel.pipeline=1")
+    if isinstance(train.eval_samples, str) and train.eval_samples != EVAL_ALL:
+        raise ConfigError(f"train.eval_samples={train.eval_samples!r}; use a number of validation sequences (>= 1) "
+                          f"or {EVAL_ALL} for the whole validation split")
     if train.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision={train.precision!r}; use auto, fp32 or bf16")
     if train.global_batch_size is not None and train.grad_accum != 1:

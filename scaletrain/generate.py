@@ -1,8 +1,8 @@
-"""`scaletrain generate`: sample from a run's newest checkpoint that loads, whatever layout trained it."""
+"""`scaletrain generate`: sample from a run's checkpoint (--checkpoint, or the newest that loads), whatever layout
+trained it; the same continuation serves lm-evaluation-harness's generate_until (evaluation/harness.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, first_loadable, read_meta
-from scaletrain.checkpoint.run_config import announce_checkpoint, run_config
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, read_meta
+from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
@@ -27,47 +27,35 @@ class NotGeneratingError(ValueError):
 
 
 def generate_text(
-    run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+    run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
+    checkpoint: str | None = None,
 ) -> str:
-    """`prompt` and its continuation, sampled the way the run's family generates (`ModelFamily.generation`)."""
-    config = run_config(run_dir)
+    """`prompt` and its continuation, sampled the way the run's family generates (`ModelFamily.generation`),
+    from `checkpoint` (a directory, its name or its step: run_config.chosen_checkpoint) or the newest that loads."""
+    chosen = chosen_checkpoint(run_dir, checkpoint) if checkpoint is not None else None
+    config = run_config(run_dir, chosen)
     generation = generation_of(get_family(config.model.family), run_dir)
     init_distributed(config)
     try:
-        checkpoint, (meta, model) = first_loadable(run_dir, partial(load_snapshot, config))
-        announce_checkpoint(checkpoint, meta.step)
+        loaded, (meta, model) = load_chosen(run_dir, chosen, partial(load_snapshot, config))
+        announce_checkpoint(loaded, meta.step)
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
-        new_ids = generation.continue_prompt(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
-                                             torch.Generator().manual_seed(seed))
+        continuation = continue_text(generation, model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
+                                     seed)
     finally:
         destroy_distributed()
-    return prompt + tokenizer.decode([token for token in new_ids if token != tokenizer.eos_id])
+    return prompt + continuation
 
 
-def _continue_causal(
-    model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
-    temperature: float, top_k: int | None, generator: torch.Generator,
-) -> list[int]:
-    # Training packs documents behind an eos separator, so a prompt starts after one.
-    prompt_ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
-    return sample_tokens(model, prompt_ids, max_new_tokens, config.model.seq_length, tokenizer.vocab_size,
-                         temperature, top_k, generator, stop_token=tokenizer.eos_id)
-
-
-def _continue_seq2seq(
-    model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
-    temperature: float, top_k: int | None, generator: torch.Generator, decoder_start: str = "pad",
-) -> list[int]:
-    # The encoder saw inputs ending in eos and the decoder started from `decoder_start`: pad for T5
-    # (data/seq2seq.py), eos for BART (data/bart_noising.py).
-    prompt_ids = [*tokenizer.encode(prompt), tokenizer.eos_id]
-    return sample_seq2seq(model, prompt_ids, max_new_tokens, tokenizer.vocab_size, temperature, top_k, generator,
-                          start_token=getattr(tokenizer, f"{decoder_start}_id"), stop_token=tokenizer.eos_id)
-
-
-# (model, config, tokenizer, prompt, max_new_tokens, temperature, top_k, generator) -> new token ids
-ContinuePrompt = Callable[
-    [torch.nn.Module, Config, Tokenizer, str, int, float, int | None, torch.Generator], list[int]]
+def continue_text(
+    generation: Generation, model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str,
+    max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
+) -> str:
+    """The text `model` writes after `prompt` (at most max_new_tokens; the eos that ends it is not written):
+    `scaletrain generate`'s, and lm-evaluation-harness's generate_until (evaluation/harness.py)."""
+    new_ids = generation.continue_prompt(model, config, tokenizer, prompt, max_new_tokens, temperature, top_k,
+                                         torch.Generator().manual_seed(seed))
+    return tokenizer.decode([token for token in new_ids if token != tokenizer.eos_id])
 
 
 @dataclass(frozen=True)
@@ -76,13 +64,35 @@ class Generation:
     prompt is framed as in training and which sampler (model/sampling.py) continues it."""
 
     name: str
-    continue_prompt: ContinuePrompt
+    # An encoder-decoder's first decoder token, by its Tokenizer name: pad for T5 (data/seq2seq.py shifts
+    # targets right behind it), eos for BART (data/bart_noising.py); None: a decoder-only LM.
+    decoder_start: str | None = None
+
+    def frame(self, tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+        """A text's ids as training framed them: a decoder-only LM's documents follow an eos in the packed
+        stream; an encoder's inputs end with one (the export's tokenizer adds the same: hf/tokenizer.py)."""
+        return [tokenizer.eos_id, *ids] if self.decoder_start is None else [*ids, tokenizer.eos_id]
+
+    def decoder_start_id(self, tokenizer: Tokenizer) -> int:
+        return getattr(tokenizer, f"{self.decoder_start}_id")
+
+    def continue_prompt(
+        self, model: torch.nn.Module, config: Config, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+        temperature: float, top_k: int | None, generator: torch.Generator,
+    ) -> list[int]:
+        """The new token ids after `prompt`, up to and including the eos that ends them."""
+        prompt_ids = self.frame(tokenizer, tokenizer.encode(prompt))
+        if self.decoder_start is None:  # with a KV cache
+            return sample_tokens(model, prompt_ids, max_new_tokens, config.model.seq_length, tokenizer.vocab_size,
+                                 temperature, top_k, generator, stop_token=tokenizer.eos_id)
+        return sample_seq2seq(model, prompt_ids, max_new_tokens, tokenizer.vocab_size, temperature, top_k, generator,
+                              start_token=self.decoder_start_id(tokenizer), stop_token=tokenizer.eos_id)
 
 
 GENERATIONS = {generation.name: generation for generation in (
-    Generation("causal", _continue_causal),  # a decoder-only LM with a KV cache
-    Generation("seq2seq", _continue_seq2seq),  # an encoder reads the prompt, the decoder writes the output
-    Generation("seq2seq_eos_start", partial(_continue_seq2seq, decoder_start="eos")),  # the same, BART's start
+    Generation("causal"),  # a decoder-only LM
+    Generation("seq2seq", decoder_start="pad"),  # an encoder reads the prompt, the decoder writes the output
+    Generation("seq2seq_eos_start", decoder_start="eos"),  # the same, BART's start
 )}
 
 

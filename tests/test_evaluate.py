@@ -1,5 +1,6 @@
 """`scaletrain eval`: a checkpoint's validation loss, in one process, equals the one its training run
-logged at that step, whatever layout trained it; it names the checkpoint it read, and a training run
+logged at that step, whatever layout trained it; it names the checkpoint it read and how many of the split's
+sequences and tokens it averaged over (a sample, or --samples all), and a training run
 pruning that checkpoint meanwhile changes nothing."""
 
 from __future__ import annotations
@@ -58,13 +59,25 @@ def test_eval_of_a_single_rank_run(single_rank_run: tuple[Path, dict[int, float]
     result = _eval(run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"using checkpoint {checkpoint} (step {STEPS})" in result.stderr
-    assert result.stdout.startswith(f"step {STEPS} ({checkpoint}): 16 validation sequences of 32 tokens\n")
-    assert _printed(result.stdout)["val_loss"] == pytest.approx(logged[STEPS], abs=1e-5)
+    printed = _printed(result.stdout)
+    split = int(printed["val_split_sequences"])
+    assert result.stdout.startswith(f"step {STEPS} ({checkpoint}): 16 of {split} validation sequences of 32 tokens "
+                                    f"(sampled with train.eval_seed=0), 512 loss tokens of the split's {split * 32} "
+                                    "tokens\n")
+    assert printed["val_loss"] == pytest.approx(logged[STEPS], abs=1e-5)
+    assert (printed["val_sequences"], printed["val_tokens"]) == (16, 16 * 32)
 
     fewer = _eval(run_dir, "--checkpoint", checkpoint.name, "--samples", "8")  # a name under RUN/checkpoints
     assert fewer.returncode == 0, fewer.stderr[-3000:]
-    assert fewer.stdout.startswith(f"step {STEPS} ({checkpoint}): 8 validation sequences")
+    assert fewer.stdout.startswith(f"step {STEPS} ({checkpoint}): 8 of {split} validation sequences")
     assert _printed(fewer.stdout)["val_loss"] != pytest.approx(logged[STEPS], abs=1e-5)
+
+    whole = _eval(run_dir, "--samples", "all")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert f": {split} of {split} validation sequences of 32 tokens (the whole split), {split * 32} loss" \
+        in whole.stdout
+    wrong = _eval(run_dir, "--samples", "most")
+    assert wrong.returncode == 2 and "--samples most: give a number of validation sequences" in wrong.stderr
 
     missing = _eval(run_dir, "--checkpoint", "step_00000099")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

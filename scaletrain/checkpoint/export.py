@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import shutil
@@ -15,32 +16,42 @@ import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.hf.tokenizer import write_hf_tokenizer
-from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, first_loadable, read_meta
-from scaletrain.checkpoint.run_config import announce_checkpoint, run_config
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, read_meta
+from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
+from scaletrain.data.tokenizer import SPECIAL_IDS
+from scaletrain.model.family import ModelFamily
 from scaletrain.model.registry import FAMILY_MODULES, get_family
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# --dtype: the weights' type in the export (training keeps fp32 master weights), and its name in config.json
+EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"),
+                 "fp16": (torch.float16, "float16")}
 
 
-def export_run(run_dir: Path, out_dir: Path) -> Path:
-    """The newest checkpoint of `run_dir` that loads (manager.first_loadable), whatever its layout, as
-    a transformers model directory (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM,
-    T5ForConditionalGeneration, LlamaForCausalLM; ELECTRA's generator/ and discriminator/ side by side)
-    plus, beside each model, our tokenizer files and the Hugging Face ones
-    made from them (hf/tokenizer.py), every file readable by all as the umask allows.
+def export_run(run_dir: Path, out_dir: Path, checkpoint: str | None = None, dtype: str = "fp32") -> Path:
+    """`checkpoint` of `run_dir` (a directory, its name or its step: run_config.chosen_checkpoint), or its
+    newest that loads (manager.first_loadable), whatever its layout, as a transformers model directory
+    (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM, T5ForConditionalGeneration,
+    LlamaForCausalLM; ELECTRA's generator/ and discriminator/ side by side) with its weights in `dtype`
+    (EXPORT_DTYPES), plus, beside each model, our tokenizer files and the Hugging Face ones made from them
+    (hf/tokenizer.py) and, for a family that generates, a generation_config.json; every file readable by
+    all as the umask allows.
 
     The files are written to a staging directory renamed to `out_dir` when complete; a failure or a stop
     signal (Ctrl-C, SIGTERM: ExportInterrupted) removes it, so `out_dir` appears whole or not at all."""
-    config = run_config(run_dir)
+    if dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype}; use one of {', '.join(EXPORT_DTYPES)}")
+    chosen = chosen_checkpoint(run_dir, checkpoint) if checkpoint is not None else None
+    config = run_config(run_dir, chosen)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory")
     with _staging_beside(out_dir) as staging:
         # The checkpoint's index merges the weights: no model is built, so each weight is held once.
-        checkpoint, (meta, state) = first_loadable(run_dir, _meta_and_weights)
-        announce_checkpoint(checkpoint, meta.step)
-        _write_model_dirs(state, config, staging)
+        loaded, (meta, state) = load_chosen(run_dir, chosen, _meta_and_weights)
+        announce_checkpoint(loaded, meta.step)
+        _write_model_dirs(state, config, staging, dtype)
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(staging, out_dir)
@@ -84,7 +95,7 @@ def _meta_and_weights(checkpoint: Path) -> tuple[CheckpointMeta, dict[str, torch
     return read_meta(checkpoint), consolidated_state_dict(checkpoint)
 
 
-def _write_model_dirs(state: dict[str, torch.Tensor], config: Config, staging: Path) -> None:
+def _write_model_dirs(state: dict[str, torch.Tensor], config: Config, staging: Path, dtype: str) -> None:
     family = get_family(config.model.family)
     family.hf().export(state, config, staging)
     tokenizer_files = dataset_location(config.data).tokenizer_files()
@@ -92,7 +103,50 @@ def _write_model_dirs(state: dict[str, torch.Tensor], config: Config, staging: P
         for tokenizer_file in tokenizer_files:
             shutil.copy(tokenizer_file, model_dir / tokenizer_file.name)
         write_hf_tokenizer(model_dir / tokenizer_files[0].name, family, config.model.seq_length, model_dir)
+        _write_generation_config(model_dir, family, config.model.seq_length)
+        if dtype != "fp32":
+            _cast_weights(model_dir, dtype)
     _give_ordinary_permissions(staging)
+
+
+def _write_generation_config(model_dir: Path, family: ModelFamily, context_length: int) -> None:
+    """generation_config.json: the special ids as `scaletrain generate` uses them, and max_length = the context
+    (model.seq_length). Without it transformers' text-generation pipeline asks for 256 new tokens by default
+    (5.24), past GPT-2's and BART's learned positions: an IndexError; with it a call left at its default length
+    stops at the context. transformers checks no explicit max_new_tokens against the context (and, max_length
+    being set, says both are): past it, it warns that the call "has exceeded the model's predefined maximum
+    length" (config.max_position_embeddings, which every exported config with learned positions states), and
+    the position table then raises the IndexError; `pipeline(..., handle_long_generation="hole")` refuses such a
+    call in one line, or cuts the prompt to make room."""
+    if family.generation is None:
+        return
+    from transformers import GenerationConfig
+
+    model_config = json.loads((model_dir / "config.json").read_text())
+    start = {"decoder_start_token_id": model_config["decoder_start_token_id"]} if family.encoder_decoder else {}
+    GenerationConfig(max_length=context_length, bos_token_id=SPECIAL_IDS["bos"], eos_token_id=SPECIAL_IDS["eos"],
+                     pad_token_id=SPECIAL_IDS["pad"], **start).save_pretrained(model_dir)
+
+
+def _cast_weights(model_dir: Path, dtype: str) -> None:
+    """The floating-point weights of the export in `dtype`, and config.json saying so (transformers loads them
+    as they are stored, dtype="auto")."""
+    from safetensors.torch import load_file, save_file
+
+    torch_dtype, name = EXPORT_DTYPES[dtype]
+    total_bytes = 0
+    for weights_file in model_dir.glob("*.safetensors"):
+        weights = {key: tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+                   for key, tensor in load_file(weights_file).items()}
+        total_bytes += sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+        save_file(weights, weights_file, metadata={"format": "pt"})
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.is_file():  # sharded: the index states the bytes of the weights
+        index = json.loads(index_file.read_text())
+        index.setdefault("metadata", {})["total_size"] = total_bytes
+        index_file.write_text(json.dumps(index, indent=2) + "\n")
+    config_file = model_dir / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": name}, indent=2) + "\n")
 
 
 def _give_ordinary_permissions(directory: Path) -> None:

@@ -201,6 +201,30 @@ def load_into_engine(engine: Any, checkpoint: Path, files: CheckedFiles, topolog
         write_parameter_state(engine, parameter, state)
 
 
+def load_weights(module: nn.Module, checkpoint: Path, files: CheckedFiles, topology: Topology) -> None:
+    """Set every parameter of `module` (a whole model, not a pipeline stage) to its weight in `checkpoint`, cut
+    for this rank's tensor-parallel layout and checked finite; no optimizer state: a model to evaluate in a
+    layout of its own (evaluation/). No collectives: the caller agrees on a failure over all ranks."""
+    index = read_index(checkpoint)
+    reader = _PieceReader(checkpoint, files)
+    parameters = dict(module.named_parameters())
+    extra = sorted(set(index["parameters"]) - set(parameters))
+    if extra:
+        raise CheckpointError(f"checkpoint {checkpoint} has weights the model has not, e.g. {extra[0]}; it holds a "
+                              "different model")
+    cut = {}
+    for name, parameter in parameters.items():
+        entry = index["parameters"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {checkpoint} has no weight {name}; it holds a different model")
+        weight = _cut_for_rank(name, entry, parameter, reader, topology, checkpoint, keys=("weight",))["weight"]
+        cut[name] = (parameter, weight)
+    check_finite(checkpoint, [(f"weight {name}", weight) for name, (_, weight) in cut.items()])
+    with torch.no_grad():
+        for parameter, weight in cut.values():
+            parameter.copy_(weight)
+
+
 def read_index(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / INDEX_FILE
     try:
@@ -279,18 +303,18 @@ def _full_tensors(
 
 def _cut_for_rank(
     name: str, entry: dict[str, Any], parameter: nn.Parameter, reader: _PieceReader, topology: Topology,
-    checkpoint: Path,
+    checkpoint: Path, keys: tuple[str, ...] = STATE_KEYS,
 ) -> dict[str, torch.Tensor]:
-    """This rank's tensor-parallel shard of `name`'s state: its own piece when the checkpoint was cut
-    the same way, else the merged full tensor split again."""
+    """This rank's tensor-parallel shard of `name`'s state (`keys` of it): its own piece when the checkpoint
+    was cut the same way, else the merged full tensor split again."""
     split = is_tensor_parallel(parameter) and topology.tensor_parallel_size > 1
     shape = tuple(getattr(parameter, "ds_shape", parameter.shape))
     same_cut = (len(entry["pieces"]) == topology.tensor_parallel_size and split
                 and (entry["dim"], entry["stride"]) == (parameter.partition_dim, parameter.partition_stride))
-    source = (reader.piece(name, entry, topology.tensor_parallel_rank) if same_cut
-              else _full_tensors(name, entry, reader, STATE_KEYS, checkpoint))
+    source = (reader.piece(name, entry, topology.tensor_parallel_rank, keys) if same_cut
+              else _full_tensors(name, entry, reader, keys, checkpoint))
     state = {}
-    for key in STATE_KEYS:
+    for key in keys:
         tensor = source[key]
         if split and not same_cut:
             tensor = split_for_rank(tensor, parameter.partition_dim, parameter.partition_stride,

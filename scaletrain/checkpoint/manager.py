@@ -380,8 +380,8 @@ def _refuse_used_run_directory(run_dir: Path) -> None:
 # differ too (the checkpoint is resharded, as any resume); the global batch may not.
 BRANCH_FREE_KEYS = (
     "train.steps", "train.lr_schedule", "train.cooldown_fraction", "train.cooldown_shape", "train.branch_from",
-    "train.resume", "train.eval_every", "train.eval_samples", "train.exit_after", "train.exit_after_minutes",
-    "train.stop_signals", "train.log_every", "train.micro_batch_size", "train.grad_accum",
+    "train.resume", "train.eval_every", "train.eval_samples", "train.eval_seed", "train.exit_after",
+    "train.exit_after_minutes", "train.stop_signals", "train.log_every", "train.micro_batch_size", "train.grad_accum",
     "train.global_batch_size", "train.activation_checkpoint", "train.loss_chunk_size", "train.compile", "run.",
     "checkpoint.", "tracking.", "parallel.",
 )

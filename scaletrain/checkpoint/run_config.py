@@ -9,30 +9,67 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from scaletrain.checkpoint.manager import (
+    META_FILE,
     CheckpointError,
     CheckpointMeta,
     checkpoint_root,
+    complete_checkpoints,
+    first_loadable,
     flatten_config,
     latest_checkpoint,
     read_meta,
     started_from_key,
+    translate_load_errors,
 )
 from scaletrain.config import Config, ConfigError, ParallelConfig, config_yaml, resolve_for_world
 from scaletrain.config_loader import load_config
 
 
-def run_config(run_dir: Path) -> Config:
-    """The run's model in one process, from its newest complete checkpoint's config (a run's
-    checkpoints share one model; which of them loads is first_loadable's choice)."""
-    newest = latest_checkpoint(run_dir)
-    if newest is None:
+def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
+    """The run's model in one process, from the config of `checkpoint` or of the run's newest complete
+    checkpoint (a run's checkpoints share one model; which of them loads is first_loadable's choice)."""
+    return single_process_config(stored_config(run_dir, checkpoint))
+
+
+def stored_config(run_dir: Path, checkpoint: Path | None = None) -> Config:
+    """The config `checkpoint` (default: the run's newest complete one) was saved with, in the layout that
+    trained it."""
+    checkpoint = checkpoint or latest_checkpoint(run_dir)
+    if checkpoint is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint; train first with `scaletrain train CONFIG`")
-    return single_process_config(load_config(newest / "config.yaml", to_train=False))
+    return load_config(checkpoint / "config.yaml", to_train=False)
+
+
+def chosen_checkpoint(run_dir: Path, checkpoint: str | Path) -> Path:
+    """A command's --checkpoint: a checkpoint directory, its name under RUN/checkpoints (step_00000300)
+    or its step (300)."""
+    candidates = [Path(checkpoint), checkpoint_root(run_dir) / checkpoint]
+    if str(checkpoint).isdigit():
+        candidates.append(checkpoint_root(run_dir) / f"step_{int(checkpoint):08d}")
+    for path in candidates:
+        if (path / META_FILE).is_file():
+            return path
+    steps = ", ".join(str(int(path.name.removeprefix("step_"))) for path in complete_checkpoints(run_dir)) or "none"
+    raise CheckpointError(
+        f"--checkpoint {checkpoint} is not a complete checkpoint (no {META_FILE} there or under "
+        f"{checkpoint_root(run_dir)}; its complete checkpoints are at steps {steps}); give a step, a name "
+        "step_NNNNNNNN or a checkpoint directory"
+    )
+
+
+T = TypeVar("T")
+
+
+def load_chosen(run_dir: Path, checkpoint: Path | None, load: Callable[[Path], T]) -> tuple[Path, T]:
+    """`load` of the chosen checkpoint, or of the run's newest that loads (each one skipped is named)."""
+    if checkpoint is None:
+        return first_loadable(run_dir, load)
+    return checkpoint, translate_load_errors(checkpoint, "its files", lambda: load(checkpoint))
 
 
 def single_process_config(config: Config) -> Config:
@@ -64,7 +101,7 @@ RESUME_FREE_KEYS = (
     "train.stop_signals",
     # cadence of evaluation, logging and checkpoints; tracking; where the run lives (a resume from
     # another run's checkpoint, train.resume=PATH, has another run.dir)
-    "train.eval_every", "train.eval_samples", "train.log_every", "checkpoint.", "tracking.", "run.",
+    "train.eval_every", "train.eval_samples", "train.eval_seed", "train.log_every", "checkpoint.", "tracking.", "run.",
     # a reshard: the layout and how the same global batch is cut into micro-batches (the global batch
     # itself is compared on its own, resume_rules); how a step is computed, not what: memory and speed
     "parallel.", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size",

@@ -13,16 +13,15 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from torch.utils.data import DataLoader, Dataset
 
-from scaletrain.data.sampler import DistributedPretrainingSampler
 
-
-def batch_loader(dataset: Dataset, sampler: DistributedPretrainingSampler, num_workers: int,
+def batch_loader(dataset: Dataset, sampler: Iterable[list[int]], num_workers: int,
                  collate_fn: Callable) -> DataLoader:
-    """A loader over any dataset keyed by global index (packed sequences, sentence pairs)."""
+    """A loader over any dataset keyed by global index (packed sequences, sentence pairs): `sampler`
+    gives each micro-batch's global indices (a DistributedPretrainingSampler, or an evaluation's list)."""
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
                       persistent_workers=False, pin_memory=False, worker_init_fn=leave_stopping_to_the_rank)
 

@@ -1,4 +1,5 @@
-"""Sample order as a function of (seed, global index) alone, and Megatron-style data-parallel slicing.
+"""Sample order as a function of (seed, global index) alone, Megatron-style data-parallel slicing, and
+which validation sequences an evaluation reads, in which micro-batches.
 
 The whole position in the data is one number, `consumed_samples`: the order
 never depends on worker count, rank layout or what happened before a restart.
@@ -7,6 +8,7 @@ never depends on worker count, rank layout or what happened before a restart.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -90,3 +92,60 @@ class DistributedPretrainingSampler:
         if self.total_samples is None:
             raise TypeError("an infinite DistributedPretrainingSampler has no length; pass total_samples")
         return max(0, (self.total_samples - self.consumed_samples) // self.stride)
+
+
+# Second seed word of the validation sample's generator, so it never shares a stream with a training order
+# (default_rng([seed, epoch])) whatever the two seeds are.
+VALIDATION_SAMPLE_STREAM = 0x5EED_E7A1
+
+
+def validation_sample(num_samples: int, requested: int | None, seed: int) -> np.ndarray:
+    """The global indices of a validation split that an evaluation reads, sorted (shards read in order).
+
+    requested=None, or at least the split: all of it. Fewer: that many drawn without replacement, the
+    first `requested` of a permutation from `default_rng([seed, VALIDATION_SAMPLE_STREAM])`, so the draw
+    depends on (seed, split size, requested) alone (every run, layout and resume reads the same
+    sequences) and a larger sample holds every smaller one of the same seed."""
+    if num_samples < 1:
+        raise DataError(f"the validation split has num_samples={num_samples}; it must hold at least one sequence")
+    if requested is None or requested >= num_samples:
+        return np.arange(num_samples)
+    if requested < 1:
+        raise DataError(f"requested={requested} validation sequences must be >= 1")
+    permutation = np.random.default_rng([seed, VALIDATION_SAMPLE_STREAM]).permutation(num_samples)
+    return np.sort(permutation[:requested])
+
+
+@dataclass(frozen=True)
+class EvaluationMicroBatch:
+    """One forward pass of an evaluation: `indices` (micro_batch_size of them) and the share of its rows
+    that count, 1 (distinct sequences), 1/micro_batch_size (copies of one sequence) or 0 (a filler)."""
+
+    indices: list[int]
+    share: float
+
+
+def evaluation_micro_batches(
+    indices: np.ndarray, micro_batch_size: int, data_parallel_size: int
+) -> list[EvaluationMicroBatch]:
+    """Every sequence of `indices` once, in micro-batches of the training shape, a whole number per rank.
+
+    Rank r evaluates micro-batches r, r + dp, r + 2 dp... (DistributedPretrainingSampler's slicing). The
+    sequences past the last whole micro-batch each fill one micro-batch with copies of themselves, so
+    every forward has the shape the layout expects (pipeline stages exchange fixed shapes; ZeRO-3 and
+    expert parallelism need every rank to run as many forwards) and the micro-batch mean of any loss
+    is that sequence's own (with expert capacity, model.moe.capacity_factor, copies compete for it, as any
+    micro-batch's tokens do); filler micro-batches even out the ranks and count for nothing. Apart from
+    the fillers the list does not depend on the data-parallel size, so every layout averages the same losses."""
+    if micro_batch_size < 1 or data_parallel_size < 1:
+        raise DataError(f"micro_batch_size={micro_batch_size} and data_parallel_size={data_parallel_size} "
+                        "must be positive")
+    if len(indices) < 1:
+        raise DataError("an evaluation needs at least one sequence")
+    ids = [int(index) for index in indices]
+    whole = len(ids) // micro_batch_size * micro_batch_size
+    batches = [EvaluationMicroBatch(ids[start:start + micro_batch_size], 1.0)
+               for start in range(0, whole, micro_batch_size)]
+    batches += [EvaluationMicroBatch([index] * micro_batch_size, 1 / micro_batch_size) for index in ids[whole:]]
+    filler = EvaluationMicroBatch(batches[0].indices, 0.0)
+    return batches + [filler] * (-len(batches) % data_parallel_size)

@@ -72,17 +72,14 @@ class Objective:
         )
         return batch_loader(self.dataset("train", shuffle=True), sampler, self.config.data.loader_workers, self.collate)
 
-    def eval_loader(self, validation: ValidationSet, data_parallel_rank: int, data_parallel_size: int,
-                    num_samples: int) -> DataLoader:
-        """The first `num_samples` sequences of a validation set in fixed order, with fixed noise."""
-        sampler = DistributedPretrainingSampler(
-            self.config.train.micro_batch_size, data_parallel_rank, data_parallel_size, 0, num_samples
-        )
-        return batch_loader(validation.dataset, sampler, 0, self.collate)
+    def eval_loader(self, validation: ValidationSet, micro_batches: list[list[int]]) -> DataLoader:
+        """A validation set's micro-batches of global indices (train/evaluation.py says which), with
+        fixed noise: a sequence gets the same masks or spans in every evaluation."""
+        return batch_loader(validation.dataset, micro_batches, 0, self.collate)
 
     @functools.cached_property
     def validation_sets(self) -> list[ValidationSet]:
-        """Built once per run, so every evaluation reads the same fixed-order prefix. A blend's datasets
+        """Built once per run, in fixed order (global index = sequence of the split). A blend's datasets
         are evaluated one by one: each gets its own loss, and the blend's is their weighted mean."""
         sources = self.config.data.sources()
         total = sum(source.weight for source in sources)
@@ -99,6 +96,11 @@ class ValidationSet:
     @property
     def num_samples(self) -> int:
         return self.dataset.order.num_samples
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens its sequences hold (the packed length each sample reads, times its samples)."""
+        return self.num_samples * self.dataset.sequence_length
 
 
 def build_objective(config: Config) -> Objective:

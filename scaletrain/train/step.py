@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from scaletrain.batch import GLOBAL_INDEX
+from scaletrain.batch import GLOBAL_INDEX, Batch
 from scaletrain.model.family import ModelFamily
 from scaletrain.train.nonfinite import NonFiniteGuard
 
@@ -38,11 +40,29 @@ def train_step(
     return _with_grad_norm(engine, {"loss": data_parallel_mean(torch.stack(losses).mean()), "lr": lr})
 
 
-def evaluation_metrics(
-    engine: Any, batches: list[dict[str, torch.Tensor]], family: ModelFamily
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class BatchWeight:
+    """What one evaluation micro-batch counts for (data/sampler.py evaluation_micro_batches): the share
+    of its rows that count (1; 1/micro_batch_size for copies of one sequence; 0 for a filler), which
+    scales the family's counts, and the loss targets it counts (share x its labels not IGNORE_INDEX),
+    which weigh its loss."""
+
+    share: float
+    targets: float
+
+
+class WeightedBatches(Protocol):
+    """This rank's evaluation micro-batches with what each counts for, loaded as they are evaluated
+    (a whole validation split need not fit in memory at once)."""
+
+    def __iter__(self) -> Iterator[tuple[Batch, BatchWeight]]: ...
+
+    def __len__(self) -> int: ...
+
+
+def evaluation_metrics(engine: Any, batches: WeightedBatches, family: ModelFamily) -> dict[str, float]:
     """An engine's validation metrics over this rank's micro-batches (model_evaluation_metrics, or
-    pipeline_evaluation_metrics): val_loss and the family's own, the same in every layout."""
+    pipeline_evaluation_metrics): val_loss, val_tokens and the family's own, the same in every layout."""
     if is_pipeline(engine):
         return pipeline_evaluation_metrics(engine, batches, family)
     engine.eval()
@@ -52,53 +72,92 @@ def evaluation_metrics(
 
 
 def model_evaluation_metrics(
-    forward: Callable[..., torch.Tensor], module: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
-    family: ModelFamily,
+    forward: Callable[..., torch.Tensor], module: torch.nn.Module, batches: WeightedBatches, family: ModelFamily
 ) -> dict[str, float]:
-    """Validation loss over this rank's micro-batches, averaged over data-parallel ranks, plus the
-    family's own metrics (e.g. BERT's masked-token accuracy) from counts summed over batches and ranks.
-    `forward` returns a batch's loss (a DeepSpeed engine, or the model itself in `scaletrain eval`);
-    `module` is the model whose outputs the family counts."""
+    """The token-weighted validation loss over every data-parallel rank's micro-batches
+    (token_weighted_loss), plus the family's own metrics (e.g. BERT's masked-token accuracy) from
+    counts summed over batches and ranks. `forward` returns a batch's loss (a DeepSpeed engine, or the
+    model itself in `scaletrain eval`); `module` is the model whose outputs the family counts."""
+    weighted_losses, weights, per_batch = [], [], []
     with torch.no_grad():
-        losses = [forward(**model_inputs(batch)).float() for batch in batches]
-        metrics = {"val_loss": data_parallel_mean(torch.stack(losses).mean())}
-        if family.evaluation_counts is not None:
-            counts = _summed([family.evaluation_counts(module, model_inputs(batch)) for batch in batches])
-            metrics.update(_data_parallel_metrics(counts, family))
+        for batch, weight in batches:
+            inputs = model_inputs(batch)
+            weighted_losses.append(forward(**inputs).double() * weight.targets)
+            weights.append(weight)
+            if family.evaluation_counts is not None:
+                per_batch.append(family.evaluation_counts(module, inputs))
+    metrics = token_weighted_loss(torch.stack(weighted_losses).sum(), sum(weight.targets for weight in weights))
+    if family.evaluation_counts is not None:
+        metrics.update(_data_parallel_metrics(_summed(per_batch, weights), family))
     return metrics
 
 
-def pipeline_evaluation_metrics(
-    engine: Any, batches: list[dict[str, torch.Tensor]], family: ModelFamily
-) -> dict[str, float]:
-    """The pipeline's validation loss (DeepSpeed's eval_batch), plus the family's own metrics: only the
-    last stage holds the model's outputs, so it counts them from what its loss function receives
-    (`family.pipeline_evaluation_counts`) and sends the counts to the other stages."""
+def pipeline_evaluation_metrics(engine: Any, batches: WeightedBatches, family: ModelFamily) -> dict[str, float]:
+    """The pipeline's validation loss (DeepSpeed's eval_batch) and the family's own metrics. Only the
+    last stage holds the model's outputs (and only the first and last read the batches), so its loss
+    function records each micro-batch's loss and the family's counts of what it receives
+    (`family.pipeline_evaluation_counts`), and the last stage sends the sums to the other stages."""
+    weights: list[BatchWeight] = []
+    losses: list[torch.Tensor] = []
     per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-    with _counting_last_stage_outputs(engine.module, family, per_batch):
-        loss = engine.eval_batch(pipeline_inputs(engine, iter(batches)), num_micro_batches=len(batches))
-    metrics = {"val_loss": data_parallel_mean(loss.detach().float())}
+
+    def read() -> Iterator[Batch]:
+        for batch, weight in batches:
+            weights.append(weight)
+            yield batch
+
+    with _recording_last_stage(engine.module, family, losses, per_batch):
+        engine.eval_batch(pipeline_inputs(engine, read()), num_micro_batches=len(batches))
+    device = next(engine.module.parameters()).device
+    sums = {_LOSS_SUM: torch.zeros((), dtype=torch.float64, device=device),
+            _TARGETS: torch.zeros((), dtype=torch.float64, device=device)}
+    if losses:  # the last stage
+        targets = torch.tensor([weight.targets for weight in weights], dtype=torch.float64, device=device)
+        sums = {_LOSS_SUM: (torch.stack(losses).double() * targets).sum(), _TARGETS: targets.sum(),
+                **_summed(per_batch, weights)}
+    received = _from_last_stage(sums, device)
+    metrics = token_weighted_loss(received.pop(_LOSS_SUM), float(received.pop(_TARGETS)))
     if family.pipeline_evaluation_counts is not None:
-        metrics.update(_data_parallel_metrics(_from_last_stage(_summed(per_batch), loss.device), family))
+        metrics.update(_data_parallel_metrics(received, family))
     return metrics
+
+
+# beside the family's counts in what the last pipeline stage sends
+_LOSS_SUM, _TARGETS = "weighted_loss_sum", "loss_targets"
+
+
+def token_weighted_loss(loss_sum: torch.Tensor, targets: float) -> dict[str, float]:
+    """val_loss: this rank's sum of micro-batch loss x the loss targets it counts, summed over the
+    replica group (DP x CP) and divided by their targets: the mean over every target token evaluated,
+    whichever ranks and micro-batches held them (each micro-batch loss is the mean over its targets; a
+    loss with other terms, BERT's sentence order or ELECTRA's discriminator, is weighted by the same
+    targets). Under context parallelism each rank's loss is its share of the replica's (data_parallel_mean) and
+    every CP rank counts the same targets, so the ratio is exact. val_tokens: the targets, each once."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(targets, dtype=torch.float64, device=loss_sum.device)])
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    loss_sum, targets = (float(total) for total in totals)
+    return {"val_loss": loss_sum / targets if targets else math.nan,
+            "val_tokens": round(targets / parallel_state.get_context_parallel_world_size())}
 
 
 @contextlib.contextmanager
-def _counting_last_stage_outputs(
-    pipeline: Any, family: ModelFamily, per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+def _recording_last_stage(
+    pipeline: Any, family: ModelFamily, losses: list[torch.Tensor],
+    per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]],
 ) -> Iterator[None]:
     """While it lasts, the pipeline's loss function (called by DeepSpeed on the last stage with each
-    micro-batch's outputs and labels) also appends the family's counts of them to `per_batch`."""
-    if family.pipeline_evaluation_counts is None:
-        yield
-        return
+    micro-batch's outputs and labels) also appends the loss to `losses` and, if the family has its own
+    metrics, its counts of them to `per_batch`."""
     loss_fn = pipeline.loss_fn
 
-    def counting_loss(outputs: Any, labels: Any) -> torch.Tensor:
-        per_batch.append(family.pipeline_evaluation_counts(_as_tuple(outputs), _as_tuple(labels)))
-        return loss_fn(outputs, labels)
+    def recording_loss(outputs: Any, labels: Any) -> torch.Tensor:
+        if family.pipeline_evaluation_counts is not None:
+            per_batch.append(family.pipeline_evaluation_counts(_as_tuple(outputs), _as_tuple(labels)))
+        loss = loss_fn(outputs, labels)
+        losses.append(loss.detach().float())
+        return loss
 
-    pipeline.loss_fn = counting_loss
+    pipeline.loss_fn = recording_loss
     try:
         yield
     finally:
@@ -109,9 +168,13 @@ def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _summed(per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """Each metric's (numerator, denominator) summed over this rank's micro-batches."""
-    return {name: torch.stack([torch.stack(counts[name]) for counts in per_batch]).sum(dim=0).double()
+def _summed(
+    per_batch: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], weights: list[BatchWeight]
+) -> dict[str, torch.Tensor]:
+    """Each metric's (numerator, denominator) summed over this rank's micro-batches, each batch's
+    scaled by the share of its rows that count."""
+    return {name: torch.stack([torch.stack(counts[name]).double() * weight.share
+                               for counts, weight in zip(per_batch, weights, strict=True)]).sum(dim=0)
             for name in (per_batch[0] if per_batch else ())}
 
 

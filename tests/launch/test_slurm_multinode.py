@@ -46,8 +46,8 @@ pytestmark = pytest.mark.slow
 
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=2"]
 TENSOR_PARALLEL = ["parallel.tensor=2"]
-# Global batch 12 = micro 2 x DP x grad_accum: 3 on 2 nodes (DP2), 2 on 3 nodes (DP3), 6 on one rank; 12
-# validation sequences are whole evaluation steps (micro x DP) in each layout, so all evaluate the same ones.
+# Global batch 12 = micro 2 x DP x grad_accum: 3 on 2 nodes (DP2), 2 on 3 nodes (DP3), 6 on one rank; every
+# layout evaluates the same 12 validation sequences (the train.eval_seed sample, each counted once).
 RESIZABLE = ["parallel.tensor=2", "train.micro_batch_size=2", "train.global_batch_size=12", "train.eval_samples=12"]
 JOB_TIMEOUT_S = 600
 

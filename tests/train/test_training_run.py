@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scaletrain.data.dataset import PackedSequenceDataset
+from scaletrain.data.sampler import validation_sample
 from tests.distributed.harness import run_on_ranks
 from tests.train.runs import (
     DEMO_CONFIG,
@@ -36,14 +37,15 @@ def trained_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def unigram_cross_entropy(data_dir: Path, seq_length: int, eval_samples: int) -> float:
-    """Cross-entropy of the validation sequences under add-one-smoothed train unigram frequencies:
-    the loss of a model that learned token frequencies but no context."""
+    """Cross-entropy of the evaluated validation sequences (the train.eval_seed=0 sample) under
+    add-one-smoothed train unigram frequencies: the loss of a model that learned token frequencies but no context."""
     train = PackedSequenceDataset(data_dir, "train", seq_length)
     val = PackedSequenceDataset(data_dir, "val", seq_length)
     counts = np.ones(1024)
     for index in range(len(train)):
         np.add.at(counts, train.sample(index)[1:], 1)
-    targets = np.concatenate([val.sample(index)[1:] for index in range(eval_samples)])
+    evaluated = validation_sample(len(val), eval_samples, seed=0)
+    targets = np.concatenate([val.sample(int(index))[1:] for index in evaluated])
     return float(-np.log(counts[targets] / counts.sum()).mean())
 
 
@@ -85,11 +87,13 @@ def test_generate_samples_text(trained_run: Path):
     assert again == text, "sampling with the same seed must repeat"
 
 
-def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_samples: int) -> float:
+def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path) -> float:
+    """The consolidated model's loss on each evaluated sequence alone, averaged (each has as many targets)."""
     from scaletrain.checkpoint.manager import latest_checkpoint
     from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model
+    from scaletrain.train.evaluation import evaluated_indices
     from scaletrain.train.objective import build_objective
 
     checkpoint = latest_checkpoint(run_dir)
@@ -99,7 +103,8 @@ def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_sampl
     parallel_state.initialize_model_parallel()
     model = load_model(config, checkpoint)
     objective = build_objective(config)
-    loader = objective.eval_loader(objective.validation_sets[0], 0, 1, eval_samples)
+    (validation,) = objective.validation_sets
+    loader = objective.eval_loader(validation, [[int(index)] for index in evaluated_indices(config, validation)])
     with torch.no_grad():
         losses = [model(batch["tokens"], batch["labels"]) for batch in loader]
     return torch.stack(losses).mean().item()
@@ -108,7 +113,7 @@ def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path, eval_sampl
 @pytest.mark.slow
 def test_consolidated_weights_reproduce_the_logged_validation_loss(trained_run: Path):
     _, validation = read_metrics(trained_run)
-    loss = run_on_ranks(_consolidated_val_loss, 1, trained_run, 16)[0]
+    loss = run_on_ranks(_consolidated_val_loss, 1, trained_run)[0]
     assert abs(loss - validation[200]) < 1e-5
 
 

@@ -8,7 +8,7 @@ from scaletrain.config import Config
 from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.metrics import MetricsLogger
-from scaletrain.train.evaluation import validation_metrics
+from scaletrain.train.evaluation import metrics_text, validation_metrics
 from scaletrain.train.hooks import Hook
 from scaletrain.train.hooks.console import ProgressBar
 from scaletrain.train.objective import Objective
@@ -38,7 +38,7 @@ class PeriodicEvaluation(Hook):
         metrics = evaluate(self._engine, self._objective, self._topology)
         self._logger.log({"step": state.step, **metrics})
         if self._topology.is_logging_rank:
-            self._progress.write(f"step {state.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            self._progress.write(f"step {state.step}: {metrics_text(metrics)}")
         if finished:
             self.final_metrics = metrics
 

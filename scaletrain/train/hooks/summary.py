@@ -11,6 +11,7 @@ from pathlib import Path
 from scaletrain.checkpoint.manager import latest_checkpoint
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
+from scaletrain.train.evaluation import metrics_text
 from scaletrain.train.hooks import Hook
 from scaletrain.train.hooks.evaluation import PeriodicEvaluation
 from scaletrain.train.hooks.speed import SpeedMonitor
@@ -47,7 +48,7 @@ class RunSummary(Hook):
             return (f"stopped early ({state.stopped_by}) at step {state.step}/{steps} after {wall_s:.0f} s; "
                     f"checkpoint {latest}; run the same command again to resume (exit code {EXIT_STOPPED_EARLY})")
         final = self._evaluation.final_metrics
-        val = ", ".join(f"{key} {value:.4f}" for key, value in final.items()) or "no evaluation (eval_every=0)"
+        val = metrics_text(final) or "no evaluation (eval_every=0)"
         return (f"finished: {state.step} steps, {state.step * self._speed.tokens_per_step:,} tokens, {wall_s:.0f} s "
                 f"in this invocation; final {val}; checkpoint {latest}")
 

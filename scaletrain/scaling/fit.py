@@ -1,7 +1,7 @@
 """Scaling-law fits: the three approaches of Hoffmann et al. 2022 ("Training Compute-Optimal Large
 Language Models", sec. 3) and the law forms of laws.py, chosen by backtest (backtest.py), with
 compute-optimal allocations on the sweep's exact FLOPs line, bootstrap intervals and prediction
-intervals that include run-to-run noise.
+intervals (intervals.py: bootstrap, noise, the tied forms' spread and the backtests' error).
 
 - Approach 1 (sec. 3.1): the lower envelope of loss against FLOPs over every run's final,
   decayed point (not mid-schedule training losses); the runs on it give N_opt(C) and D_opt(C).
@@ -23,9 +23,16 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import minimize
-from scipy.stats import norm
 
-from scaletrain.scaling.backtest import Backtest, choose_form, rolling_backtest
+from scaletrain.scaling.backtest import Backtest, Choice, choose_form, rolling_backtest
+from scaletrain.scaling.intervals import (
+    ExtrapolationError,
+    fit_extrapolation_error,
+    log_losses,
+    mixture_interval,
+    mixture_median,
+    robust_residual_sd,
+)
 from scaletrain.scaling.laws import (
     BUDGET_TOLERANCE,
     LAW_FORMS,
@@ -67,7 +74,7 @@ MIN_POINTS_PARAMETRIC = 5  # Approach 3: as many distinct (N, D) as constants
 MIN_BOOTSTRAP_FITS = 10  # fewer successful refits give no interval
 SMOOTHING_FRACTION = 0.05
 LOG_MAX = math.log(np.finfo(float).max)  # ~709.8: exp overflows beyond
-PREDICTION_NOISE_DRAWS = 50  # draws of run-to-run noise per bootstrap refit in ScalingFit.predict
+PREDICTION_CONFIDENCE = 0.9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,15 +516,19 @@ def compute_optimal(fit: ApproachFit, flops: float, fpt: FlopsPerToken | None = 
 @dataclass
 class LawResult:
     """One law form on these runs: the full-data fit, its successful bootstrap refits (failures are
-    counted in ScalingFit.bootstrap_failures), its rolling backtest, and what leave-one-out refits
-    need (the runs, the FLOPs line). `corpus_tokens`: the largest unique_tokens recorded, the
-    corpus a data-constrained prediction assumes."""
+    counted in ScalingFit.bootstrap_failures), its rolling backtest, what leave-one-out refits need (the
+    runs, the FLOPs line), and its prediction interval's floor and extrapolation term (intervals.py):
+    noise_sd (s0) and how it was obtained, and `extrapolation` (tau). `corpus_tokens`: the largest
+    unique_tokens recorded, the corpus a data-constrained prediction assumes."""
 
     fit: LawFit
     refits: list[LawFit]
     backtest: Backtest
     points: list[Point] = field(repr=False)
     fpt: FlopsPerToken = field(repr=False)
+    noise_sd: float = 0.0
+    noise_how: str = ""
+    extrapolation: ExtrapolationError = field(default_factory=lambda: ExtrapolationError(0.0, 0, "not fitted"))
     _leave_one_out: list[LawFit] | None = field(default=None, repr=False)
 
     @property
@@ -531,6 +542,11 @@ class LawResult:
     def allocation(self, flops: float, fit: LawFit | None = None) -> tuple[float, float, float]:
         """(N*, D*, L*) of `fit` (default: the full-data fit) on the exact FLOPs line."""
         return line_allocation(self.loss_function(fit or self.fit), flops, self.fpt)
+
+    def interval_fits(self) -> list[LawFit]:
+        """The fits whose spread is this form's parameter uncertainty: the refits, or the full-data fit
+        alone with fewer than MIN_BOOTSTRAP_FITS of them."""
+        return self.refits if len(self.refits) >= MIN_BOOTSTRAP_FITS else [self.fit]
 
     def loo_shift_pct(self, flops: float) -> float:
         """max over runs of |L*_-i - L*| / L* in %: how far leaving one run out of the fit moves the
@@ -571,12 +587,23 @@ def _refit_law(full: LawFit, points: list[Point]) -> LawFit | str:
     return refit
 
 
+def interval_floor(fit: LawFit, points: list[Point], noise: Noise) -> tuple[float, str]:
+    """s0 of intervals.py: the run-to-run sd or the law's robust residual sd, whichever is larger."""
+    residual = robust_residual_sd(fit, *_law_columns(points))
+    if noise.sigma is not None and noise.sigma >= residual:
+        return noise.sigma, f"the run-to-run sd of ln L from seed repeats; the law's residual sd is {residual:.3g}"
+    seeds = "no seed repeats" if noise.sigma is None else f"above the run-to-run sd {noise.sigma:.3g}"
+    return residual, f"the law's robust residual sd of ln L, {seeds}"
+
+
 def fit_laws(points: list[Point], forms: tuple[str, ...], objective: str, huber_delta: float | None,
              samples: list[np.ndarray], fpt: FlopsPerToken) -> tuple[dict[str, LawResult], dict[str, str],
                                                                      dict[str, dict[str, int]]]:
-    """Each form on every run, its bootstrap refits and its rolling backtest (with the full fit's
-    delta); the forms that cannot be fitted with their reasons; each form's refit failures by reason."""
+    """Each form on every run, its bootstrap refits, its rolling backtest (with the full fit's delta)
+    and its interval terms; the forms that cannot be fitted with their reasons; each form's refit
+    failures by reason."""
     laws, skipped, failures = {}, {}, {}
+    noise = run_to_run_noise(points)
     for form in forms:
         try:
             full = fit_law(form, *_law_columns(points), objective, huber_delta)
@@ -591,7 +618,10 @@ def fit_laws(points: list[Point], forms: tuple[str, ...], objective: str, huber_
             else:
                 failures[form][refit] = failures[form].get(refit, 0) + 1
         backtest = rolling_backtest(form, points, objective, full.huber_delta)
-        laws[form] = LawResult(full, refits, backtest, points, fpt)
+        floor, how = interval_floor(full, points, noise)
+        extrapolation = fit_extrapolation_error([(fold.log_errors, fold.decades, fold.leverage)
+                                                 for fold in backtest.scored], floor)
+        laws[form] = LawResult(full, refits, backtest, points, fpt, floor, how, extrapolation)
     return laws, skipped, failures
 
 
@@ -607,8 +637,9 @@ def _assumed_line() -> FlopsPerToken:
 class ScalingFit:
     """The fits on all runs, the reasons for the approaches that could not run, and the bootstrap refits
     (one dict approach -> fit per resample; an approach missing from a resample failed on it); the law
-    forms (LawResult each), the form chosen by backtest and why, run-to-run noise, the FLOPs line,
-    and every failed refit counted by reason (approach or form -> {reason: count})."""
+    forms (LawResult each), the choice of form by backtest (with its ties), run-to-run noise, the FLOPs
+    line, every failed refit counted by reason (approach or form -> {reason: count}) and the largest
+    FLOPs fitted (where a prediction's extrapolation distance starts)."""
 
     fits: dict[str, ApproachFit]
     skipped: dict[str, str]
@@ -616,39 +647,70 @@ class ScalingFit:
     seed: int = 0
     laws: dict[str, LawResult] = field(default_factory=dict)
     law_skipped: dict[str, str] = field(default_factory=dict)
-    chosen: str | None = None
-    chosen_reason: str = ""
+    choice: Choice | None = None
     noise: Noise = field(default_factory=lambda: Noise(None, "not measured", 0))
     fpt: FlopsPerToken = field(default_factory=_assumed_line)
     bootstrap_failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    fitted_max_flops: float = math.nan
+
+    @property
+    def chosen(self) -> str | None:
+        return None if self.choice is None else self.choice.form
+
+    @property
+    def chosen_reason(self) -> str:
+        return "no form was fitted" if self.choice is None else self.choice.reason
+
+    @property
+    def ties(self) -> tuple[str, ...]:
+        return () if self.choice is None else self.choice.ties
 
     def samples(self, approach: str) -> list[ApproachFit]:
         return [replicate[approach] for replicate in self.replicates if approach in replicate]
 
+    def interval_forms(self, form: str | None = None) -> tuple[str, ...]:
+        """The forms a prediction's interval spans: the chosen form's ties, or `form` alone."""
+        name = self._law_result(form).fit.form
+        return tuple(f for f in self.ties if f in self.laws) if name == self.chosen and self.ties else (name,)
+
+    def averages_ties(self, form: str | None = None) -> bool:
+        """Whether predict's loss (for `form`, default the chosen) is the tied forms' mixture median rather
+        than the form's own: where its interval spans more than one form."""
+        return len(self.interval_forms(form)) > 1
+
+    def extrapolation_decades(self, params: ArrayLike, tokens: ArrayLike) -> np.ndarray:
+        """log10(C / the largest C fitted), C = fpt(N) D, and 0 within the fitted budgets."""
+        flops = self.fpt(params) * np.asarray(tokens, dtype=float)
+        return np.maximum(np.log10(flops / self.fitted_max_flops), 0.0)
+
     def predict(self, params: ArrayLike, tokens: ArrayLike, unique_tokens: ArrayLike | None = None,
-                confidence: float = 0.9, form: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(L, lower, upper): the chosen form's (or `form`'s) loss and a prediction interval for a new
-        run's loss. Each bootstrap refit's L_b is multiplied by PREDICTION_NOISE_DRAWS draws of exp(eps),
-        eps ~ N(0, sigma^2) the run-to-run noise of ln L (a fixed-seed generator), and the interval is
-        the percentiles of L_b exp(eps): parameter and run-to-run uncertainty together. Without refits,
-        L exp(+-z sigma); without sigma (no seed repeats, see noise.how) the refits' percentiles alone;
-        with neither, NaN bounds."""
+                confidence: float = PREDICTION_CONFIDENCE,
+                form: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(L, lower, upper): the predicted loss and a `confidence` prediction interval for a new run's
+        loss (intervals.py: the bootstrap refits of the forms in interval_forms, the noise floor s0 and
+        the backtests' error tau per decade beyond the fitted budgets, all of the form predicted). L is
+        the chosen form's (or `form`'s) own fit, except where the interval spans tied forms: then the
+        median of the tied forms' refits, each form weighing the same (averages_ties; the interval's
+        mixture without its noise term, intervals.mixture_median). Each point is computed
+        alone and without random draws, so it and its interval do not depend on the other points. NaN
+        bounds where nothing spreads the prediction."""
         result = self._law_result(form)
+        forms = self.interval_forms(form)
+        fits = {name: self.laws[name].interval_fits() for name in forms}
         unique = result.corpus_tokens if unique_tokens is None else unique_tokens
-        point = result.fit.loss(params, tokens, unique)
-        refits = np.array([refit.loss(params, tokens, unique) for refit in result.refits])
-        sigma, tail = self.noise.sigma, 50.0 * (1.0 - confidence)
-        if len(refits) >= MIN_BOOTSTRAP_FITS:
-            if sigma:
-                rng = np.random.default_rng(self.seed)
-                noise = np.exp(rng.normal(0.0, sigma, (len(refits), PREDICTION_NOISE_DRAWS, *point.shape)))
-                refits = (refits[:, None] * noise).reshape(-1, *point.shape)
-            low, high = np.percentile(refits, [tail, 100.0 - tail], axis=0)
-            return point, low, high
-        if sigma:
-            z = float(norm.ppf(1.0 - tail / 100.0))
-            return point, point * math.exp(-z * sigma), point * math.exp(z * sigma)
-        return point, np.full_like(point, math.nan), np.full_like(point, math.nan)
+        params, tokens = np.broadcast_arrays(np.asarray(params, dtype=float), np.asarray(tokens, dtype=float))
+        unique = np.broadcast_to(np.asarray(np.nan if unique is None else unique, dtype=float), params.shape)
+        decades = self.extrapolation_decades(params, tokens)
+        point, lower, upper = (np.full(params.shape, math.nan) for _ in range(3))
+        for index in np.ndindex(params.shape):
+            n, d = float(params[index]), float(tokens[index])
+            u = None if math.isnan(unique[index]) else float(unique[index])
+            sd = math.hypot(result.noise_sd, result.extrapolation.per_decade * float(decades[index]))
+            centres = [log_losses(fits[name], n, d, u) for name in forms]
+            lower[index], upper[index] = mixture_interval(centres, sd, confidence)
+            point[index] = (mixture_median(centres) if len(forms) > 1 else
+                            math.exp(log_losses([result.fit], n, d, u)[0]))
+        return point, lower, upper
 
     def _law_result(self, form: str | None) -> LawResult:
         name = form or self.chosen
@@ -720,14 +782,16 @@ def fit_approaches(data: FitData, approaches: tuple[str, ...] = APPROACHES,
 
 
 def fit_scaling_laws(data: FitData, bootstrap: int = 100, seed: int = 0, objective: str = "huber",
-                     huber_delta: float | None = None, forms: tuple[str, ...] | None = None) -> ScalingFit:
-    """The three approaches and the law forms (`forms`, default all of LAW_FORMS) on every run, then
-    `bootstrap` refits of each on resampled runs (bootstrap_samples), the forms' rolling backtests and
-    the choice of form (backtest.choose_form). `objective` and `huber_delta` are the forms' (None:
-    "auto", see laws.huber_delta_auto); Approach 3 keeps the paper's Huber objective, with huber_delta
-    or else HUBER_DELTA. No failure of one approach, form or refit is fatal: it is recorded in skipped,
-    law_skipped or bootstrap_failures. ValueError only when nothing at all can be fitted."""
-    fits, skipped = fit_approaches(data, huber_delta=HUBER_DELTA if huber_delta is None else huber_delta)
+                     huber_delta: float | None = None, forms: tuple[str, ...] | None = None,
+                     approaches: tuple[str, ...] = APPROACHES) -> ScalingFit:
+    """The `approaches` (default all three) and the law forms (`forms`, default all of LAW_FORMS) on every
+    run, then `bootstrap` refits of each on resampled runs (bootstrap_samples), the forms' rolling
+    backtests and the choice of form (backtest.choose_form) with its ties. `objective` and `huber_delta`
+    are the forms' (None: "auto", see laws.huber_delta_auto); Approach 3 keeps the paper's Huber
+    objective, with huber_delta or else HUBER_DELTA. No failure of one approach, form or refit is fatal:
+    it is recorded in skipped, law_skipped or bootstrap_failures. ValueError only when nothing at all
+    can be fitted."""
+    fits, skipped = fit_approaches(data, approaches, HUBER_DELTA if huber_delta is None else huber_delta)
     samples = bootstrap_samples(data.points, bootstrap, seed)
     fpt = flops_per_token_model(data.points)
     laws, law_skipped, failures = fit_laws(data.points, tuple(LAW_FORMS) if forms is None else forms, objective,
@@ -736,10 +800,10 @@ def fit_scaling_laws(data: FitData, bootstrap: int = 100, seed: int = 0, objecti
         raise ValueError(f"{len(data.points)} runs are too few for any fit: "
                          + "; ".join([*skipped.values(), *law_skipped.values()]))
     replicates, approach_failures = _replicate_approaches(data, samples, fits, huber_delta)
-    chosen, reason = choose_form({form: r.backtest for form, r in laws.items()},
-                                 {form: r.fit for form, r in laws.items()}) if laws else (None, "no form was fitted")
-    return ScalingFit(fits, skipped, replicates, seed, laws, law_skipped, chosen, reason,
-                      run_to_run_noise(data.points), fpt, approach_failures | failures)
+    choice = choose_form({form: r.backtest for form, r in laws.items()}, {form: r.fit for form, r in laws.items()},
+                         min(r.noise_sd for r in laws.values())) if laws else None
+    return ScalingFit(fits, skipped, replicates, seed, laws, law_skipped, choice, run_to_run_noise(data.points), fpt,
+                      approach_failures | failures, max(point.flops for point in data.points))
 
 
 def _replicate_approaches(data: FitData, samples: list[np.ndarray], fits: dict[str, ApproachFit],

@@ -7,6 +7,9 @@ each run's training curve (metrics.jsonl, for the plots) and plan.json's train_t
 tokens. A CSV gives its rows (a sweep's results.csv: its done points), columns params,tokens,loss or
 val_loss, optional flops (default 6ND), budget, seed, unique_tokens, data_fingerprint.
 
+Exclusion rules (fit_arguments.parse_exclusion, e.g. "num_layers < 2") remove runs from the runs
+read, in order, each counted by the runs it removed.
+
 N is the active parameters by default (fit_arguments.PARAMS_COLUMNS): a mixture of experts' results
 record active_params beside params (the total), and its FLOPs per token, so its compute, follow the
 active ones. A row without an active count (a CSV written before the column existed, or one with only
@@ -18,11 +21,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from scaletrain.scaling.fit import Curve, FitData, Point, smooth_training_curve
-from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN
+from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, Exclusion, parse_exclusion
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RESULTS_FILE
 
 SWEEP_COLUMNS = ("name", "status", "budget", "tokens", "flops", "flops_per_token", "val_loss")
@@ -30,19 +34,20 @@ CSV_HINT = ("a CSV of runs needs columns params,tokens,loss (or val_loss; option
             "unique_tokens, data_fingerprint)")
 # results.csv's `role` (scaling/sweep/ladder.py): a ladder's stable run is not a point of the law.
 NOT_A_POINT_ROLES = ("stable",)
-
-
+Rows = list[tuple[int, dict[str, str]]]
 
 
 @dataclass(frozen=True)
 class Runs:
     """The runs read from a source: what the fit needs (data) and, per run, the row that names it (the
-    run's name, or "line N" of the CSV) and the data fingerprint recorded for it (None: not recorded)."""
+    run's name, or "line N" of the CSV) and the data fingerprint recorded for it (None: not recorded);
+    `exclusions`: each exclusion rule and how many runs it removed."""
 
     data: FitData
     labels: list[str]
     fingerprints: list[str | None]
     path: Path
+    exclusions: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def fingerprint(self) -> str | None:
@@ -54,14 +59,16 @@ def read_source(source: Path, params_column: str = DEFAULT_PARAMS_COLUMN) -> Fit
     return read_runs(source, params_column).data
 
 
-def read_runs(source: Path, params_column: str = DEFAULT_PARAMS_COLUMN) -> Runs:
+def read_runs(source: Path, params_column: str = DEFAULT_PARAMS_COLUMN, exclude: Sequence[str] = ()) -> Runs:
     """A sweep directory (its results.csv's done rows, training curves, plan.json's train_tokens) or a
-    CSV (a sweep's results.csv too: then its done rows, with val_loss as the loss)."""
+    CSV (a sweep's results.csv too: then its done rows, with val_loss as the loss), less the runs the
+    `exclude` rules remove."""
     source = Path(source)
+    rules = [parse_exclusion(rule) for rule in exclude]
     if source.is_dir():
-        runs = _read_sweep(source, params_column)
+        runs = _read_sweep(source, params_column, rules)
     elif source.is_file():
-        runs = _read_csv(source, params_column)
+        runs = _read_csv(source, params_column, rules)
     else:
         raise ValueError(f"{source} does not exist; pass a sweep directory (with results.csv) or a CSV with "
                          "columns params,tokens,loss")
@@ -69,26 +76,27 @@ def read_runs(source: Path, params_column: str = DEFAULT_PARAMS_COLUMN) -> Runs:
     return runs
 
 
-def _read_csv(path: Path, params_column: str) -> Runs:
+def _read_csv(path: Path, params_column: str, rules: list[Exclusion]) -> Runs:
     rows, header = _csv_rows(path, (total_column(params_column), "tokens"), CSV_HINT)
     if "loss" not in header and "val_loss" not in header:
         raise ValueError(f"{path} lacks column(s) loss (found: {', '.join(header)}); {CSV_HINT}")
     if "status" in header:
         rows = _done_rows(rows, path)
+    rows, removed = apply_exclusions(rows, header, rules, path)
     loss_column = "loss" if "loss" in header else "val_loss"
     unique_tokens = _train_tokens(path.parent) if path.name == RESULTS_FILE else None
     points = [_point(row, line, path, params_column, loss_column, unique_tokens) for line, row in rows]
-    return Runs(FitData(points, [None] * len(points)), _labels(rows), _fingerprints(rows), path)
+    return Runs(FitData(points, [None] * len(points)), _labels(rows), _fingerprints(rows), path, removed)
 
 
-def _read_sweep(sweep_dir: Path, params_column: str) -> Runs:
+def _read_sweep(sweep_dir: Path, params_column: str, rules: list[Exclusion]) -> Runs:
     results = sweep_dir / RESULTS_FILE
     if not results.is_file():
         raise ValueError(f"{sweep_dir} has no results.csv; pass a sweep directory (`scaletrain sweep status` "
                          "writes results.csv) or a CSV with columns params,tokens,loss")
-    rows, _ = _csv_rows(results, (*SWEEP_COLUMNS, total_column(params_column)), "a sweep's results.csv is written by "
-                        "`scaletrain sweep status`")
-    done = _done_rows(rows, results)
+    rows, header = _csv_rows(results, (*SWEEP_COLUMNS, total_column(params_column)), "a sweep's results.csv is "
+                             "written by `scaletrain sweep status`")
+    done, removed = apply_exclusions(_done_rows(rows, results), header, rules, results)
     unique_tokens = _train_tokens(sweep_dir)
     points, curves = [], []
     for line, row in done:
@@ -96,10 +104,35 @@ def _read_sweep(sweep_dir: Path, params_column: str) -> Runs:
         points.append(point)
         curves.append(_training_curve(sweep_dir / "runs" / row["name"] / "metrics.jsonl", point.params,
                                       _positive(row, "flops_per_token", results, line)))
-    return Runs(FitData(points, curves), _labels(done), _fingerprints(done), results)
+    return Runs(FitData(points, curves), _labels(done), _fingerprints(done), results, removed)
 
 
-def _done_rows(rows: list[tuple[int, dict[str, str]]], path: Path) -> list[tuple[int, dict[str, str]]]:
+def apply_exclusions(rows: Rows, header: list[str], rules: list[Exclusion],
+                     path: Path) -> tuple[Rows, list[tuple[str, int]]]:
+    """The rows no rule removes, and (rule, rows it removed) per rule, applied in order. ValueError naming
+    the rule and the fix for a column the source lacks, a cell the rule cannot compare, or no row left."""
+    counts = []
+    for rule in rules:
+        if rule.column not in header:
+            raise ValueError(f"exclusion {rule.rule!r}: {path} has no column {rule.column!r} (found: "
+                             f"{', '.join(header)}); name one of those")
+        kept = []
+        for line, row in rows:
+            try:
+                excluded = rule.excludes(row.get(rule.column))
+            except ValueError as error:
+                raise ValueError(f"exclusion {rule.rule!r}, {path} row at line {line}: {error}") from None
+            if not excluded:
+                kept.append((line, row))
+        counts.append((rule.rule, len(rows) - len(kept)))
+        rows = kept
+    if not rows and rules:
+        raise ValueError(f"the exclusions {'; '.join(rule.rule for rule in rules)} remove every run of {path}; "
+                         "loosen them")
+    return rows, counts
+
+
+def _done_rows(rows: Rows, path: Path) -> Rows:
     done = [(line, row) for line, row in rows
             if row["status"] == "done" and row.get("role") not in NOT_A_POINT_ROLES]
     if not done:

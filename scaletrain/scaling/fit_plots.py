@@ -209,8 +209,9 @@ def _draw_contours(axis: plt.Axes, fit: ParametricFit, data: FitData, targets: l
 
 
 def plot_backtest(result: ScalingFit, data: FitData, targets: list[float]) -> plt.Figure:
-    """Per law form, every rolling-backtest prediction (fitted on the smaller budgets) against the
-    measured loss, coloured by the budget predicted; the y = x line is a perfect extrapolation."""
+    """Per law form, every counted fold's predictions (fitted on the budgets below its origin, predicting
+    every budget from it on) against the measured loss, coloured by fold; the y = x line is a perfect
+    extrapolation."""
     forms = list(result.laws) + [form for form in result.law_skipped if form not in result.laws]
     figure, axes = plt.subplots(1, max(len(forms), 1), figsize=(4.6 * max(len(forms), 1), 4.4), squeeze=False)
     if not forms:
@@ -232,7 +233,7 @@ def _draw_backtest(axis: plt.Axes, form: str, backtest: Backtest, chosen: bool) 
     for fold in scored:
         color = plt.cm.viridis(scored.index(fold) / max(len(scored) - 1, 1) * 0.9)
         axis.scatter(fold.measured, fold.predicted, color=color, s=22, zorder=3,
-                     label=f"C {fold.budget_flops:.2g} (from {fold.train_budgets} budgets)")
+                     label=f"from C {fold.budget_flops:.2g} on (fitted on {fold.train_budgets} budgets)")
     values = [v for fold in scored for v in (*fold.measured, *fold.predicted) if math.isfinite(v)]
     if values:
         low, high = min(values), max(values)
@@ -241,7 +242,8 @@ def _draw_backtest(axis: plt.Axes, form: str, backtest: Backtest, chosen: bool) 
         axis.legend(fontsize=7, loc="lower right")
     mark = " (chosen)" if chosen else ""
     summary = (f"mean |error| {backtest.mean_abs_error_pct:.2f}%, rankings {backtest.rankings_correct}/"
-               f"{backtest.rankings}" if scored else "no budget could be backtested")
+               f"{backtest.rankings}, {len(scored)} of {len(backtest.folds)} folds counted" if scored else
+               "no backtest fold counted")
     axis.set_title(f"{form}{mark}\n{summary}", fontsize=9, fontweight="bold" if chosen else "normal")
 
 

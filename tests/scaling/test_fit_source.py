@@ -16,18 +16,24 @@ import pytest
 
 from scaletrain.scaling import fit_inputs, fit_source
 from scaletrain.scaling.fit import ParametricFit, fit_isoflop, fit_parametric
-from scaletrain.scaling.fit_arguments import add_fit_arguments
+from scaletrain.scaling.fit_arguments import add_fit_arguments, parse_exclusion
 from scaletrain.scaling.fit_plots import PLOT_FILES
 from scaletrain.scaling.fit_source import fit_from_args, fit_sweep_directory
+from scaletrain.scaling.laws import LawFit
 from scaletrain.scaling.sweep.results import RESULT_COLUMNS
 
 CHINCHILLA = ParametricFit(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 TRUE_A = CHINCHILLA.beta / (CHINCHILLA.alpha + CHINCHILLA.beta)
 TOP_KEYS = {"source", "params_column", "num_points", "num_curves", "bootstrap", "seed", "target_flops", "approach1",
             "approach2", "approach3", "predictions", "skipped", "published", "objective", "huber_delta", "fingerprints",
-            "flops_per_token", "noise", "laws", "law_skipped", "chosen", "bootstrap_failures"}
+            "flops_per_token", "noise", "laws", "law_skipped", "chosen", "bootstrap_failures", "exclusions", "interval",
+            "from_spec"}
 LAW_KEYS = {"formula", "citation", "constants", "constants_ci", "objective", "objective_value", "huber_delta",
-            "huber_delta_how", "bootstrap_fits", "bootstrap_failures", "backtest"}
+            "huber_delta_how", "bootstrap_fits", "bootstrap_failures", "backtest", "interval_terms"}
+FOLD_KEYS = {"budget_flops", "train_budgets", "train_configurations", "train_max_flops", "counted", "skipped", "failed",
+             "ranking_correct", "points"}
+CHOSEN_KEYS = {"form", "reason", "ties", "decision_folds", "scores", "prior", "loss_prediction", "huber_delta",
+               "huber_delta_how"}
 FORMS = {"chinchilla", "kaplan", "kaplan_e", "muennighoff"}
 APPROACH_KEYS = {
     "approach1": {"a", "a_ci", "b", "b_ci", "n_coefficient", "d_coefficient", "bootstrap_fits", "smoothing",
@@ -38,6 +44,7 @@ APPROACH_KEYS = {
                   "b_ci", "huber_delta", "objective", "starts", "bootstrap_starts", "bootstrap_fits"},
 }
 PREDICTION_KEYS = {"n_opt", "n_opt_ci", "d_opt", "d_opt_ci", "tokens_per_param", "tokens_per_param_ci"}
+LADDER = Path(__file__).resolve().parents[2] / "experiments" / "ladder_english"
 BUDGET_KEYS = {"flops", "budget", "sizes", "n_opt", "d_opt", "loss_min", "parabola", "parabola_tokens", "bracketed"}
 
 
@@ -114,19 +121,32 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     assert set(fit["laws"]) | set(fit["law_skipped"]) == FORMS and "muennighoff" in fit["law_skipped"]
     assert fit["fingerprints"] == "not recorded" and fit["flops_per_token"]["source"] == "6N"
     assert "C = 6ND" in fit["flops_per_token"]["description"] and fit["chosen"]["form"] in fit["laws"]
+    assert set(fit["chosen"]) == CHOSEN_KEYS and fit["chosen"]["form"] in fit["chosen"]["ties"]
+    assert fit["chosen"]["decision_folds"] == pytest.approx([1e21, 1e22]) and fit["exclusions"] == []
+    assert fit["interval"]["forms"] == fit["chosen"]["ties"] and fit["interval"]["confidence"] == 0.9
+    assert fit["interval"]["distance_from_flops"] == pytest.approx(1e22) and fit["interval"]["noise_sd"] > 0
     for law in fit["laws"].values():
         assert set(law) == LAW_KEYS and len(law["bootstrap_fits"]) + sum(law["bootstrap_failures"].values()) == 20
+        # every fold predicts every budget from its origin on; the first (5 runs of one budget) cannot tell
         folds = law["backtest"]["folds"]
         assert [fold["budget_flops"] for fold in folds] == pytest.approx([1e20, 1e21, 1e22])
-        assert all(len(fold["points"]) == 5 and set(fold["points"][0]) == {
-            "params", "tokens", "measured", "predicted", "error_pct"} for fold in folds)
+        assert [len(fold["points"]) for fold in folds] == [15, 10, 5] and all(set(f) == FOLD_KEYS for f in folds)
+        assert set(folds[0]["points"][0]) == {"params", "tokens", "flops", "decades", "measured", "predicted",
+                                              "error_pct"}
+        assert [fold["counted"] for fold in folds] == [False, True, True]
+        assert folds[0]["skipped"].startswith("5 distinct (N, D) to fit") and folds[0]["points"][0]["predicted"] is None
+        assert [p["decades"] for p in folds[1]["points"]] == pytest.approx([1.0] * 5 + [2.0] * 5)
     chinchilla = fit["laws"]["chinchilla"]
     assert chinchilla["constants"]["alpha"] == pytest.approx(CHINCHILLA.alpha, abs=0.05)
     assert 0 < chinchilla["backtest"]["mean_abs_error_pct"] < 10 and chinchilla["huber_delta"] > 0
+    assert fit["chosen"]["ties"] == ["chinchilla"] == fit["chosen"]["loss_prediction"]["forms"]
+    assert fit["chosen"]["loss_prediction"]["how"] == "chinchilla's own fit" and "predicted losses" not in report
     for prediction in fit["predictions"]:
         assert set(prediction) == {"flops", *APPROACH_KEYS, "laws", "chosen"}
         chosen = prediction["chosen"]
         assert chosen["loss_interval"][0] < chosen["loss"] < chosen["loss_interval"][1]
+        assert chosen["form_loss"] == prediction["laws"][chosen["form"]]["loss"]
+        assert chosen["loss"] == chosen["form_loss"]  # no tie: the chosen form's own prediction
         assert chosen["loo_shift_pct"] >= 0 and chosen["form"] == fit["chosen"]["form"]
         for approach in APPROACH_KEYS:
             expected = PREDICTION_KEYS | ({"loss", "loss_ci"} if approach == "approach3" else set())
@@ -144,6 +164,8 @@ def test_csv_round_trip(tmp_path: Path) -> None:
     assert "on the FLOPs line C = 6ND" in report and f"chosen form: {fit['chosen']['form']}" in report
     assert "law form muennighoff skipped: muennighoff: no run records unique_tokens" in report
     assert "(90% prediction interval); leaving one run out moves it by up to" in report
+    assert "prediction intervals (90%): the bootstrap refits of " in report
+    assert "fold from C 1e+20 (fitted on 1 budget(s)) not counted: 5 distinct (N, D) to fit" in report
 
 
 def test_same_seed_same_fit_and_out_replaced(tmp_path: Path) -> None:
@@ -306,9 +328,15 @@ def test_mixed_fingerprints_are_refused_naming_the_rows(tmp_path: Path) -> None:
 
 
 def test_sweep_directory(tmp_path: Path) -> None:
+    """Without --bootstrap a sweep directory is refitted with its own spec's resample count (sweep.json's
+    fit.bootstrap), so `fit SWEEP --check` builds its intervals from as many refits as the sweep's fit."""
     sweep = tiny_sweep(tmp_path / "sweep")
-    report = fit_from_args(parse(str(sweep), "--bootstrap", "10", "--params-column", "non_embedding_params"))
+    (sweep / "sweep.json").write_text(json.dumps({"spec": {"fit": {"bootstrap": 10}}, "working_dir": "."}))
+    report = fit_from_args(parse(str(sweep), "--params-column", "non_embedding_params"))
     fit = strict_json(sweep / "fit" / "fit.json")
+    assert fit["bootstrap"] == 10 and "10 bootstrap resamples" in report
+    assert all(len(law["bootstrap_fits"]) + sum(law["bootstrap_failures"].values()) == 10
+               for law in fit["laws"].values())
     assert (fit["num_points"], fit["num_curves"], fit["params_column"]) == (6, 6, "non_embedding_params")
     assert fit["target_flops"] == pytest.approx([4e14, 4e15])
     # Approach 1 reads final points only (fit.FitData.envelope_curves): two budgets give too few bins
@@ -325,13 +353,92 @@ def test_sweep_directory(tmp_path: Path) -> None:
 
 
 def test_sweep_directory_for_the_sweep_runner(tmp_path: Path) -> None:
-    """fit_sweep_directory is what `scaletrain sweep run` calls at the end (sweep/finalize.py)."""
+    """fit_sweep_directory is what `scaletrain sweep run` and `sweep finalize` call at the end
+    (sweep/finalize.py), with the spec's fit section: forms, objective, delta and exclusions."""
     sweep = tiny_sweep(tmp_path / "sweep")
-    report, document, plots = fit_sweep_directory(sweep, tmp_path / "elsewhere", [1e15], 0, "params")
+    report, document, plots = fit_sweep_directory(sweep, tmp_path / "elsewhere", [1e15], 0, "params",
+                                                  objective="huber", huber_delta=0.01, forms=["kaplan"],
+                                                  exclude=["non_embedding_params > 1e6"])
     assert [p.name for p in plots] == list(PLOT_FILES) and all(p.parent == tmp_path / "elsewhere" for p in plots)
     assert document["target_flops"] == [1e15] and document["params_column"] == "params"
     assert json.loads((tmp_path / "elsewhere" / "fit.json").read_text()) == document
-    assert "at the target budgets" in report
+    assert document["exclusions"] == [{"rule": "non_embedding_params > 1e6", "removed": 2}]
+    assert document["num_points"] == 4 and set(document["laws"]) == {"kaplan"} and document["huber_delta"] == 0.01
+    assert document["laws"]["kaplan"]["huber_delta"] == 0.01 and document["objective"] == "huber"
+    assert "at the target budgets" in report and "excluded by 'non_embedding_params > 1e6': 2 runs" in report
+
+
+def test_a_sweep_directory_fits_with_its_recorded_spec_unless_overridden(tmp_path: Path) -> None:
+    """`fit SWEEP` takes forms, objective, huber_delta, exclude (and bootstrap) from sweep.json's fit section
+    where the command line does not give them, and says so; a least-squares override drops the spec's delta."""
+    sweep = tiny_sweep(tmp_path / "sweep")
+    recorded = {"bootstrap": 0, "forms": ["kaplan", "chinchilla"], "objective": "huber", "huber_delta": 0.01,
+                "exclude": ["non_embedding_params > 1e6"], "params_column": "params"}
+    (sweep / "sweep.json").write_text(json.dumps({"spec": {"fit": recorded}, "working_dir": "."}))
+    report = fit_from_args(parse(str(sweep), "--out", str(tmp_path / "spec")))
+    fit = strict_json(tmp_path / "spec" / "fit.json")
+    assert fit["from_spec"] == {"file": str(sweep / "sweep.json"), "options": {
+        "bootstrap": 0, "forms": ["kaplan", "chinchilla"], "objective": "huber", "huber_delta": 0.01,
+        "exclude": ["non_embedding_params > 1e6"]}}
+    assert set(fit["laws"]) | set(fit["law_skipped"]) == {"kaplan", "chinchilla"}  # chinchilla: 5 constants, 4 runs
+    assert fit["huber_delta"] == 0.01 and fit["laws"]["kaplan"]["huber_delta"] == 0.01 and fit["num_points"] == 4
+    assert fit["exclusions"] == [{"rule": "non_embedding_params > 1e6", "removed": 2}]
+    assert (f"from the sweep's recorded spec ({sweep / 'sweep.json'}, fit section; options given on the command line "
+            "override it): bootstrap 0; forms kaplan, chinchilla; objective huber; huber_delta 0.01; exclude "
+            "'non_embedding_params > 1e6'") in report
+    report = fit_from_args(parse(str(sweep), "--out", str(tmp_path / "given"), "--forms", "kaplan", "--objective",
+                                 "least_squares", "--exclude", "non_embedding_params < 2e5", "--bootstrap", "0"))
+    fit = strict_json(tmp_path / "given" / "fit.json")
+    assert fit["from_spec"] is None and "recorded spec" not in report
+    assert set(fit["laws"]) == {"kaplan"} and (fit["objective"], fit["huber_delta"]) == ("least_squares", "auto")
+    assert fit["exclusions"] == [{"rule": "non_embedding_params < 2e5", "removed": 2}]
+    fit_from_args(parse(str(sweep), "--out", str(tmp_path / "some"), "--huber-delta", "auto"))
+    fit = strict_json(tmp_path / "some" / "fit.json")
+    assert fit["huber_delta"] == "auto" and set(fit["from_spec"]["options"]) == {"bootstrap", "forms", "objective",
+                                                                                  "exclude"}
+    (sweep / "sweep.json").write_text(json.dumps({"spec": {"fit": {**recorded, "forms": ["kaplan", "hill"]}}}))
+    with pytest.raises(ValueError) as error:
+        fit_from_args(parse(str(sweep), "--out", str(tmp_path / "bad")))
+    assert str(error.value).startswith(f"{sweep / 'sweep.json'} (the sweep's recorded spec): fit section: ")
+    assert "hill: unknown law form" in str(error.value) and not (tmp_path / "bad").exists()
+    fit_from_args(parse(str(sweep), "--out", str(tmp_path / "bad"), "--forms", "kaplan", "--bootstrap", "0",
+                        "--objective", "huber", "--huber-delta", "auto", "--exclude", "non_embedding_params < 0"))
+    assert strict_json(tmp_path / "bad" / "fit.json")["from_spec"] is None  # everything given: no spec read
+
+
+def test_exclusions_remove_runs_and_are_recorded(tmp_path: Path) -> None:
+    """--exclude "num_layers < 2" drops the one-layer shapes (here the smallest size at each budget);
+    fit.json records each rule and the runs it removed, in order."""
+    rows = isoflop_rows(budgets=(1e19, 1e20, 1e21))
+    layers = [1, 2, 3, 4, 5] * 3
+    source = write_csv(tmp_path / "runs.csv", ["params", "tokens", "loss", "num_layers"],
+                       [[*row, depth] for row, depth in zip(rows, layers, strict=True)])
+    report = fit_from_args(parse(str(source), "--bootstrap", "0", "--forms", "kaplan", "--exclude", "num_layers < 2",
+                                 "num_layers == 5"))
+    fit = strict_json(tmp_path / "runs_fit" / "fit.json")
+    assert fit["exclusions"] == [{"rule": "num_layers < 2", "removed": 3}, {"rule": "num_layers == 5", "removed": 3}]
+    assert fit["num_points"] == 9 and "excluded by 'num_layers < 2': 3 runs" in report
+    kept = fit_inputs.read_runs(source, exclude=["num_layers < 2", "num_layers == 5"]).data.points
+    assert sorted(p.params for p in kept) == sorted(row[0] for row, depth in zip(rows, layers, strict=True)
+                                                    if 2 <= depth <= 4)
+
+
+def test_exclusion_rules_parse() -> None:
+    """parse_exclusion is what a sweep spec's fit.exclude is checked with: numbers with every operator,
+    text with == and != only, and one ValueError naming the rule and the fix otherwise."""
+    rule = parse_exclusion(" num_layers<=2 ")
+    assert (rule.column, rule.operator, rule.value) == ("num_layers", "<=", 2.0)
+    assert rule.excludes("2") and not rule.excludes("3")
+    assert parse_exclusion("role != branch").excludes("stable") and not parse_exclusion("role != branch").excludes(
+        "branch")
+    with pytest.raises(ValueError, match="'abc' is not a number, which the rule compares it as"):
+        rule.excludes("abc")
+    for bad, fragment in (("num_layers ~ 2", "is not a rule; write COLUMN OP VALUE"),
+                          ("num_layers <", "is not a rule"), ("name < abc", "< compares numbers and 'abc' is not one"),
+                          ("loss == nan", "compares with nan")):
+        with pytest.raises(ValueError) as error:
+            parse_exclusion(bad)
+        assert f"exclusion {bad!r}" in str(error.value) and fragment in str(error.value)
 
 
 def test_held_out_check_writes_check_csv_and_the_numbers(tmp_path: Path) -> None:
@@ -361,6 +468,42 @@ def test_held_out_check_writes_check_csv_and_the_numbers(tmp_path: Path) -> None
     assert f"{out / 'check.csv'}" in report
     for name in (*PLOT_FILES, "check.png"):
         assert_valid_png(out / name)
+
+
+def test_under_a_tie_the_losses_are_the_tied_forms_mixture_median(tmp_path: Path) -> None:
+    """The ladder experiment's forms tie (test_intervals.py); its 10x check runs are predicted by the median
+    of the tied forms' mixture (each form's refits, read back from fit.json, weighing 1/3 in all), while N*,
+    D* stay the chosen kaplan's; fit.json and the summary say so, naming the forms."""
+    check = LADDER / "check" / "results_10x.csv"
+    report = fit_from_args(parse(str(LADDER), "--bootstrap", "12", "--forms", "chinchilla", "kaplan", "kaplan_e",
+                                 "--target-flops", "1e14", "--check", str(check), "--out", str(tmp_path / "fit")))
+    fit = strict_json(tmp_path / "fit" / "fit.json")
+    chosen, ties = fit["chosen"], ["chinchilla", "kaplan", "kaplan_e"]
+    assert chosen["form"] == "kaplan" and sorted(chosen["ties"]) == ties == sorted(chosen["loss_prediction"]["forms"])
+    assert chosen["loss_prediction"]["how"].startswith("the median of the tied forms' equal-weight mixture (")
+    refits = {form: [LawFit(form, constants, 0.0) for constants in fit["laws"][form]["bootstrap_fits"]]
+              for form in ties}
+
+    def middle(params: float, tokens: float) -> float:
+        """The median of the equal-weight mixture of the forms' refits."""
+        values = np.concatenate([[refit.loss(params, tokens) for refit in group] for group in refits.values()])
+        weights = np.concatenate([np.full(len(group), 1.0 / (3 * len(group))) for group in refits.values()])
+        order = np.argsort(values)
+        return float(values[order][np.searchsorted(np.cumsum(weights[order]), 0.5 - 1e-12)])
+
+    (prediction,) = fit["predictions"]
+    optimum = prediction["chosen"]
+    assert (optimum["n_opt"], optimum["form_loss"]) == (prediction["laws"]["kaplan"]["n_opt"],
+                                                        prediction["laws"]["kaplan"]["loss"])
+    assert optimum["loss"] == pytest.approx(middle(optimum["n_opt"], optimum["d_opt"]), rel=1e-9)
+    assert optimum["loss"] != pytest.approx(optimum["form_loss"], rel=1e-3)
+    points = fit["check"]["points"]
+    assert [p["predicted"] for p in points] == pytest.approx([middle(p["params"], p["tokens"]) for p in points])
+    assert fit["check"]["predicted_by"] == chosen["loss_prediction"]["how"]
+    forms = ", ".join(chosen["loss_prediction"]["forms"])
+    assert f"held-out check of {len(points)} runs (the median of the tied forms' mixture: {forms};" in report
+    assert "predicted losses (at the target budgets and of --check): the median of the tied forms'" in report
+    assert f"at kaplan's N* and D*, the tied forms' mixture median ({forms}) predicts loss" in report
 
 
 def test_held_out_runs_on_other_data_are_refused(tmp_path: Path) -> None:
@@ -444,6 +587,16 @@ BAD_INPUTS = {
                          ["--check: ", "nope.csv does not exist"]),
     "held-out without loss": (lambda tmp_path: [*GOOD(tmp_path), "--check", str(write_csv(
         tmp_path / "held.csv", ["params", "tokens"], [[1e8, 1e9]]))], ["--check: ", "held.csv lacks column(s) loss"]),
+    "bad exclusion": (lambda tmp_path: [*GOOD(tmp_path), "--exclude", "num_layers => 2"],
+                      ["exclusion 'num_layers => 2' is not a rule; write COLUMN OP VALUE"]),
+    "exclusion on a missing column": (lambda tmp_path: [*GOOD(tmp_path), "--exclude", "num_layers < 2"],
+                                      ["exclusion 'num_layers < 2': ", "has no column 'num_layers' (found: params, "
+                                       "tokens, loss); name one of those"]),
+    "exclusion of every run": (lambda tmp_path: [*GOOD(tmp_path), "--exclude", "params > 0"],
+                               ["the exclusions params > 0 remove every run of", "loosen them"]),
+    "exclusion on a blank cell": (lambda tmp_path: [*csv_source(["params", "tokens", "loss", "num_layers"], [
+        [1e8, 1e9, 3.0, ""]])(tmp_path), "--exclude", "num_layers < 2"],
+        ["exclusion 'num_layers < 2', ", "row at line 2: '' is not a number"]),
 }
 
 

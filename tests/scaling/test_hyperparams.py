@@ -4,11 +4,9 @@ and the data fingerprint that says which runs' losses may be compared."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from scaletrain.config import ConfigError
@@ -16,22 +14,24 @@ from scaletrain.config_loader import load_config
 from scaletrain.data.prepare import prepare_dataset
 from scaletrain.scaling.sweep.commands import format_plan
 from scaletrain.scaling.sweep.hyperparams import (
+    BatchSetting,
     Beta2Setting,
     HyperparameterRules,
     LearningRateSetting,
     RunScale,
     WeightDecaySetting,
+    batch_sequences,
     length_dependent,
     size_rule_value,
     tuned_path,
+    with_tuned,
 )
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.results import data_fingerprint
 from scaletrain.scaling.sweep.spec import load_sweep_spec
-from scaletrain.scaling.sweep.tune import GridResult, fit_tuning
 from tests.conftest import SMALL_DATASET_SETTINGS
 from tests.scaling.sweeps import tiny_spec, write_spec
-from tests.train.runs import DEMO_CONFIG, tiny_overrides
+from tests.train.runs import DEMO_CONFIG, REPO, tiny_overrides
 
 RULES = {
     "lr": {"rule": "power", "value": 3e-3, "reference_params": 1e5, "exponent": -1 / 3},
@@ -54,11 +54,11 @@ def plan_of(tmp_path: Path, spec: dict):
 
 def test_rules_give_the_published_values() -> None:
     olmo = LearningRateSetting(rule="power", value=0.0047, reference_params=1.08e8, exponent=-1 / 3)
-    assert size_rule_value(olmo, RunScale(8 * 108_000_000, 1, 64, 1.0)) == pytest.approx(0.0047 / 2)
+    assert size_rule_value(olmo, RunScale(8 * 108_000_000, 1, 64, 1.0, 1.0)) == pytest.approx(0.0047 / 2)
     deepseek = LearningRateSetting(rule="compute", value=0.3118, exponent=-0.125)
-    assert size_rule_value(deepseek, RunScale(1, 1, 64, 1e20)) == pytest.approx(0.3118 * 10 ** -2.5)
+    assert size_rule_value(deepseek, RunScale(1, 1, 64, 1e20, 1.0)) == pytest.approx(0.3118 * 10 ** -2.5)
     width = LearningRateSetting(rule="width", value=1e-3, reference_hidden=128, width_exponent=1.0)
-    assert size_rule_value(width, RunScale(1, 1, 256, 1.0)) == pytest.approx(5e-4)
+    assert size_rule_value(width, RunScale(1, 1, 256, 1.0, 1.0)) == pytest.approx(5e-4)
     rules = HyperparameterRules(lr=deepseek, beta2=Beta2Setting(rule="by_batch"),
                                 weight_decay=WeightDecaySetting(rule="timescale"))
     assert length_dependent(rules) == ["lr", "weight_decay"]
@@ -93,6 +93,12 @@ def test_new_rules_reach_every_run(small_dataset: Path, tmp_path: Path) -> None:
         ({"hyperparameters": {**RULES, "lr": {"rule": "tuned", "value": 3e-3}}}, "scaletrain sweep tune"),
         ({"hyperparameters": {**RULES, "batch_size": {"rule": "fixed", "value": 1}}}, "lower train.micro_batch_size"),
         ({"hyperparameters": {**RULES, "beta2": {"rule": "sometimes"}}}, "hyperparameters.beta2 needs"),
+        ({"hyperparameters": {**RULES, "batch_size": {**RULES["batch_size"], "rounding": "nearest"}}},
+         "batch_size.rounding='nearest'; use micro_batch or power_of_two"),
+        ({"hyperparameters": {**RULES, "batch_size": {**RULES["batch_size"], "min_batch": 16, "max_batch": 8}}},
+         "needs 0 < min_batch <= max_batch"),
+        ({"hyperparameters": {**RULES, "lr": {"rule": "compute", "value": 0.3, "tokens_exponent": -0.1}}},
+         "tokens_exponent=-0.1 belongs to rule power"),
     ],
 )
 def test_bad_rules_name_the_culprit(small_dataset: Path, tmp_path: Path, changes: dict, fragment: str) -> None:
@@ -113,45 +119,79 @@ def test_tuned_rule_plans_with_tuned_json(small_dataset: Path, tmp_path: Path) -
         assert run.lr == pytest.approx(2e-3 * (run.counts.total_params / 1e5) ** -0.5)
 
 
-def synthetic_grid(sizes: list[float], multipliers: list[float], curvature: float, wiggle: float) -> list[GridResult]:
-    """L(N, lr) = a(N) + b (ln lr - ln eta*(N))^2 + wiggle sin(7 ln lr + ln N), eta*(N) = 0.01 (N/1e7)^-0.35,
-    on a multiplicative grid around a centre rule that is off on purpose (0.008 (N/1e7)^-0.25)."""
-    results = []
-    for n in sizes:
-        optimum, centre = 0.01 * (n / 1e7) ** -0.35, 0.008 * (n / 1e7) ** -0.25
-        for multiplier in multipliers:
-            lr = centre * multiplier
-            x = math.log(lr)
-            loss = 3.0 + 5 * n ** -0.3 + curvature * (x - math.log(optimum)) ** 2
-            loss += wiggle * math.sin(7 * x + math.log(n))
-            results.append(GridResult(params=int(n), lr=lr, batch_size=8, loss=loss))
-    return results
+def test_batch_rules_give_the_published_batches() -> None:
+    """Porian et al. 2024's fitted B*(N) = 160 (N/108M)^(2/3) sequences of 2,048 tokens, in sequences or in
+    tokens, and DeepSeek LLM's B_opt = 0.2920 C^0.3271 tokens as a `compute` rule."""
+    at_8x = RunScale(8 * 108_000_000, 1, 64, 1.0, 1.0)
+    porian = BatchSetting(rule="power", value=160, reference_params=1.08e8, exponent=2 / 3)
+    assert size_rule_value(porian, at_8x) == pytest.approx(640)
+    in_tokens = BatchSetting(rule="power", value=160 * 2048, reference_params=1.08e8, exponent=2 / 3, unit="tokens")
+    assert batch_sequences(in_tokens, at_8x, seq_length=2048, granule=8, where="test") == 640
+    deepseek = BatchSetting(rule="compute", value=0.2920, exponent=0.3271, unit="tokens")
+    assert size_rule_value(deepseek, RunScale(1, 1, 64, 1e20, 1.0)) == pytest.approx(0.2920 * 1e20 ** 0.3271)
 
 
-def test_the_tuning_step_recovers_a_known_optimum_on_a_synthetic_loss_surface() -> None:
-    sizes, multipliers, curvature, wiggle = [1e6, 8e6, 6.4e7], [0.25, 0.5, 1.0, 2.0, 4.0], 0.05, 1e-4
-    fit = fit_tuning(synthetic_grid(sizes, multipliers, curvature, wiggle), tune_batch=False)
-    # Tolerance: the parabola through y at x0 - h, x0, x0 + h has its vertex at x0 - h D1 / (2 D2) with
-    # D1 = y+ - y-, D2 = y+ - 2 y0 + y- = 2 b h^2. A wiggle of at most w moves D1 by <= 2w and D2 by <= 4w;
-    # with the true optimum within h of x0 (|D1| <= 4 b h^2) the vertex moves by at most
-    # E = (h/2) (2w D2 + 4w |D1|) / (D2 (D2 - 4w)) = 5 w h / (2 b h^2 - 4 w) in ln(lr).
-    h = math.log(2)
-    error = 5 * wiggle * h / (2 * curvature * h * h - 4 * wiggle)
-    # Least squares in ln N moves the slope by <= E sum|u - mean u| / sum (u - mean u)^2 and, at the
-    # geometric mean of N (the fit's reference), the intercept by <= E.
-    u = np.log(sizes) - np.log(sizes).mean()
-    assert abs(fit.lr.exponent - (-0.35)) <= error * np.abs(u).sum() / (u * u).sum()
-    truth_at_reference = 0.01 * (fit.lr.reference_params / 1e7) ** -0.35
-    assert abs(math.log(fit.lr.value / truth_at_reference)) <= error
-    for optimum in fit.optima:
-        assert abs(math.log(optimum.lr / (0.01 * (optimum.params / 1e7) ** -0.35))) <= error
-    assert error < 0.01  # the bound is tight enough to mean something: 1% in LR
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({}, 24),  # 22.6 -> the nearest multiple of 4 (unchanged behaviour)
+        ({"rounding": "power_of_two"}, 16),  # 22.6 = 2^4.497 -> 2^4
+        ({"value": 100.0, "rounding": "power_of_two"}, 128),  # 112.9 = 2^6.82 -> 2^7
+        ({"max_batch": 20}, 20),  # clipped to 20, a multiple of 4
+        ({"max_batch": 22}, 20),  # clipped to 22, rounded to 24 > max: steps back to 20
+        ({"min_batch": 40}, 40),
+        ({"min_batch": 90, "rounding": "power_of_two"}, 128),  # 90 -> 2^6.49 = 64 < min: steps up to 128
+        ({"max_batch": 4 * 32, "unit": "tokens", "value": 20.0 * 32}, 4),  # bounds in tokens: 128 tokens = 4 seqs
+    ],
+)
+def test_batch_rounding_and_bounds(changes: dict, expected: int) -> None:
+    """B(N) = value (N/N0)^exponent, clipped to [min_batch, max_batch], rounded to whole micro-batches or a
+    power of two: here value 20 at N = 1.2 N0 with exponent 2/3 is 22.6 sequences, micro-batches of 4."""
+    setting = BatchSetting(**{"rule": "power", "value": 20.0, "reference_params": 1e5, "exponent": 2 / 3,
+                              **changes})
+    assert batch_sequences(setting, RunScale(120_000, 1, 64, 1.0, 1.0), seq_length=32, granule=4,
+                           where="test") == expected
 
 
-def test_an_optimum_at_the_edge_of_the_grid_is_refused() -> None:
-    results = synthetic_grid([1e6, 8e6], [0.03, 0.06, 0.125], 0.05, 0.0)  # all far below eta*
-    with pytest.raises(ConfigError, match="widen lr_multipliers"):
-        fit_tuning(results, tune_batch=False)
+def test_batch_rules_that_cannot_round_name_the_fix() -> None:
+    scale = RunScale(120_000, 1, 64, 1.0, 1.0)
+    with pytest.raises(ConfigError, match="needs micro_batch_size x data-parallel size to be a power of two"):
+        batch_sequences(BatchSetting(rule="fixed", value=24, rounding="power_of_two"), scale, 32, 6, "test")
+    with pytest.raises(ConfigError, match="between min_batch=5 and max_batch=7 sequences; widen them"):
+        batch_sequences(BatchSetting(rule="fixed", value=6, min_batch=5, max_batch=7), scale, 32, 4, "test")
+
+
+def test_a_power_law_in_n_and_d_follows_the_runs_tokens(small_dataset: Path, tmp_path: Path) -> None:
+    """A tuned.json fitted at two horizons: each run's LR follows its tokens as well as its size, and the
+    rule depends on the run's length (a ladder reads it at each size's longest branch: test_sweep_ladder.py)."""
+    spec = new_style_spec(small_dataset, tmp_path / "sweep", mode="grid", budgets=[], tokens=[20 * 256, 80 * 256])
+    spec["hyperparameters"] = {**RULES, "lr": {"rule": "tuned", "value": 1.0}}
+    tuned_path(tmp_path / "sweep").parent.mkdir(parents=True)
+    law = {"value": 2e-3, "reference_params": 1e5, "exponent": -0.5, "reference_tokens": 1e4,
+           "tokens_exponent": -0.25, "count": "total"}
+    tuned_path(tmp_path / "sweep").write_text(json.dumps({"lr": law}))
+    plan = plan_of(tmp_path, spec)
+    assert len({run.tokens for run in plan.runs}) > 1
+    for run in plan.runs:
+        planned_tokens = 20 * 256 if run.name.startswith("d5.12e") else 80 * 256
+        assert run.lr == pytest.approx(2e-3 * (run.counts.total_params / 1e5) ** -0.5 * (planned_tokens / 1e4) ** -0.25)
+    rule = LearningRateSetting(rule="power", value=1.0, tokens_exponent=-0.25, reference_tokens=1e4)
+    assert length_dependent(HyperparameterRules(lr=rule)) == ["lr"]
+
+
+def test_a_tuned_json_of_one_horizon_still_means_a_law_in_n(small_dataset: Path, tmp_path: Path) -> None:
+    """experiments/ladder_english's tuned.json (written before horizons existed, N only) gives the same LRs."""
+    committed = REPO / "experiments" / "ladder_english" / "tune" / "tuned.json"
+    tuned_path(tmp_path / "sweep").parent.mkdir(parents=True)
+    shutil.copy(committed, tuned_path(tmp_path / "sweep"))
+    law = json.loads(committed.read_text())["lr"]
+    rules = with_tuned(HyperparameterRules(lr=LearningRateSetting(rule="tuned")), tmp_path / "sweep")
+    assert (rules.lr.rule, rules.lr.tokens_exponent, rules.lr.value) == ("power", 0.0, law["value"])
+    spec = new_style_spec(small_dataset, tmp_path / "sweep")
+    spec["hyperparameters"] = {**RULES, "lr": {"rule": "tuned", "value": 1.0}}
+    for run in plan_of(tmp_path, spec).runs:
+        assert run.lr == pytest.approx(law["value"] * (run.counts.total_params / law["reference_params"])
+                                       ** law["exponent"], rel=1e-12)
 
 
 def test_data_fingerprint_follows_the_prepared_data(small_dataset: Path, small_dataset_raw: list[Path],
@@ -167,3 +207,7 @@ def test_data_fingerprint_follows_the_prepared_data(small_dataset: Path, small_d
                     tokenizer_file=small_dataset / "tokenizer.model")
     assert fingerprint(reprepared) != fingerprint(small_dataset)  # same tokenizer, one work fewer
     assert fingerprint(small_dataset, "train.eval_samples=8") != fingerprint(small_dataset)  # another val set
+    assert fingerprint(small_dataset, "train.eval_seed=1") != fingerprint(small_dataset)  # another sample of it
+    whole = fingerprint(small_dataset, "train.eval_samples=all")
+    assert whole != fingerprint(small_dataset)
+    assert fingerprint(small_dataset, "train.eval_samples=all", "train.eval_seed=1") == whole  # no sample drawn

@@ -68,18 +68,20 @@ def test_muennighoff_is_skipped_without_repeated_data() -> None:
         fit_law("muennighoff", params, tokens, losses, np.full(params.shape, CORPUS))
 
 
-@pytest.mark.parametrize(("truth", "accepted"), [("chinchilla", {"chinchilla"}), ("kaplan", {"kaplan", "kaplan_e"})])
-def test_backtest_chooses_the_true_form(truth: str, accepted: set[str]) -> None:
-    """5 budgets x 6 sizes with 0.3% noise. Kaplan data may choose kaplan or kaplan_e: kaplan_e with
-    E -> 0 is kaplan, so both are the true law and their backtests differ by noise only."""
+@pytest.mark.parametrize(("truth", "ties"), [("chinchilla", ("chinchilla",)), ("kaplan", ("kaplan", "kaplan_e"))])
+def test_backtest_chooses_the_true_form(truth: str, ties: tuple[str, ...]) -> None:
+    """5 budgets x 6 sizes with 0.3% noise. On Kaplan data kaplan and kaplan_e tie (kaplan_e with E -> 0
+    is kaplan, so both are the true law and their backtests differ by noise only): the prior takes the
+    one with fewer constants. The other forms miss by 4-5%, far beyond the folds' noise."""
     points = isoflop_points(truth, noise=0.003, seed=1)
     arrays = [np.array([getattr(p, key) for p in points]) for key in ("params", "tokens", "loss")]
     fits = {form: fit_law(form, *arrays) for form in ("chinchilla", "kaplan", "kaplan_e")}
     backtests = {form: rolling_backtest(form, points, "huber", fit.huber_delta) for form, fit in fits.items()}
-    chosen, reason = choose_form(backtests, fits)
-    assert chosen in accepted, reason
-    assert all(len(b.scored) >= 2 for b in backtests.values())
-    assert f"{chosen}: " in reason and "rankings" in reason
+    choice = choose_form(backtests, fits)
+    assert choice.form == truth and choice.ties == ties, choice.reason
+    assert all(len(b.scored) == 3 and len(b.folds) == 4 for b in backtests.values())  # the first fold: 6 runs
+    assert choice.decision_folds == pytest.approx(BUDGETS[2:])
+    assert f"{truth}: " in choice.reason and ("the prior decides" in choice.reason) == (len(ties) > 1)
 
 
 @pytest.fixture(scope="module")
@@ -139,16 +141,20 @@ def test_prediction_interval_covers_fresh_runs() -> None:
     assert result.noise.groups == 24
 
 
-def test_prediction_without_refits_uses_sigma_alone() -> None:
+def test_prediction_without_refits_uses_the_noise_floor_alone() -> None:
+    """No refits and a point inside the fitted budgets (no extrapolation term): L exp(+-z s0), s0 the
+    larger of the seed repeats' sigma and the law's robust residual sd (intervals.py)."""
     rng = np.random.default_rng(4)
     truth = LawFit("chinchilla", TRUE["chinchilla"], 0.0)
     points = [Point(n, d, 6 * n * d, float(truth.loss(n, d)) * math.exp(rng.normal(0, 0.01)), seed=s)
               for n in np.geomspace(1e8, 3e9, 4) for d in np.geomspace(3e9, 1e11, 3) for s in range(3)]
     result = fit_scaling_laws(FitData(points, [None] * len(points)), bootstrap=0, forms=("chinchilla",))
     point, lower, upper = result.predict(np.array([1e9]), np.array([1e10]))
+    floor = result.laws["chinchilla"].noise_sd
+    assert floor >= result.noise.sigma > 0 and result.extrapolation_decades(1e9, 1e10) == 0
     z = norm.ppf(0.95)
-    assert lower[0] == pytest.approx(point[0] * math.exp(-z * result.noise.sigma), rel=1e-12)
-    assert upper[0] == pytest.approx(point[0] * math.exp(z * result.noise.sigma), rel=1e-12)
+    assert lower[0] == pytest.approx(point[0] * math.exp(-z * floor), rel=1e-12)
+    assert upper[0] == pytest.approx(point[0] * math.exp(z * floor), rel=1e-12)
     assert result.fpt.source == "6N" and "6ND" in result.fpt.description
 
 

@@ -19,7 +19,7 @@ from scaletrain.scaling.sweep.commands import format_plan
 from scaletrain.scaling.sweep.ladder import ladder_flops
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec
-from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
+from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
 from tests.train.runs import REPO, launcher, read_metrics, run_scaletrain, scaletrain_environment
 
 LADDER = {"mode": "ladder", "name": "tiny-ladder", "warmup": {"steps": 2, "fraction": 0.0}, "guards": {"min_steps": 1}}
@@ -85,6 +85,34 @@ def test_ladder_refuses_length_dependent_warmup_and_rules(small_dataset: Path, t
                                           r"run's 36 steps"):
         plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", **one_branch,
                                       warmup={"steps": 36, "fraction": 0}))
+
+
+def test_a_ladder_reads_a_rule_in_d_once_per_size_at_its_stable_runs_horizon(small_dataset: Path,
+                                                                             tmp_path: Path) -> None:
+    """A rule in D (as `tuned` reads a law fitted at two horizons) is evaluated at the tokens of each size's
+    longest branch, the horizon its stable run's constant LR is for; every branch of the size uses that LR."""
+    in_tokens = {"lr": {"rule": "power", "value": 3e-3, "reference_params": 1e5, "exponent": -0.3,
+                        "reference_tokens": 1e4, "tokens_exponent": -0.2}}
+    spec = ladder_spec(small_dataset, tmp_path / "sweep", models={"shapes": TINY_SHAPES[1:]},
+                       hyperparameters=in_tokens)
+    del spec["learning_rate"]
+    plan = plan_of(tmp_path, spec)
+    printed = format_plan(plan)
+    stables = [run for run in plan.runs if run.role == "stable"]
+    assert len(stables) == 2
+    for stable in stables:
+        branches = [run for run in plan.runs if run.stable_run == stable.name]
+        horizon = max(run.budget for run in branches) / stable.counts.flops_per_token
+        rule = 3e-3 * (stable.counts.total_params / 1e5) ** -0.3 * (horizon / 1e4) ** -0.2
+        assert len(branches) == 2 and stable.rule_tokens == pytest.approx(horizon)
+        assert stable.lr == pytest.approx(rule) and all(run.lr == stable.lr for run in branches)
+        assert all(run.rule_tokens == stable.rule_tokens for run in branches)
+        assert f"constant LR {stable.lr:.3g} (batch {stable.batch_size}, the rules at its horizon D={horizon:.3g}" \
+            in printed
+    # an IsoFLOP run reads its own D: there the shorter budget's run gets a higher LR
+    isoflop = {run.name: run for run in plan_of(tmp_path, {**spec, "mode": "isoflop"}).runs}
+    short = next(run for run in plan.runs if run.budget == min(TINY_BUDGETS))
+    assert isoflop[short.name].lr == pytest.approx(short.lr * 2 ** 0.2)
 
 
 def run_sweep(spec_path: Path) -> str:

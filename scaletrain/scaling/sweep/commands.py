@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,8 +36,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     run.set_defaults(sweep_handler=_run)
 
     tune = commands.add_parser("tune", help="train the spec's `tune:` LR grid (idempotent) and fit the optimal "
-                               "LR's power law in N into SWEEP/tune/tuned.json")
+                               "LR's power law in N (in N and D at several horizons) into SWEEP/tune/tuned.json; "
+                               "then, with tune.check, train the rule at 0.5x/1x/2x into SWEEP/tune/check.json")
     tune.add_argument("spec", type=Path, help="a sweep spec with a `tune:` section")
+    tune.add_argument("--plan", action="store_true", help="print the grid's and the check's runs and their "
+                      "predicted time; train nothing")
     tune.set_defaults(sweep_handler=_tune)
 
     status = commands.add_parser("status", help="pending/queued/running/done/failed per run, with progress "
@@ -64,7 +68,7 @@ def sweep_from_args(args: argparse.Namespace) -> str | None:
 def _plan(args: argparse.Namespace) -> str:
     from scaletrain.scaling.sweep.plan import plan_sweep
 
-    return format_plan(plan_sweep(load_sweep_spec(args.spec), spec_path=str(args.spec)))
+    return format_plan(plan_sweep(load_sweep_spec(args.spec), spec_path=str(args.spec), to_show=True), str(args.spec))
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -88,7 +92,28 @@ def _run(args: argparse.Namespace) -> str:
 def _tune(args: argparse.Namespace) -> str:
     from scaletrain.scaling.sweep.tune import tune_sweep
 
-    return tune_sweep(args.spec)
+    return _tune_plan(args.spec) if args.plan else tune_sweep(args.spec)
+
+
+def _tune_plan(spec_path: Path) -> str:
+    """`sweep tune --plan`: the grid, then the check at the rule's LR (its prior before the grid is fitted)."""
+    from scaletrain.scaling.sweep.hyperparams import rules_to_show
+    from scaletrain.scaling.sweep.lr_check import plan_check
+    from scaletrain.scaling.sweep.tune import tune_plan
+
+    spec = load_sweep_spec(spec_path)
+    grid, _ = tune_plan(spec, str(spec_path))
+    text = "tuning grid:\n" + format_plan(grid, str(spec_path))
+    runs = grid.runs
+    if spec.tune.check is not None:
+        rules, untuned = rules_to_show(spec.hyperparameters, spec.dir, str(spec_path))
+        check, _, _ = plan_check(spec, rules, str(spec_path))
+        check = dataclasses.replace(check, warnings=check.warnings + ([untuned] if untuned else []))
+        text += (f"LR check (trained after the grid at {', '.join(f'{m:g}x' for m in spec.tune.check.multipliers)} "
+                 f"the rule's LR):\n" + format_plan(check, str(spec_path)))
+        runs = runs + check.runs
+    return text + (f"tune total: {len(runs)} runs, predicted {format_duration(sum(r.predicted_s for r in runs))} "
+                   "on this machine\n")
 
 
 def _status(args: argparse.Namespace) -> str:
@@ -149,7 +174,7 @@ def _result_rows(sweep_dir: Path) -> list[dict]:
     return [result_row(row, sweep_dir / RUNS_DIR / row["name"]) for row in planned]
 
 
-def format_plan(plan: SweepPlan) -> str:
+def format_plan(plan: SweepPlan, spec_path: str = "SPEC") -> str:
     header = (f"{'run':<34} {'params':>10} {'non-emb':>10} {'active':>10} {'tokens':>11} {'FLOPs':>9} {'steps':>7} "
               f"{'epochs':>6} {'lr':>8} {'batch':>6} {'beta2':>6} {'warmup':>6} {'wd':>8} {'time':>8}")
     lines = [f"sweep {plan.spec.name} ({plan.spec.mode}), {len(plan.runs)} runs in {plan.directory}; "
@@ -173,10 +198,34 @@ def format_plan(plan: SweepPlan) -> str:
                  f"overhead, {plan.spec.throughput.startup_s:.0f} s startup)")
     if plan.spec.mode == "ladder":
         lines.extend(ladder_lines(plan.spec, plan.runs))
+    lines.extend(shape_lines(plan))
+    lines.extend(_lr_check_lines(plan, spec_path))
     if plan.train_tokens:
         lines.append(f"corpus: {plan.train_tokens:,} training tokens")
     lines.extend(f"warning: {warning}" for warning in plan.warnings)
     return "\n".join(lines) + "\n"
+
+
+def shape_lines(plan: SweepPlan) -> list[str]:
+    """The ladder's shapes, smallest first: depth, width, heads, N, and the aspect ratio hidden/layers."""
+    from scaletrain.scaling.sweep.plan import shape_label
+
+    rungs = {shape_label(run.shape): run for run in sorted(plan.runs, key=lambda run: run.counts.total_params)}
+    lines = ["shapes (smallest first):"]
+    lines += [f"  {label:<18} layers {run.shape.num_layers:>3}, hidden {run.shape.hidden_size:>5}, "
+              f"heads {run.shape.num_heads:>3}: {run.counts.total_params:>12,} parameters "
+              f"({run.counts.non_embedding_params:,} non-embedding), hidden/layers "
+              f"{run.shape.hidden_size / run.shape.num_layers:.3g}" for label, run in rungs.items()]
+    return lines
+
+
+def _lr_check_lines(plan: SweepPlan, spec_path: str) -> list[str]:
+    """The verdict of `tune.check`, or that it has not run (nothing without a check)."""
+    from scaletrain.scaling.sweep.hyperparams import rules_to_show
+    from scaletrain.scaling.sweep.lr_check import check_line
+
+    line = check_line(plan.spec, rules_to_show(plan.spec.hyperparameters, plan.spec.dir, spec_path)[0], spec_path)
+    return [] if line is None else [line]
 
 
 def format_status(sweep_dir: Path, rows: list[dict]) -> str:

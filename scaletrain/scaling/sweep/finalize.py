@@ -1,5 +1,6 @@
-"""The end of a sweep: fit the finished runs (scaling/fit_source.py) and log one W&B summary run in
-the sweep's group with the results table, the fitted constants and the plots."""
+"""The end of a sweep: fit the finished runs (scaling/fit_source.py) as the spec's `fit:` section says
+(forms, objective, Huber delta, exclusions) and log one W&B summary run in the sweep's group with the
+results table, the fitted constants and the plots."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def fit_and_log(sweep_dir: Path, spec: SweepSpec, rows: list[dict[str, Any]]) ->
     try:
         report, fit_json, plots = fit_sweep_directory(
             sweep_dir, out_dir=sweep_dir / FIT_DIR, target_flops=spec.fit.target_flops or None,
-            bootstrap=spec.fit.bootstrap, params_column=spec.fit.params_column,
+            bootstrap=spec.fit.bootstrap, params_column=spec.fit.params_column, objective=spec.fit.objective,
+            huber_delta=spec.fit.huber_delta_value(), forms=tuple(spec.fit.forms) or None,
+            exclude=list(spec.fit.exclude),
         )
     except ValueError as error:
         failure = (f"the fit failed ({done} of {len(rows)} runs done): {error}; the training results stay in "

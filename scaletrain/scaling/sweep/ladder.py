@@ -7,6 +7,11 @@ budget C the branch trains the same steps_k as an IsoFLOP run of C, cooling down
 round(f x steps_k) of them from s_k = steps_k - round(f x steps_k); the stable run trains
 max_k s_k steps at constant LR and keeps a checkpoint at every s_k (checkpoint.keep_steps). The
 ladder costs the stable run plus the cooldowns instead of every run's full length.
+
+The branches of one size share their LR, batch and every other hyperparameter but the length. A rule
+that reads the run's compute C or tokens D is evaluated once per size, at its stable run's horizon (the
+longest branch, plan.py _rule_horizons): the stable phase's LR is chosen for the run it is, and the
+cooldowns decay from it (Hägele et al. 2024). A rule that reads the run's steps is refused.
 """
 
 from __future__ import annotations
@@ -75,8 +80,9 @@ def _check_shared_hyperparameters(spec: SweepSpec, group: list[PlannedRun]) -> N
             raise ConfigError(
                 f"sweep {spec.name}: in mode=ladder the branches {group[0].name} and {run.name} share a stable run, "
                 f"but {key} differs ({first.get(key)} vs {other.get(key)}): {RULE_OF_KEY.get(key, key)} depends on "
-                "the run's length (its budget or steps). Use a rule of the model size alone (e.g. `power` in N, "
-                "`fixed`, warmup `steps` or `tokens_per_param`), or mode=isoflop"
+                "the run's length (its steps; a rule in C or D reads the stable run's horizon, the same for every "
+                "branch). Use a rule that does not read the steps (e.g. weight_decay `fixed`, warmup `steps` or "
+                "`tokens_per_param`), or mode=isoflop"
             )
 
 
@@ -106,7 +112,7 @@ def _stable_run(spec: SweepSpec, group: list[PlannedRun], points: list[int]) -> 
     return dataclasses.replace(
         longest, name=name, budget=None, steps=steps, tokens=round(longest.tokens * fraction),
         flops=longest.flops * fraction, epochs=None if longest.epochs is None else longest.epochs * fraction,
-        predicted_s=_predicted_s(spec, longest, steps), overrides=overrides, role="stable",
+        predicted_s=longest.timing.predicted_s(0, steps, eval_every), overrides=overrides, role="stable",
     )
 
 
@@ -119,7 +125,8 @@ def _branch_run(spec: SweepSpec, run: PlannedRun, stable: PlannedRun, point: int
         "train.cooldown_shape": spec.ladder.cooldown_shape, "train.branch_from": checkpoint,
     })
     _validate(spec, run.name, overrides)
-    return dataclasses.replace(run, predicted_s=_predicted_s(spec, run, run.steps - point), overrides=overrides,
+    predicted_s = run.timing.predicted_s(point, run.steps, int(_override(run, "train.eval_every")))
+    return dataclasses.replace(run, predicted_s=predicted_s, overrides=overrides,
                                role="branch", stable_run=stable.name, branch_step=point)
 
 
@@ -137,7 +144,9 @@ def ladder_lines(spec: SweepSpec, runs: list[PlannedRun]) -> list[str]:
     for stable in (run for run in runs if run.role == "stable"):
         branches = [run for run in runs if run.stable_run == stable.name]
         points = ", ".join(str(step) for step in sorted({run.branch_step for run in branches}))
-        lines.append(f"  {stable.name}: {stable.steps:,} steps at constant LR, keeps steps {points}")
+        lines.append(f"  {stable.name}: {stable.steps:,} steps at constant LR {stable.lr:.3g} (batch "
+                     f"{stable.batch_size}, the rules at its horizon D={stable.rule_tokens:.3g} tokens: its longest "
+                     f"branch's), keeps steps {points}")
         lines.extend(f"    {run.name}: from step {run.branch_step:,}, cools down {run.steps - run.branch_step:,} "
                      f"of {run.steps:,} steps" for run in branches)
     trained, independent = ladder_flops(runs)
@@ -145,11 +154,6 @@ def ladder_lines(spec: SweepSpec, runs: list[PlannedRun]) -> list[str]:
                  f"runs of every branch's length: saves {independent - trained:.3g} "
                  f"({1 - trained / independent:.0%})")
     return lines
-
-
-def _predicted_s(spec: SweepSpec, run: PlannedRun, steps: int) -> float:
-    step_s = (run.predicted_s - spec.throughput.startup_s) / run.steps
-    return spec.throughput.startup_s + steps * step_s
 
 
 def _override(run: PlannedRun, key: str) -> str:

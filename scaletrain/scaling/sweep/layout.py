@@ -8,6 +8,10 @@
     SWEEP/wandb/               the W&B summary run
     SWEEP/runs/NAME/run.yaml   the run's full config; the run directory as `scaletrain train` writes it
     SWEEP/runs/NAME/status.json, train.log   how the executor ran it
+    SWEEP/tune/                `sweep tune`: its grid as a sweep of its own, tuned.json, check.json
+
+and the columns of results.csv, which the spec's fit exclusions name (spec.py) without loading the
+training code that results.py needs.
 """
 
 SWEEP_FILE = "sweep.json"
@@ -18,3 +22,12 @@ RUNS_DIR = "runs"
 RUN_CONFIG_FILE = "run.yaml"
 STATUS_FILE = "status.json"
 TRAIN_LOG = "train.log"
+
+# params and non_embedding_params are the totals; active_params and active_non_embedding_params what a
+# token meets (a mixture of experts' routed experts only; a dense model's equal the totals). Results
+# written before the active columns existed lack them: readers take the totals (fit_inputs.py).
+RESULT_COLUMNS = (
+    "name", "status", "budget", "seed", "num_layers", "hidden_size", "num_heads", "params", "non_embedding_params",
+    "active_params", "active_non_embedding_params", "tokens", "flops", "flops_per_token", "lr", "val_loss",
+    "train_loss", "steps", "wall_s", "data_fingerprint", "role",
+)

@@ -22,7 +22,7 @@ from pathlib import Path
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.data.storage import dataset_location
-from scaletrain.model.counts import ModelCounts, model_counts
+from scaletrain.model.counts import ModelCounts
 from scaletrain.scaling.sweep.hyperparams import (
     HyperparameterRules,
     LearningRateSetting,
@@ -30,13 +30,14 @@ from scaletrain.scaling.sweep.hyperparams import (
     RunScale,
     batch_sequences,
     resolve_after_batch,
+    rules_to_show,
     with_tuned,
 )
 from scaletrain.scaling.sweep.ladder import ladder_runs
 from scaletrain.scaling.sweep.layout import RUNS_DIR
-from scaletrain.scaling.sweep.spec import BUDGET_MODES, ModelShape, ShapeRule, SweepSpec
-
-MAX_RULE_LAYERS = 128
+from scaletrain.scaling.sweep.shapes import rule_shapes, shape_counts
+from scaletrain.scaling.sweep.spec import BUDGET_MODES, ModelShape, SweepSpec
+from scaletrain.scaling.sweep.timing import RunTime, run_time, validation_sequences
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,15 @@ class PlannedRun:
     beta2: float
     weight_decay: float
     epochs: float | None  # passes over the training split; None where data.dir is not prepared yet
-    predicted_s: float
+    predicted_s: float  # startup, steps and evaluations at the spec's throughput model (timing.py)
     overrides: tuple[str, ...]  # dotted overrides on top of the base config and the spec's overrides
     role: str = "run"  # run (isoflop, grid) | stable, branch (ladder: scaling/sweep/ladder.py)
     stable_run: str | None = None  # a branch's stable run, whose checkpoint at branch_step it starts from
     branch_step: int | None = None
+    # the D its rules read (C = D x FLOPs per token): its planned tokens before rounding to whole steps, in
+    # a ladder its size's longest branch's (_rule_horizons)
+    rule_tokens: float | None = None
+    timing: RunTime | None = None  # its prices per step and per evaluation, from which predicted_s is summed
 
     def to_row(self) -> dict[str, object]:
         return {
@@ -71,7 +76,7 @@ class PlannedRun:
             "steps": self.steps, "lr": self.lr, "batch_size": self.batch_size, "beta2": self.beta2,
             "warmup_steps": self.warmup_steps, "weight_decay": self.weight_decay, "epochs": self.epochs,
             "predicted_s": self.predicted_s, "role": self.role, "stable_run": self.stable_run,
-            "branch_step": self.branch_step,
+            "branch_step": self.branch_step, "rule_tokens": self.rule_tokens,
         }
 
 
@@ -91,27 +96,34 @@ class SweepPlan:
         return self.directory / RUNS_DIR / run.name
 
 
-def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC") -> SweepPlan:
+def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC", to_show: bool = False) -> SweepPlan:
     """Every run of the sweep, validated as a full run config; raises ConfigError naming the culprit.
 
     `label` ends every run name (`sweep tune` names its grid points so); `spec_path` names the spec in
-    the message that asks for `sweep tune` when a `tuned` rule has no tuned.json yet.
+    the message that asks for `sweep tune` when a `tuned` rule has no tuned.json yet. `to_show`: a plan
+    to print, not to train, which before `sweep tune` shows a `tuned` rule's prior (rules_to_show).
     """
     base = load_config(spec.base, spec.overrides)
-    rules = with_tuned(spec.hyperparameters, spec.dir, spec_path)
+    if to_show:
+        rules, untuned = rules_to_show(spec.hyperparameters, spec.dir, spec_path)
+    else:
+        rules, untuned = with_tuned(spec.hyperparameters, spec.dir, spec_path), None
     tokens_per_step = _global_batch_size(base) * base.model.seq_length
-    shapes = spec.models.shapes or [_shape_for(base, spec.models.rule, target) for target in spec.models.rule.params]
-    train_tokens = _train_tokens(base)
-    runs, warnings = [], []
+    shapes = spec.models.shapes or rule_shapes(base, spec.models.rule)
+    corpus = (_train_tokens(base), validation_sequences(base))
+    train_tokens = corpus[0]
+    runs, warnings = [], [] if untuned is None else [untuned]
     if train_tokens is None:
         unprepared = " / ".join(source.dir for source in base.data.sources())
         warnings.append(f"{unprepared} is not prepared, so epochs are unknown: run `scaletrain prepare {spec.base}`")
     amounts = spec.budgets if spec.mode in BUDGET_MODES else spec.tokens
     repeated = _repeated_shapes(spec, base)
-    for amount in sorted(amounts):
-        for shape in _shapes_for_amount(spec, base, shapes, amount):
-            for seed in spec.seeds + (spec.repeat_seeds.seeds if shape in repeated else []):
-                runs.append(_plan_run(spec, rules, base, shape, amount, seed, train_tokens, label))
+    points = [(amount, shape) for amount in sorted(amounts) for shape in _shapes_for_amount(spec, base, shapes, amount)]
+    horizons = _rule_horizons(spec, points)
+    for amount, shape in points:
+        for seed in spec.seeds + (spec.repeat_seeds.seeds if shape in repeated else []):
+            runs.append(_plan_run(spec, rules, base, shape, amount, seed, corpus, label,
+                                  rule_amount=horizons.get(shape_label(shape), amount)))
     _check_unique_names(runs, spec)
     _check_min_steps(runs, spec)
     if spec.mode == "ladder":
@@ -141,19 +153,19 @@ def ladder_rungs(spec: SweepSpec, base: Config, indices: list[int], key: str) ->
 
 def ladder_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:
     """Every rung of the spec's ladder, smallest (total parameters) first."""
-    shapes = spec.models.shapes or [_shape_for(base, spec.models.rule, target) for target in spec.models.rule.params]
-    return sorted(shapes, key=lambda shape: _counts(base, shape).total_params)
+    shapes = spec.models.shapes or rule_shapes(base, spec.models.rule)
+    return sorted(shapes, key=lambda shape: shape_counts(base, shape).total_params)
 
 
 def _shapes_for_amount(spec: SweepSpec, base: Config, shapes: list[ModelShape], amount: float) -> list[ModelShape]:
     """The ladder, smallest first; in isoflop mode with sizes_per_budget, the rungs nearest the center ratio."""
-    by_size = sorted(shapes, key=lambda shape: _counts(base, shape).total_params)
+    by_size = sorted(shapes, key=lambda shape: shape_counts(base, shape).total_params)
     keep = spec.models.sizes_per_budget
     if spec.mode not in BUDGET_MODES or keep is None or keep >= len(by_size):
         return by_size
 
     def distance_from_center(shape: ModelShape) -> float:
-        counts = _counts(base, shape)
+        counts = shape_counts(base, shape)
         tokens_per_param = amount / counts.flops_per_token / counts.active_params
         return abs(math.log(tokens_per_param / spec.models.center_tokens_per_param))
 
@@ -161,15 +173,33 @@ def _shapes_for_amount(spec: SweepSpec, base: Config, shapes: list[ModelShape], 
     return [shape for shape in by_size if shape in nearest]
 
 
+def _rule_horizons(spec: SweepSpec, points: list[tuple[float, ModelShape]]) -> dict[str, float]:
+    """In a ladder, per size (shape_label) the budget whose C and D its rules read: its largest, so the
+    tokens of its stable run's horizon (its longest branch). Hägele et al. 2024 (sec. 3-4): a WSD run's
+    constant LR is chosen for the run it is, and each cooldown decays from that LR, so the branches of one
+    size share one LR and batch, evaluated once at the stable run's tokens; a shorter branch is not the
+    fresh run that a rule in D would tune for its own length. Elsewhere each run reads its own (empty)."""
+    if spec.mode != "ladder":
+        return {}
+    horizons: dict[str, float] = {}
+    for amount, shape in points:
+        horizons[shape_label(shape)] = max(amount, horizons.get(shape_label(shape), amount))
+    return horizons
+
+
 def _plan_run(
     spec: SweepSpec, rules: HyperparameterRules, base: Config, shape: ModelShape, amount: float, seed: int,
-    train_tokens: int | None, name_label: str = "",
+    corpus: tuple[int | None, int | None], name_label: str = "", rule_amount: float | None = None,
 ) -> PlannedRun:
-    counts = _counts(base, shape)
-    target_tokens = amount / counts.flops_per_token if spec.mode in BUDGET_MODES else amount
-    label = f"{_shape_label(shape)} ({counts.total_params:,} parameters)"
+    """The run of `shape` at `amount` (its budget, or its tokens in grid mode); its rules read the C and D of
+    `rule_amount` (default `amount`; in a ladder its size's longest branch's: _rule_horizons). `corpus`:
+    (training tokens, validation sequences), None where unknown."""
+    counts = shape_counts(base, shape)
+    target_tokens, rule_tokens = (value / counts.flops_per_token if spec.mode in BUDGET_MODES else value
+                                  for value in (amount, amount if rule_amount is None else rule_amount))
+    label = f"{shape_label(shape)} ({counts.total_params:,} parameters)"
     scale = RunScale(counts.total_params, counts.non_embedding_params, shape.hidden_size,
-                     flops=target_tokens * counts.flops_per_token)
+                     flops=rule_tokens * counts.flops_per_token, tokens=rule_tokens)
     batch_size = _batch_size(spec, rules, base, scale, label)
     tokens_per_step = batch_size * base.model.seq_length
     steps = round(target_tokens / tokens_per_step)
@@ -182,7 +212,7 @@ def _plan_run(
             "drop that model from the ladder"
         )
     hyper = resolve_after_batch(
-        rules, _lr_setting(spec, rules), scale, batch_size, base.model.seq_length, steps,
+        rules, lr_setting(spec, rules), scale, batch_size, base.model.seq_length, steps,
         defaults=(base.train.beta2, base.train.weight_decay),
         legacy_warmup_steps=max(spec.warmup.steps, round(spec.warmup.fraction * steps)))
     warmup_steps = hyper.warmup_steps
@@ -198,14 +228,14 @@ def _plan_run(
         load_config(spec.base, [*spec.overrides, *overrides])
     except ConfigError as error:
         raise ConfigError(f"sweep {spec.name}: run {name} ({label}): {error}") from None
-    throughput = spec.throughput
-    step_s = throughput.step_overhead_s + tokens_per_step * counts.flops_per_token / throughput.flops_per_s
+    timing = run_time(spec.throughput, base, counts, tokens_per_step, corpus[1])
     return PlannedRun(
         name=name, budget=budget, seed=seed, shape=shape, counts=counts, steps=steps, tokens=tokens,
         flops=tokens * counts.flops_per_token, lr=hyper.lr, warmup_steps=warmup_steps,
         batch_size=batch_size, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-        epochs=tokens / train_tokens if train_tokens else None,
-        predicted_s=throughput.startup_s + steps * step_s, overrides=tuple(overrides),
+        epochs=tokens / corpus[0] if corpus[0] else None,
+        predicted_s=timing.predicted_s(0, steps, _eval_every(base, steps)), overrides=tuple(overrides),
+        rule_tokens=rule_tokens, timing=timing,
     )
 
 
@@ -231,7 +261,7 @@ def _run_overrides(
     ]
 
 
-def _lr_setting(spec: SweepSpec, rules: HyperparameterRules) -> LearningRateSetting:
+def lr_setting(spec: SweepSpec, rules: HyperparameterRules) -> LearningRateSetting:
     """hyperparameters.lr, or the older `learning_rate:` section, which is the `width` rule."""
     if rules.lr is not None:
         return rules.lr
@@ -271,30 +301,6 @@ def _global_batch_size(config: Config) -> int:
     return config.train.global_batch_size or config.global_batch_size(config.parallel.data or 1)
 
 
-def _counts(base: Config, shape: ModelShape) -> ModelCounts:
-    return model_counts(_with_shape(base, shape))
-
-
-def _with_shape(base: Config, shape: ModelShape) -> Config:
-    return dataclasses.replace(base, model=dataclasses.replace(base.model, **dataclasses.asdict(shape)))
-
-
-def _shape_for(base: Config, rule: ShapeRule, target: float) -> ModelShape:
-    """The shape whose exact count is closest to `target` (in log) at the rule's aspect ratio and head size."""
-    best, best_error = None, math.inf
-    for num_layers in range(1, MAX_RULE_LAYERS + 1):
-        heads = max(1, round(rule.aspect_ratio * num_layers / rule.head_dim))
-        if heads % base.parallel.tensor:
-            heads += base.parallel.tensor - heads % base.parallel.tensor
-        shape = ModelShape(num_layers=num_layers, hidden_size=heads * rule.head_dim, num_heads=heads)
-        counts = _counts(base, shape)
-        count = counts.non_embedding_params if rule.count == "non_embedding" else counts.total_params
-        error = abs(math.log(max(count, 1) / target))
-        if error < best_error:
-            best, best_error = shape, error
-    return best
-
-
 def _train_tokens(base: Config) -> int | None:
     """Training tokens a run reads before it repeats any: the train split's, or for a blend the fewest
     tokens after which one of its datasets starts a second epoch (its tokens / its weight)."""
@@ -307,14 +313,14 @@ def _train_tokens(base: Config) -> int | None:
                for location, source in zip(locations, sources, strict=True))
 
 
-def _shape_label(shape: ModelShape) -> str:
+def shape_label(shape: ModelShape) -> str:
     ffn = f"-f{shape.ffn_hidden_size}" if shape.ffn_hidden_size else ""
     return f"l{shape.num_layers}-h{shape.hidden_size}-a{shape.num_heads}{ffn}"
 
 
 def _run_name(budget: float | None, amount: float, shape: ModelShape, seed: int) -> str:
     scale = f"c{budget:.3g}" if budget else f"d{amount:.3g}"
-    return f"{scale.replace('+', '')}-{_shape_label(shape)}-s{seed}"
+    return f"{scale.replace('+', '')}-{shape_label(shape)}-s{seed}"
 
 
 def _check_unique_names(runs: list[PlannedRun], spec: SweepSpec) -> None:

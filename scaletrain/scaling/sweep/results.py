@@ -23,25 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import Config
+from scaletrain.config import EVAL_ALL, Config
 from scaletrain.config_loader import load_config
 from scaletrain.data.errors import DataError
 from scaletrain.data.manifest import MANIFEST_NAME, SplitInfo, parse_manifest
 from scaletrain.data.storage import dataset_location
-from scaletrain.scaling.sweep.layout import RESULTS_FILE, RUN_CONFIG_FILE, STATUS_FILE, TRAIN_LOG
+from scaletrain.scaling.sweep.layout import RESULT_COLUMNS, RESULTS_FILE, RUN_CONFIG_FILE, STATUS_FILE, TRAIN_LOG
 from scaletrain.train.loop import RUN_SUMMARY_FILE
 
-# params and non_embedding_params are the totals; active_params and active_non_embedding_params what a
-# token meets (a mixture of experts' routed experts only; a dense model's equal the totals). Results
-# written before the active columns existed lack them: readers take the totals (fit_inputs.py).
-RESULT_COLUMNS = (
-    "name", "status", "budget", "seed", "num_layers", "hidden_size", "num_heads", "params", "non_embedding_params",
-    "active_params", "active_non_embedding_params", "tokens", "flops", "flops_per_token", "lr", "val_loss",
-    "train_loss", "steps", "wall_s", "data_fingerprint", "role",
-)
 # The final training loss is the mean over the last 5% of steps (at least one): the cosine
 # schedule has nearly flattened the curve there, and it averages out batch-to-batch noise.
 TRAIN_LOSS_TAIL = 0.05
+# How train/evaluation.py computes val_loss: a train.eval_seed sample of train.eval_samples validation
+# sequences (or all of them), the loss averaged over every target token read. A new rule gets a new name,
+# so that the fingerprint keeps runs evaluated one way out of a fit of runs evaluated another.
+EVALUATION_RULE = "seeded_sample_token_weighted_v1"
 
 
 @dataclass(frozen=True)
@@ -97,16 +93,21 @@ def result_row(planned: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 def data_fingerprint(config: Config) -> str:
     """16 hex digits of what makes two runs' losses comparable: per dataset of the blend (with its weight)
     the tokenizer's sha256 and the identity of its train and val splits as the manifest records them (the
-    index's and every shard's sha256), and the validation set's size (train.eval_samples sequences of
-    model.seq_length tokens). A corpus re-prepared in any way changes it."""
+    index's and every shard's sha256), model.seq_length, and how the validation loss is computed
+    (`evaluation`: train/evaluation.py's rule, train.eval_samples and train.eval_seed, the seed omitted
+    where the whole split is read). A corpus re-prepared in any way changes it, and so does the rule: the
+    first-N-sequences-in-file-order loss that runs before the seeded sample recorded (as a bare
+    `eval_samples`) is another number than the sample's, and its runs get another fingerprint."""
     datasets = []
     for source in config.data.sources():
         location = dataset_location(config.data, source.dir)
         manifest = parse_manifest(location.read_manifest_text(), location.describe(MANIFEST_NAME), location.describe())
         datasets.append({"weight": source.weight, "tokenizer_sha256": manifest.tokenizer_sha256,
                          **{name: _split_identity(split) for name, split in sorted(manifest.splits.items())}})
-    identity = {"datasets": datasets, "eval_samples": config.train.eval_samples,
-                "seq_length": config.model.seq_length}
+    samples = config.train.eval_samples
+    evaluation = {"rule": EVALUATION_RULE, "eval_samples": samples,
+                  "eval_seed": None if samples == EVAL_ALL else config.train.eval_seed}
+    identity = {"datasets": datasets, "evaluation": evaluation, "seq_length": config.model.seq_length}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 

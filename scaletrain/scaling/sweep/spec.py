@@ -8,6 +8,7 @@ Hoffmann et al. 2022). See configs/sweeps/isoflop_english.yaml for an annotated 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +17,16 @@ from typing import Any
 import yaml
 
 from scaletrain.config import ConfigError, build_dataclass, read_yaml
-from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, PARAMS_COLUMNS
+from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, OBJECTIVES, PARAMS_COLUMNS, parse_exclusion
 from scaletrain.scaling.sweep.hyperparams import HyperparameterRules, validate_rules
+from scaletrain.scaling.sweep.layout import RESULT_COLUMNS
 
 MODES = ("isoflop", "grid", "ladder")
 BUDGET_MODES = ("isoflop", "ladder")  # modes whose runs belong to FLOPs budgets
 SHAPE_COUNTS = ("non_embedding", "total")
+# laws.LAW_FORMS' names, repeated so that reading a spec needs no scipy (as fit_arguments.py repeats
+# laws.OBJECTIVES); tests/scaling/test_sweep_plan.py checks that the two agree.
+LAW_FORM_NAMES = ("chinchilla", "kaplan", "kaplan_e", "muennighoff")
 
 
 @dataclass
@@ -39,13 +44,18 @@ class ShapeRule:
     """Shapes derived from target parameter counts at a fixed aspect ratio and head size.
 
     Kaplan et al. 2020 (sec. 3.1, fig. 5) find loss depends only weakly on shape at fixed N
-    over a wide range of d_model / n_layer, so one aspect ratio serves the whole ladder.
+    over a wide range of d_model / n_layer, so one aspect ratio serves the whole ladder. With
+    `smooth_depth`, the depth of neighbouring sizes never falls and grows by at most one layer
+    (shapes.py): a ladder whose depth jumps confounds size with depth.
     """
 
     params: list[float] = field(default_factory=list)
     count: str = "non_embedding"  # which N the targets mean: non_embedding (Kaplan) or total (Chinchilla)
     aspect_ratio: float = 32.0  # hidden_size / num_layers
     head_dim: int = 32
+    smooth_depth: bool = False
+    min_layers: int = 1
+    max_layers: int = 128
 
 
 @dataclass
@@ -97,16 +107,46 @@ class Guards:
 
 
 @dataclass
-class TuneOptions:
+class Horizons:
+    """How long the runs of `tune:` (and of its check) train: `tokens` per run, or `tokens_per_param`
+    times N (total); one number is one horizon, a list several."""
+
+    tokens: float | list[float] | None = None
+    tokens_per_param: float | list[float] | None = None
+
+    def horizons(self) -> tuple[str, list[float]]:
+        """("tokens" or "tokens_per_param", its values as a list, ascending)."""
+        key = "tokens" if self.tokens is not None else "tokens_per_param"
+        value = getattr(self, key)
+        return key, sorted(value if isinstance(value, list) else [] if value is None else [value])
+
+
+@dataclass
+class LearningRateCheck(Horizons):
+    """`tune.check`: the LR rule at 0.5x, 1x and 2x at the largest sizes and longest horizons, trained by
+    `sweep tune` after the grid (lr_check.py), so an extrapolated rule is seen to hold before the ladder
+    runs. Its verdict needs the run-to-run noise: measured from tune.seeds (two or more), else `sigma`."""
+
+    sizes: list[int] = field(default_factory=list)  # indices into the ladder, smallest first
+    multipliers: list[float] = field(default_factory=lambda: [0.5, 1.0, 2.0])
+    sigma: float | None = None  # run-to-run sd of ln L, where the check trains one seed
+
+
+@dataclass
+class TuneOptions(Horizons):
     """`scaletrain sweep tune`: an LR grid (and optionally a batch grid) around the rule's values at a
-    few sizes, to fit the optimum's power law in N (Porian et al. 2024 tune LR and batch per size)."""
+    few sizes and horizons, to fit the optimum's power law in N, or in N and D with two horizons or
+    more (Porian et al. 2024 tune LR and batch per size; DeepSeek LLM 2024, sec. 3.1, fit them in C)."""
 
     sizes: list[int] = field(default_factory=list)  # indices into the ladder, smallest first
     shapes: list[ModelShape] = field(default_factory=list)  # or explicit shapes
     lr_multipliers: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0, 2.0, 4.0])
     batch_multipliers: list[float] = field(default_factory=list)  # empty: the batch rule is not tuned
-    tokens: float | None = None  # tokens per run, or
-    tokens_per_param: float | None = None  # tokens per run as a multiple of N (total)
+    seeds: list[int] = field(default_factory=list)  # empty: the spec's first seed
+    check: LearningRateCheck | None = None
+
+    def tune_seeds(self, spec_seeds: list[int]) -> list[int]:
+        return self.seeds or spec_seeds[:1]
 
 
 @dataclass
@@ -145,7 +185,8 @@ class SlurmOptions:
 
 @dataclass
 class ThroughputModel:
-    """Predicted wall time of one run: startup_s + steps x (step_overhead_s + FLOPs per step / flops_per_s).
+    """Predicted wall time of one run: startup_s + steps x (step_overhead_s + FLOPs per step / flops_per_s),
+    plus its evaluations at the same rates (timing.py).
 
     The defaults were measured on a 2-core CPU (see experiments/isoflop_english/README.md);
     set them for your hardware, e.g. from the `tokens_per_s` of a short run.
@@ -158,13 +199,21 @@ class ThroughputModel:
 
 @dataclass
 class FitOptions:
-    """How `sweep run` fits the finished runs (the same options as `scaletrain fit`)."""
+    """How `sweep run` and `sweep finalize` fit the finished runs (the options of `scaletrain fit`)."""
 
     bootstrap: int = 100
     target_flops: list[float] = field(default_factory=list)  # empty: 10x and 100x the largest run
     # N: active_params (Chinchilla's N, counted as a token meets it: a mixture of experts' routed experts),
     # active_non_embedding_params (Kaplan's), or the totals params, non_embedding_params (fit_arguments.py)
     params_column: str = DEFAULT_PARAMS_COLUMN
+    forms: list[str] = field(default_factory=list)  # law forms to fit and backtest; empty: every form
+    objective: str = "huber"  # on ln L: huber (robust to a few outlying runs) or least_squares
+    huber_delta: float | str = "auto"  # in ln L; auto: 1.345 x the measured run-to-run sigma (laws.py)
+    exclude: list[str] = field(default_factory=list)  # runs not fitted, e.g. "num_layers < 2"
+
+    def huber_delta_value(self) -> float | None:
+        """The delta as fit_source takes it: None for auto."""
+        return None if self.huber_delta == "auto" else float(self.huber_delta)
 
 
 @dataclass
@@ -265,11 +314,7 @@ def validate_spec(spec: SweepSpec, source: str) -> None:
     _validate_slurm_and_throughput(spec, source)
     validate_rules(spec.hyperparameters, source)
     _validate_guards_and_tune(spec, source)
-    if spec.fit.bootstrap < 0 or any(flops <= 0 for flops in spec.fit.target_flops):
-        raise ConfigError(f"{source}: fit needs bootstrap >= 0 and positive target_flops")
-    if spec.fit.params_column not in PARAMS_COLUMNS:
-        raise ConfigError(f"{source}: fit.params_column={spec.fit.params_column!r}; use one of "
-                          f"{', '.join(PARAMS_COLUMNS)}")
+    _validate_fit(spec.fit, source)
 
 
 def _validate_mode_values(spec: SweepSpec, source: str) -> None:
@@ -321,6 +366,9 @@ def _validate_models(models: ModelLadder, source: str) -> None:
         raise ConfigError(f"{source}: models.rule.count={rule.count!r}; use non_embedding or total")
     if rule.aspect_ratio <= 0 or rule.head_dim < 1:
         raise ConfigError(f"{source}: models.rule needs aspect_ratio > 0 and head_dim >= 1")
+    if not 1 <= rule.min_layers <= rule.max_layers:
+        raise ConfigError(f"{source}: models.rule needs 1 <= min_layers <= max_layers (got {rule.min_layers}, "
+                          f"{rule.max_layers})")
 
 
 def _validate_guards_and_tune(spec: SweepSpec, source: str) -> None:
@@ -340,9 +388,38 @@ def _validate_guards_and_tune(spec: SweepSpec, source: str) -> None:
                               "multipliers (a parabola needs the best point and both neighbours)")
     if not tune.lr_multipliers:
         raise ConfigError(f"{source}: tune.lr_multipliers is empty; use e.g. [0.25, 0.5, 1, 2, 4]")
-    if (tune.tokens is None) == (tune.tokens_per_param is None) or (tune.tokens or tune.tokens_per_param) <= 0:
-        raise ConfigError(f"{source}: tune needs exactly one of `tokens` (per run) or `tokens_per_param` (> 0), "
-                          f"got tokens={tune.tokens}, tokens_per_param={tune.tokens_per_param}")
+    _validate_horizons(tune, f"{source}: tune")
+    if len(set(tune.seeds)) != len(tune.seeds):
+        raise ConfigError(f"{source}: tune.seeds={tune.seeds} repeats a seed; list each once")
+    if tune.check is not None:
+        _validate_check(tune.check, tune.tune_seeds(spec.seeds), f"{source}: tune.check")
+
+
+def _validate_horizons(horizons: Horizons, where: str) -> None:
+    _, values = horizons.horizons()
+    if (horizons.tokens is None) == (horizons.tokens_per_param is None) or not values or min(values) <= 0 \
+            or len(set(values)) != len(values):
+        raise ConfigError(f"{where} needs exactly one of `tokens` (per run) or `tokens_per_param`: a positive number "
+                          f"or a list of distinct ones (several horizons); got tokens={horizons.tokens}, "
+                          f"tokens_per_param={horizons.tokens_per_param}")
+
+
+def _validate_check(check: LearningRateCheck, seeds: list[int], where: str) -> None:
+    if not check.sizes or min(check.sizes) < 0:
+        raise ConfigError(f"{where} needs `sizes`: indices into the ladder (smallest first), e.g. its largest "
+                          f"two; got {check.sizes}")
+    _validate_horizons(check, where)
+    multipliers = check.multipliers
+    if 1.0 not in multipliers or len(multipliers) < 2 or min(multipliers) <= 0 \
+            or len(set(multipliers)) != len(multipliers):
+        raise ConfigError(f"{where}.multipliers={multipliers}; list distinct positive multipliers of the rule's LR "
+                          "that include 1 (the rule itself), e.g. [0.5, 1, 2]")
+    if check.sigma is not None and not check.sigma > 0:
+        raise ConfigError(f"{where}.sigma={check.sigma} must be a positive sd of ln L (e.g. 0.0018)")
+    if check.sigma is None and len(seeds) < 2:
+        raise ConfigError(f"{where}: judging the rule needs the run-to-run noise: list two seeds or more in "
+                          "tune.seeds (the check measures it), or set tune.check.sigma (the sd of ln L between "
+                          "seeds, e.g. 0.0018 as experiments/ladder_english measured)")
 
 
 def _validate_slurm_and_throughput(spec: SweepSpec, source: str) -> None:
@@ -358,3 +435,46 @@ def _validate_slurm_and_throughput(spec: SweepSpec, source: str) -> None:
     model = spec.throughput
     if model.flops_per_s <= 0 or model.step_overhead_s < 0 or model.startup_s < 0:
         raise ConfigError(f"{source}: throughput needs flops_per_s > 0 and non-negative overheads")
+
+
+def _validate_fit(fit: FitOptions, source: str) -> None:
+    """The fit section, checked here so that a bad option fails before any run trains, not at the end."""
+    if fit.bootstrap < 0 or any(flops <= 0 for flops in fit.target_flops):
+        raise ConfigError(f"{source}: fit needs bootstrap >= 0 and positive target_flops")
+    if fit.params_column not in PARAMS_COLUMNS:
+        raise ConfigError(f"{source}: fit.params_column={fit.params_column!r}; use one of {', '.join(PARAMS_COLUMNS)}")
+    unknown = [form for form in fit.forms if form not in LAW_FORM_NAMES]
+    if unknown or len(set(fit.forms)) != len(fit.forms):
+        problem = f"unknown form(s) {', '.join(unknown)}" if unknown else "a form repeated"
+        raise ConfigError(f"{source}: fit.forms={fit.forms}: {problem}; list some of {', '.join(LAW_FORM_NAMES)}, "
+                          "each once (or none: every form)")
+    if fit.objective not in OBJECTIVES:
+        raise ConfigError(f"{source}: fit.objective={fit.objective!r}; use {' or '.join(OBJECTIVES)}")
+    if fit.huber_delta != "auto":
+        delta = _number(fit.huber_delta)
+        if not (math.isfinite(delta) and delta > 0):
+            raise ConfigError(f"{source}: fit.huber_delta={fit.huber_delta!r}; use a positive number in ln L "
+                              "(e.g. 1.0e-3, Hoffmann et al. 2022) or auto")
+        if fit.objective != "huber":
+            raise ConfigError(f"{source}: fit.huber_delta={fit.huber_delta!r} applies to objective huber only; "
+                              "drop it (or set it to auto), or use objective: huber")
+    for index, rule in enumerate(fit.exclude):
+        _validate_exclusion(rule, f"{source}: fit.exclude[{index}]")
+
+
+def _validate_exclusion(rule: str, where: str) -> None:
+    """The syntax fit_source applies (fit_arguments.parse_exclusion), on a column that results.csv has."""
+    try:
+        column = parse_exclusion(rule).column
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    if column not in RESULT_COLUMNS:
+        raise ConfigError(f"{where}={rule!r}: results.csv has no column {column!r}; name one of "
+                          f"{', '.join(RESULT_COLUMNS)}")
+
+
+def _number(text: object) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan

@@ -1,0 +1,52 @@
+"""The spec's `fit:` section reaches `sweep finalize`: its forms, objective, Huber delta and exclusions are the
+ones fit.json records, on a sweep whose runs' summaries follow a known law (no training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.scaling.sweep.commands import finalize_sweep
+from scaletrain.scaling.sweep.executors import materialize
+from scaletrain.scaling.sweep.plan import plan_sweep
+from scaletrain.scaling.sweep.spec import load_sweep_spec
+from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
+
+SHAPES = [*TINY_SHAPES, {"num_layers": 3, "hidden_size": 64, "num_heads": 4},
+          {"num_layers": 2, "hidden_size": 96, "num_heads": 4}]
+BUDGETS = [1.2e10, 2.4e10, 4.8e10]
+
+
+def chinchilla_loss(params: float, tokens: float) -> float:
+    """Hoffmann et al. 2022's form with constants that put every budget's optimum inside the ladder."""
+    return 1.8 + 60.0 / params ** 0.34 + 120.0 / tokens ** 0.28
+
+
+@pytest.mark.parametrize(
+    "fit, recorded_delta",
+    [
+        ({"forms": ["chinchilla", "kaplan"], "objective": "huber", "huber_delta": 2.0e-3,
+          "exclude": ["num_layers < 2"]}, 2.0e-3),
+        ({"forms": ["kaplan_e"], "objective": "least_squares", "exclude": ["num_layers < 2", "hidden_size >= 96"]},
+         "auto"),
+    ],
+)
+def test_the_spec_fit_section_reaches_finalize(tmp_path: Path, fit: dict, recorded_delta: object) -> None:
+    spec = tiny_spec(tmp_path / "unprepared", tmp_path / "sweep", budgets=BUDGETS, models={"shapes": SHAPES},
+                     fit={"bootstrap": 0, **fit})
+    plan = plan_sweep(load_sweep_spec(write_spec(tmp_path / "spec.yaml", spec)))
+    materialize(plan)
+    for run in plan.runs:
+        (plan.run_dir(run) / "summary.json").write_text(json.dumps({
+            "step": run.steps, "tokens": run.tokens, "flops": run.flops,
+            "val_loss": chinchilla_loss(run.counts.active_params, run.tokens)}))
+    output = finalize_sweep(plan.directory)
+    document = json.loads((plan.directory / "fit" / "fit.json").read_text())
+    assert document["objective"] == fit["objective"] and document["huber_delta"] == recorded_delta
+    removed = {"num_layers < 2": len(BUDGETS), "hidden_size >= 96": len(BUDGETS)}
+    assert document["exclusions"] == [{"rule": rule, "removed": removed[rule]} for rule in fit["exclude"]]
+    assert document["num_points"] == len(plan.runs) - sum(removed[rule] for rule in fit["exclude"])
+    assert set(document["laws"]) | set(document.get("law_skipped") or {}) == set(fit["forms"])
+    assert document["laws"], output  # at least one of the spec's forms was fitted

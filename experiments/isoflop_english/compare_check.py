@@ -35,7 +35,7 @@ def main(fit_path: str, results_path: str, unique_tokens: str) -> None:
     def predict(params: float, tokens: float) -> float:
         return law["E"] + law["A"] / params ** law["alpha"] + law["B"] / tokens ** law["beta"]
 
-    rows = list(csv.DictReader(Path(results_path).open()))
+    rows = list(csv.DictReader(Path(results_path).read_text().splitlines()))
     print("| model | N | D | epochs | predicted | predicted, repeated data | measured |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:

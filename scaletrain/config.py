@@ -395,6 +395,24 @@ class TrackingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream evaluation in the training loop (train/hooks/downstream.py): lm-evaluation-harness tasks scored
+    on the training model in place, as `scaletrain eval RUN --tasks` scores a checkpoint of the same step."""
+
+    # lm-eval task names, task YAML files or directories of them, as `scaletrain eval --tasks` takes them (e.g.
+    # [configs/eval_tasks/shakespeare_passages.yaml]); empty: no downstream evaluation. Needs scaletrain[eval]
+    tasks: list[str] = field(default_factory=list)
+    # directories of local task YAMLs that names in eval.tasks refer to (eval --include-path)
+    include_path: list[str] = field(default_factory=list)
+    # evaluate every this many steps, at step 0 of a fresh run and at the last step; 0: at the last step only
+    every: int = bounded(0, ">= 0", "0 evaluates at the last step only")
+    # documents per task: a number, or a fraction of each task's below 1 (eval --limit); null: every document
+    limit: float | None = bounded(None, "> 0", "or null for every document")
+    num_fewshot: int | None = bounded(None, ">= 0", "or null for each task's own")  # few-shot examples
+    batch_size: int = bounded(8, ">= 1")  # requests per forward (eval --batch-size)
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/gpt_tiny"  # checkpoints, config.yaml, metrics.jsonl, the trackers' files
 
@@ -411,6 +429,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -720,6 +739,7 @@ def validate_keys(config: Config) -> None:
     _validate_train(config)
     _validate_schedule(config.train)
     _validate_data(config.data)
+    _validate_eval(config)
     outside = [step for step in config.checkpoint.keep_steps if not 1 <= step <= config.train.steps]
     if outside:
         raise ConfigError(f"checkpoint.keep_steps has {outside}, outside [1, train.steps={config.train.steps}]; "
@@ -819,6 +839,30 @@ def _validate_train(config: Config) -> None:
             f"train.global_batch_size={train.global_batch_size} and train.grad_accum={train.grad_accum} are both "
             "set; set one (grad_accum is derived from the global batch at launch)"
         )
+
+
+def _validate_eval(config: Config) -> None:
+    """In-loop downstream evaluation scores requests of every length with the training model as it is laid out:
+    layouts that cut a sequence or a layer's weights across ranks in ways a lone forward cannot follow (pipeline
+    stages, context or sequence parallelism, ZeRO-3's gathered parameters, experts exchanged between ranks that
+    score different documents) are refused; `scaletrain eval RUN --tasks` scores their checkpoints."""
+    evaluation = config.eval
+    if any(not str(task).strip() for task in evaluation.tasks):
+        raise ConfigError(f"eval.tasks={evaluation.tasks} has an empty entry; list lm-eval task names, task YAML "
+                          "files or directories of them")
+    if not evaluation.tasks:
+        return
+    parallel = config.parallel
+    unsupported = [f"{key}={value}" for key, value, supported in (
+        ("parallel.pipeline", parallel.pipeline, parallel.pipeline == 1),
+        ("parallel.context", parallel.context, parallel.context == 1),
+        ("parallel.sequence_parallel", "true", not parallel.sequence_parallel),
+        ("parallel.zero_stage", parallel.zero_stage, parallel.zero_stage < 3),
+        ("parallel.expert", parallel.expert, parallel.expert == 1)) if not supported]
+    if unsupported:
+        raise ConfigError(f"eval.tasks runs in the loop at tensor and data parallelism with ZeRO 0-2, not with "
+                          f"{', '.join(unsupported)}; leave eval.tasks empty and run `scaletrain eval RUN --tasks "
+                          f"...` on the run's checkpoints")
 
 
 RECOMPUTE_MODES = ("none", "selective", "full", "auto")

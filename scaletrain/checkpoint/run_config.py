@@ -102,6 +102,8 @@ RESUME_FREE_KEYS = (
     # cadence of evaluation, logging and checkpoints; tracking; where the run lives (a resume from
     # another run's checkpoint, train.resume=PATH, has another run.dir)
     "train.eval_every", "train.eval_samples", "train.eval_seed", "train.log_every", "checkpoint.", "tracking.", "run.",
+    # in-loop downstream evaluation: what it scores and when, never what trains
+    "eval.",
     # a reshard: the layout and how the same global batch is cut into micro-batches (the global batch
     # itself is compared on its own, resume_rules); how a step is computed, not what: memory and speed
     "parallel.", "train.micro_batch_size", "train.grad_accum", "train.global_batch_size",

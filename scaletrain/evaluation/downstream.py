@@ -71,7 +71,7 @@ class DownstreamEvaluation:
         """One line per task: `TASK: metric value ± stderr, ... (N documents)`, then where the JSON is."""
         lines = []
         for task, metrics in self.results["results"].items():
-            shown = [_metric(metrics, key) for key in metrics if _is_metric(key)]
+            shown = [_metric(metrics, key) for key in metrics if is_metric(key)]
             count = self.results.get("n-samples", {}).get(task, {}).get("effective")
             lines.append(f"{task}: {', '.join(shown)}" + (f" ({count} documents)" if count is not None else ""))
         return "\n".join([*lines, f"wrote {self.results_file}"])
@@ -81,7 +81,7 @@ def evaluate_downstream(run_dir: Path, run: TaskRun, checkpoint: str | None = No
                         ) -> DownstreamEvaluation | None:
     """lm-eval's results of `run` on `checkpoint` (a directory, its name or its step) or the run's newest that
     loads; None on every rank but the first, which writes and returns them."""
-    harness = _harness()
+    harness = harness_module()
     chosen = chosen_checkpoint(run_dir, checkpoint) if checkpoint is not None else None
     stored = stored_config(run_dir, chosen)
     check_scores(get_family(stored.model.family), run_dir)
@@ -108,7 +108,7 @@ def evaluate_downstream(run_dir: Path, run: TaskRun, checkpoint: str | None = No
         destroy_distributed()
     if topology.rank != 0:
         return None
-    results_file = _write_results(results, out_dir or run_dir / EVAL_DIR / path.name)
+    results_file = write_results(results, out_dir or run_dir / EVAL_DIR / path.name)
     return DownstreamEvaluation(path, meta.step, results, results_file)
 
 
@@ -128,7 +128,7 @@ def scoring_config(config: Config, world_size: int) -> Config:
     return resolve_for_world(dataclasses.replace(config, parallel=parallel, model=model), world_size)
 
 
-def _harness() -> ModuleType:
+def harness_module() -> ModuleType:
     """evaluation/harness.py, which imports lm-eval: LMEvalMissing, in one line, without it."""
     try:
         from scaletrain.evaluation import harness
@@ -157,7 +157,7 @@ def _load_in_layout(config: Config, topology: Topology, checkpoint: Path) -> tup
     return meta, model.eval()
 
 
-def _write_results(results: dict, out_dir: Path) -> Path:
+def write_results(results: dict, out_dir: Path) -> Path:
     """lm-eval's results as its CLI writes them, named as it names them: results_<time>.json, and with
     --log-samples samples_<task>_<time>.jsonl, one document a line."""
     from lm_eval.utils import handle_non_serializable
@@ -174,7 +174,7 @@ def _write_results(results: dict, out_dir: Path) -> Path:
     return path
 
 
-def _is_metric(key: str) -> bool:
+def is_metric(key: str) -> bool:
     return "," in key and "_stderr," not in key
 
 

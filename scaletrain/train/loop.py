@@ -52,6 +52,7 @@ from scaletrain.train.hooks import Hooks
 from scaletrain.train.hooks.checkpointing import Checkpointing, set_aside_blown_up
 from scaletrain.train.hooks.console import LogLines, ProgressBar
 from scaletrain.train.hooks.divergence import DivergenceStop
+from scaletrain.train.hooks.downstream import DownstreamTasks
 from scaletrain.train.hooks.evaluation import PeriodicEvaluation
 from scaletrain.train.hooks.metrics import StepMetrics
 from scaletrain.train.hooks.moe import ExpertStatistics
@@ -285,9 +286,11 @@ def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology
     speed, progress = SpeedMonitor(config, topology, batches), ProgressBar(config, topology)
     evaluation = PeriodicEvaluation(engine, objective, config, topology, logger, progress)
     routing = ExpertStatistics.for_model(engine.module, topology.device)  # None without MoE layers
+    # None without eval.tasks; scores the model the checkpoint of its step holds (Checkpointing comes first)
+    downstream = DownstreamTasks.for_run(engine.module, config, topology, logger, progress)
     return Hooks([speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
                   DivergenceStop(config, topology), Checkpointing(engine, config, topology, provenance), progress,
-                  evaluation, RunSummary(config, topology, speed, evaluation)])
+                  evaluation, *([downstream] if downstream else []), RunSummary(config, topology, speed, evaluation)])
 
 
 def _injected_spike(config: Config, topology: Topology, batch: int) -> float:

@@ -1,0 +1,137 @@
+"""Downstream evaluation in the loop (eval.tasks): lm-evaluation-harness tasks on the training model in place, at
+step 0 of a fresh run, every eval.every steps and at the last step, as PeriodicEvaluation evaluates validation.
+
+The model is scored as it trains, with nothing loaded or copied: in eval mode and without gradients, then back in
+training mode (scoring.py), lm-eval's reseeding of random, numpy and torch undone (harness.run_tasks), so a run
+trains the same steps with or without it. The data-parallel replicas share the documents (lm-eval's rank and world
+size are the data-parallel ones) and the ranks of a tensor-parallel group score theirs together; rank 0 gathers
+and logs. The numbers are those of `scaletrain eval RUN --tasks ... --checkpoint STEP` on the checkpoint of the
+same step (evaluation/downstream.py), the same Scorer and ScaletrainLM over the same weights, in the precision the
+model trains in (fp32 on CPU; a bf16 run's in-loop scores are its bf16 weights').
+
+metrics.jsonl gets one record per evaluation: eval/downstream/<task>/<metric> (lm-eval's metric name, with
+`/<filter>` after it for a filter other than `none`) and eval/downstream/time_s, the evaluation's wall time on
+rank 0, which no step's step_time_s includes; W&B and TensorBoard get the same names. lm-eval's own results JSON
+goes to RUN/eval/step_NNNNNNNN/, where `scaletrain eval --tasks` writes that checkpoint's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from megatron.core import parallel_state
+
+from scaletrain.config import Config, ConfigError
+from scaletrain.data.storage import dataset_location
+from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.evaluation.downstream import EVAL_DIR, LMEvalMissing, harness_module, is_metric, write_results
+from scaletrain.evaluation.scoring import Scorer
+from scaletrain.model.registry import get_family
+from scaletrain.parallel.groups import Topology
+from scaletrain.tracking.metrics import MetricsLogger
+from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks.console import ProgressBar
+from scaletrain.train.state import TrainState
+
+PREFIX = "eval/downstream/"
+TIME_KEY = PREFIX + "time_s"
+
+
+class DownstreamTasks(Hook):
+    """Built only when eval.tasks lists tasks (`for_run`); the tasks are found, and lm-eval imported, before the
+    first step, so a missing extra or an unknown task stops the run in one line before it trains."""
+
+    def __init__(self, model: Any, config: Config, topology: Topology, logger: MetricsLogger,
+                 progress: ProgressBar) -> None:
+        self._config, self._topology, self._logger, self._progress = config, topology, logger, progress
+        self._harness = harness_for_training(config)
+        self._selection = selected_tasks(self._harness, config)
+        tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
+        scorer = Scorer(model, config, tokenizer, topology.device, config.eval.batch_size)
+        info = {"scaletrain": {"run": config.run.dir, "in_loop": True, "family": config.model.family,
+                               "tensor_parallel": topology.tensor_parallel_size,
+                               "data_parallel": topology.data_parallel_size}}
+        self._lm = self._harness.ScaletrainLM(scorer, parallel_state.get_data_parallel_group(), info)
+        self.final_metrics: dict[str, float] = {}
+
+    @classmethod
+    def for_run(cls, model: Any, config: Config, topology: Topology, logger: MetricsLogger,
+                progress: ProgressBar) -> DownstreamTasks | None:
+        return cls(model, config, topology, logger, progress) if config.eval.tasks else None
+
+    def on_train_start(self, state: TrainState) -> None:
+        if state.step == 0 and self._config.eval.every:
+            self._evaluate(0)
+
+    def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
+        every, finished = self._config.eval.every, state.step == self._config.train.steps
+        if finished or (every and state.step % every == 0):
+            metrics = self._evaluate(state.step)
+            if finished:
+                self.final_metrics = metrics
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Every rank scores its share; rank 0 logs the metrics (an empty dict elsewhere) and writes the JSON."""
+        evaluation = self._config.eval
+        self._lm.model_info["scaletrain"]["step"] = step
+        started = time.perf_counter()
+        results = self._harness.run_tasks(self._lm, self._selection, lm_eval_limit(evaluation.limit),
+                                          evaluation.num_fewshot, bootstrap_iters=0)
+        elapsed = time.perf_counter() - started
+        if not self._topology.is_logging_rank or results is None:
+            return {}
+        metrics = {**downstream_metrics(results), TIME_KEY: elapsed}
+        self._logger.log({"step": step, **metrics})
+        write_results(results, Path(self._config.run.dir) / EVAL_DIR / f"step_{step:08d}")
+        self._progress.write(f"step {step}: downstream {metrics_text(metrics)}")
+        return metrics
+
+
+def harness_for_training(config: Config) -> ModuleType:
+    """evaluation/harness.py (lm-eval imported), or one line: the extra is missing, or the family cannot score."""
+    family = get_family(config.model.family)
+    if family.generation is None:
+        raise ConfigError(f"eval.tasks: a {family.name} model cannot be evaluated on lm-evaluation-harness tasks, "
+                          f"which score or generate text left to right, and {family.not_generating_reason}; leave "
+                          "eval.tasks empty")
+    try:
+        return harness_module()
+    except LMEvalMissing:
+        raise ConfigError(f"eval.tasks={config.eval.tasks} needs lm-evaluation-harness, which is not installed: "
+                          "pip install 'scaletrain[eval]' (or leave eval.tasks empty)") from None
+
+
+def selected_tasks(harness: ModuleType, config: Config) -> Any:
+    """The tasks of eval.tasks, found (names among eval.include_path's tasks or lm-eval's), or one line."""
+    try:
+        return harness.select_tasks(config.eval.tasks, [Path(path) for path in config.eval.include_path])
+    except ValueError as error:
+        message = str(error).replace("--include-path DIR", "eval.include_path").removeprefix("--tasks")
+        raise ConfigError(f"eval.tasks{message}") from None
+
+
+def lm_eval_limit(limit: float | None) -> float | int | None:
+    """eval.limit as `scaletrain eval --limit` hands it to lm-eval: a whole number of documents as an int."""
+    if limit is None:
+        return None
+    return int(limit) if limit >= 1 and limit == int(limit) else limit
+
+
+def downstream_metrics(results: dict) -> dict[str, float]:
+    """eval/downstream/<task>/<metric>[/<filter>] of every task (and group) in lm-eval's results, numbers only."""
+    metrics = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            if not is_metric(key) or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            name, _, filter_name = key.partition(",")
+            metrics[f"{PREFIX}{task}/{name}" + ("" if filter_name == "none" else f"/{filter_name}")] = float(value)
+    return metrics
+
+
+def metrics_text(metrics: dict[str, float]) -> str:
+    shown = [f"{key.removeprefix(PREFIX)} {value:.4f}" for key, value in metrics.items() if key != TIME_KEY]
+    return f"{', '.join(shown)} ({metrics[TIME_KEY]:.1f} s)"

@@ -116,3 +116,11 @@ def add_fit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs NOT fitted (a CSV params,tokens,loss or a sweep directory): compare their losses "
                         "with the predictions (the chosen law's; under a tie the median of the tied forms' "
                         "mixture); writes check.csv and check.png")
+    parser.add_argument("--task-metric", nargs="+", metavar="TASK/METRIC", default=None,
+                        help="downstream task metrics to predict at the target budgets (and for --check's runs), as "
+                        "results.csv's downstream/TASK/METRIC columns name them (e.g. english_next_line/acc; "
+                        "several, or comma-separated): a loss by its law, an accuracy by a sigmoid of the task's "
+                        "loss (Bhagia et al. 2024; default: every metric the runs record)")
+    parser.add_argument("--task-loss", metavar="METRIC", default=None,
+                        help="the task loss an accuracy is a sigmoid of (default: gold_loss, else bits_per_byte, "
+                        "the first the task records)")

@@ -5,7 +5,9 @@ A sweep directory gives its results.csv's `done` rows that are points of the law
 stable runs, which are never cooled down: their branches are the points), with val_loss as the loss,
 each run's training curve (metrics.jsonl, for the plots) and plan.json's train_tokens as the unique
 tokens. A CSV gives its rows (a sweep's results.csv: its done points), columns params,tokens,loss or
-val_loss, optional flops (default 6ND), budget, seed, unique_tokens, data_fingerprint.
+val_loss, optional flops (default 6ND), budget, seed, unique_tokens, data_fingerprint, and any downstream
+task metrics as columns downstream/TASK/METRIC (sweep/layout.py; the ladder's downstream prediction fits them,
+downstream.py).
 
 Exclusion rules (fit_arguments.parse_exclusion, e.g. "num_layers < 2") remove runs from the runs
 read, in order, each counted by the runs it removed.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from scaletrain.scaling.fit import Curve, FitData, Point, smooth_training_curve
 from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, Exclusion, parse_exclusion
-from scaletrain.scaling.sweep.layout import PLAN_FILE, RESULTS_FILE
+from scaletrain.scaling.sweep.layout import DOWNSTREAM_PREFIX, PLAN_FILE, RESULTS_FILE
 
 SWEEP_COLUMNS = ("name", "status", "budget", "tokens", "flops", "flops_per_token", "val_loss")
 CSV_HINT = ("a CSV of runs needs columns params,tokens,loss (or val_loss; optional flops, budget, seed, "
@@ -48,6 +50,7 @@ class Runs:
     fingerprints: list[str | None]
     path: Path
     exclusions: list[tuple[str, int]] = field(default_factory=list)
+    task_values: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def fingerprint(self) -> str | None:
@@ -86,7 +89,8 @@ def _read_csv(path: Path, params_column: str, rules: list[Exclusion]) -> Runs:
     loss_column = "loss" if "loss" in header else "val_loss"
     unique_tokens = _train_tokens(path.parent) if path.name == RESULTS_FILE else None
     points = [_point(row, line, path, params_column, loss_column, unique_tokens) for line, row in rows]
-    return Runs(FitData(points, [None] * len(points)), _labels(rows), _fingerprints(rows), path, removed)
+    return Runs(FitData(points, [None] * len(points)), _labels(rows), _fingerprints(rows), path, removed,
+                _task_values(rows, path))
 
 
 def _read_sweep(sweep_dir: Path, params_column: str, rules: list[Exclusion]) -> Runs:
@@ -104,7 +108,8 @@ def _read_sweep(sweep_dir: Path, params_column: str, rules: list[Exclusion]) -> 
         points.append(point)
         curves.append(_training_curve(sweep_dir / "runs" / row["name"] / "metrics.jsonl", point.params,
                                       _positive(row, "flops_per_token", results, line)))
-    return Runs(FitData(points, curves), _labels(done), _fingerprints(done), results, removed)
+    return Runs(FitData(points, curves), _labels(done), _fingerprints(done), results, removed,
+                _task_values(done, results))
 
 
 def apply_exclusions(rows: Rows, header: list[str], rules: list[Exclusion],
@@ -160,6 +165,29 @@ def _point(row: dict[str, str], line: int, path: Path, params_column: str, loss_
             raise ValueError(f"{path}, row at line {line}: seed={row['seed']!r} is not an integer; "
                              "fix or remove the row")
     return Point(params, tokens, flops, loss, budget, unique_tokens, None if seed is None else int(seed))
+
+
+def _task_values(rows: Rows, path: Path) -> list[dict[str, float]]:
+    """Each row's filled downstream/TASK/METRIC cells as {TASK/METRIC: value}; an empty cell is a metric the
+    run did not record."""
+    values = []
+    for line, row in rows:
+        columns = [column for column, cell in row.items() if column and column.startswith(DOWNSTREAM_PREFIX)
+                   and (cell or "").strip()]
+        values.append({column.removeprefix(DOWNSTREAM_PREFIX): _finite(row, column, path, line)
+                       for column in columns})
+    return values
+
+
+def _finite(row: dict[str, str], column: str, path: Path, line: int) -> float:
+    try:
+        value = float(row[column])
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{path}, row at line {line}: {column}={row[column]!r} is not a number; fix the cell or "
+                         "empty it (a metric the run did not record)")
+    return value
 
 
 def total_column(params_column: str) -> str:

@@ -64,6 +64,15 @@ otherwise):
            loss, predicted, lower, upper, error, error_pct, inside}], mean_abs_error_pct, mean_signed_error_pct,
            coverage: {inside, with_interval, runs}, rankings: [{flops, budget, measured, predicted, correct}],
            predicted_by (chosen.loss_prediction's how)} (or {skipped: reason} when no law form was fitted)
+    downstream (only where --task-metric names metrics or the runs record any; downstream.py): {citation,
+           task_loss_formula, sigmoid_formula, confidence, interval (how it is built), tasks: {TASK/METRIC:
+           {skipped: reason} | {task_loss_metric, runs, bootstrap_fits, bootstrap_failures,
+           law: {constants, constants_ci, residual_sd (ln L)}, sigmoid: {a, L0, k, b, each _ci, residual_sd,
+           p_value} | null, sigmoid_skipped (why no sigmoid: the metric is the loss, or does not move with it)
+           | null, predictions: [{flops, n_opt, d_opt (the chosen law's), task_loss, task_loss_interval, value,
+           interval}], check (with --check): {points: [{params, tokens, flops, measured, predicted, lower, upper,
+           error, error_pct, inside}], mean_abs_error, mean_signed_error, coverage: {inside, with_interval,
+           runs}} | {skipped: reason}}}}
 N_opt ∝ C^a = n_coefficient C^a and D_opt ∝ C^b = d_coefficient C^b.
 """
 
@@ -85,6 +94,7 @@ from scaletrain.config import build_dataclass
 from scaletrain.scaling.backtest import SIMPLER_PRIOR, Fold
 from scaletrain.scaling.check import CHECK_CONFIDENCE, CheckResult, check_csv, check_document, check_lines
 from scaletrain.scaling.check import check_predictions as check_held_out
+from scaletrain.scaling.downstream import downstream_lines, fit_downstream, parse_task_metrics
 from scaletrain.scaling.fit import (
     APPROACHES,
     BOOTSTRAP_GRID_STARTS,
@@ -153,6 +163,8 @@ class FitOptions:
     check: Path | None = field(default=None)
     exclude: tuple[str, ...] | None = None  # exclusion rules, fit_arguments.parse_exclusion
     from_spec: tuple[str, ...] = ()
+    task_metrics: tuple[str, ...] | None = None  # downstream TASK/METRIC names; None: every one recorded
+    task_loss: str | None = None  # the task loss of step 1; None: downstream.TASK_LOSS_METRICS' first
 
     def huber_delta_value(self) -> float | None:
         """The resolved delta as the fits take it: None for auto."""
@@ -161,9 +173,12 @@ class FitOptions:
 
 def fit_from_args(args: argparse.Namespace) -> str:
     """The command line's options; those not given stay None (a sweep's spec, else the default)."""
+    task_metrics = None if args.task_metric is None else tuple(
+        name.strip() for text in args.task_metric for name in text.split(",") if name.strip())
     options = FitOptions(args.target_flops, args.bootstrap, args.params_column, args.seed, args.objective,
                          args.huber_delta, tuple(dict.fromkeys(args.forms)) if args.forms else None, args.check,
-                         None if args.exclude is None else tuple(args.exclude))
+                         None if args.exclude is None else tuple(args.exclude), task_metrics=task_metrics,
+                         task_loss=args.task_loss)
     report, _, _ = run_fit(args.source, args.out, options)
     return report
 
@@ -191,16 +206,28 @@ def run_fit(source: Path, out_dir: Path | None = None,
     _check_options(out_dir, options)
     runs = read_runs(source, options.params_column, options.exclude)
     held_out = _read_held_out(options.check, options.params_column, runs) if options.check else None
+    if options.task_metrics is not None:
+        parse_task_metrics(options.task_metrics, runs)
     targets = sorted(options.target_flops or default_targets(runs.data))
     result = fit_scaling_laws(runs.data, options.bootstrap, options.seed, options.objective,
                               options.huber_delta_value(), options.forms or None)
     check = _check(result, held_out) if held_out is not None else None
     document = fit_document(result, runs, targets, str(source), options, check)
+    downstream = fit_downstream(runs, options.task_metrics, options.task_loss, _allocations(document), held_out,
+                                options.bootstrap, options.seed)
+    if downstream is not None:
+        document["downstream"] = _strict(downstream)
     checked = check if isinstance(check, CheckResult) else None
     plots = publish(out_dir, document, result, runs.data, targets, checked)
     written = f"{out_dir / FIT_FILE}" + (f", {out_dir / CHECK_FILE}" if checked else "")
     report = format_summary(document, checked) + f"wrote {written} and {len(plots)} plots\n"
     return report, document, plots
+
+
+def _allocations(document: dict[str, Any]) -> list[tuple[float, float | None, float | None]]:
+    """(C, N*, D*) of the chosen law at each target budget, where the downstream metrics are predicted."""
+    return [(row["flops"], *((row["chosen"]["n_opt"], row["chosen"]["d_opt"]) if row["chosen"] else (None, None)))
+            for row in document["predictions"]]
 
 
 def with_spec_defaults(source: Path, options: FitOptions) -> FitOptions:
@@ -552,6 +579,8 @@ def format_summary(document: dict[str, Any], check: CheckResult | None = None) -
         lines += check_lines(check, _predictor_label(document["chosen"]))
     elif "check" in document:
         lines.append(f"held-out check skipped: {document['check']['skipped']}")
+    if "downstream" in document:
+        lines += downstream_lines(document["downstream"])
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,10 @@
     SWEEP/tune/                `sweep tune`: its grid as a sweep of its own, tuned.json, check.json
 
 and the columns of results.csv, which the spec's fit exclusions name (spec.py) without loading the
-training code that results.py needs.
+training code that results.py needs. Beyond RESULT_COLUMNS, results.csv has one column per downstream task
+metric that its runs recorded (DOWNSTREAM_PREFIX + TASK/METRIC, e.g. downstream/english_next_line/acc), only
+when some run recorded one: the in-loop evaluation's `eval/downstream/TASK/METRIC` (METRIC_PREFIX) of the
+run's final step, which the ladder's downstream prediction fits (scaling/downstream.py).
 """
 
 SWEEP_FILE = "sweep.json"
@@ -31,3 +34,7 @@ RESULT_COLUMNS = (
     "active_params", "active_non_embedding_params", "tokens", "flops", "flops_per_token", "lr", "val_loss",
     "train_loss", "steps", "wall_s", "data_fingerprint", "role",
 )
+
+# A run's downstream metric as train/ logs it (metrics.jsonl, summary.json), and as results.csv names it.
+METRIC_PREFIX = "eval/downstream/"
+DOWNSTREAM_PREFIX = "downstream/"

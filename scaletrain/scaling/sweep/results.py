@@ -28,7 +28,15 @@ from scaletrain.config_loader import load_config
 from scaletrain.data.errors import DataError
 from scaletrain.data.manifest import MANIFEST_NAME, SplitInfo, parse_manifest
 from scaletrain.data.storage import dataset_location
-from scaletrain.scaling.sweep.layout import RESULT_COLUMNS, RESULTS_FILE, RUN_CONFIG_FILE, STATUS_FILE, TRAIN_LOG
+from scaletrain.scaling.sweep.layout import (
+    DOWNSTREAM_PREFIX,
+    METRIC_PREFIX,
+    RESULT_COLUMNS,
+    RESULTS_FILE,
+    RUN_CONFIG_FILE,
+    STATUS_FILE,
+    TRAIN_LOG,
+)
 from scaletrain.train.loop import RUN_SUMMARY_FILE
 
 # The final training loss is the mean over the last 5% of steps (at least one): the cosine
@@ -74,7 +82,8 @@ def run_status(run_dir: Path) -> RunStatus:
 
 
 def result_row(planned: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """One results.csv row: the planned numbers, and the measured ones for a finished run."""
+    """One results.csv row: the planned numbers, and the measured ones for a finished run (with its
+    downstream task metrics, downstream_metrics, as DOWNSTREAM_PREFIX + TASK/METRIC columns)."""
     status = run_status(run_dir)
     row = {column: planned.get(column) for column in RESULT_COLUMNS}
     row["status"] = status.state
@@ -87,7 +96,26 @@ def result_row(planned: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         summary = json.loads((run_dir / RUN_SUMMARY_FILE).read_text())
         row.update(val_loss=summary.get("val_loss"), steps=summary["step"], tokens=summary["tokens"],
                    flops=summary["flops"], train_loss=smoothed_train_loss(run_dir / "metrics.jsonl"))
+        row.update({DOWNSTREAM_PREFIX + name: value
+                    for name, value in downstream_metrics(summary, run_dir / "metrics.jsonl").items()})
     return row
+
+
+def downstream_metrics(summary: dict[str, Any], metrics_path: Path) -> dict[str, float]:
+    """{TASK/METRIC: value} of a finished run's downstream evaluation at its final step: summary.json's
+    METRIC_PREFIX keys, else those metrics.jsonl logged at the summary's step. A value from an earlier step
+    is not taken: it belongs to another (N, D) than the row's."""
+    recorded = {key: value for key, value in summary.items() if key.startswith(METRIC_PREFIX)}
+    if not recorded and metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if isinstance(record, dict) and record.get("step") == summary["step"]:
+                recorded.update({key: value for key, value in record.items() if key.startswith(METRIC_PREFIX)})
+    return {key.removeprefix(METRIC_PREFIX): float(value) for key, value in sorted(recorded.items())
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def data_fingerprint(config: Config) -> str:
@@ -155,9 +183,11 @@ def training_records(metrics_path: Path) -> dict[int, dict[str, Any]]:
 
 
 def write_results_csv(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
-    """SWEEP_DIR/results.csv, written to a temporary name and renamed, so readers never see half a file."""
+    """SWEEP_DIR/results.csv, written to a temporary name and renamed, so readers never see half a file:
+    RESULT_COLUMNS, then the downstream columns any row has, sorted (empty where a run lacks one)."""
+    downstream = sorted({key for row in rows for key in row if key.startswith(DOWNSTREAM_PREFIX)})
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=RESULT_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=[*RESULT_COLUMNS, *downstream], lineterminator="\n")
     writer.writeheader()
     for row in rows:
         writer.writerow({key: "" if value is None else value for key, value in row.items()})

@@ -53,11 +53,9 @@ def _close(value: float, reference: float) -> bool:
     return abs(value - reference) <= TOLERANCE * max(1.0, abs(reference) / 100)
 
 
-@pytest.fixture(scope="module")
-def task_yamls(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_task_yamls(small_dataset: Path, root: Path) -> Path:
     """A directory of task YAMLs that include the shipped configs/eval_tasks/shakespeare_*.yaml, each reading the
     data `scaletrain eval-tasks build` wrote from the small dataset's held-out split (and caching it there)."""
-    root = tmp_path_factory.mktemp("eval_tasks")
     run_scaletrain("eval-tasks", ["build", str(DEMO_CONFIG), f"data.dir={small_dataset}", "--out", str(root / "data"),
                                   "--count", str(RECORDS)])
     (root / "yaml").mkdir()
@@ -67,6 +65,11 @@ def task_yamls(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
             f"task: shakespeare_{task}\n"
             f"dataset_kwargs: {{data_files: {{test: {root / 'data' / task}.jsonl}}, cache_dir: {root / 'cache'}}}\n")
     return root / "yaml"
+
+
+@pytest.fixture(scope="module")
+def task_yamls(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_task_yamls(small_dataset, tmp_path_factory.mktemp("eval_tasks"))
 
 
 @pytest.fixture(scope="module")

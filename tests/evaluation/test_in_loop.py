@@ -16,12 +16,10 @@ import pytest
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.train.hooks.downstream import downstream_metrics, lm_eval_limit
-from tests.evaluation.test_downstream import HIDE_LM_EVAL
+from tests.evaluation.test_downstream import HIDE_LM_EVAL, TASKS, write_task_yamls
 from tests.train.runs import DEMO_CONFIG, REPO, TrainedAhead, run_scaletrain, scaletrain_environment, tiny_overrides
 
 TAG = "scaletrain_shakespeare"
-TASKS = ("passages", "next_line", "cloze")
-RECORDS = 16  # per task built; eval.limit reads fewer
 LIMIT = 12
 STEPS, EVERY = 4, 2
 # layout -> (ranks, overrides)
@@ -31,16 +29,7 @@ LAYOUTS = {"tp1": (1, []), "dp2": (2, []), "tp2": (2, ["parallel.tensor=2"])}
 @pytest.fixture(scope="module")
 def task_yamls(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped configs/eval_tasks/shakespeare_*.yaml over data built from the small dataset's held-out split."""
-    root = tmp_path_factory.mktemp("in_loop_tasks")
-    run_scaletrain("eval-tasks", ["build", str(DEMO_CONFIG), f"data.dir={small_dataset}", "--out", str(root / "data"),
-                                  "--count", str(RECORDS)])
-    (root / "yaml").mkdir()
-    for task in TASKS:
-        (root / "yaml" / f"shakespeare_{task}.yaml").write_text(
-            f"include: {REPO / 'configs' / 'eval_tasks' / f'shakespeare_{task}.yaml'}\n"
-            f"task: shakespeare_{task}\n"
-            f"dataset_kwargs: {{data_files: {{test: {root / 'data' / task}.jsonl}}, cache_dir: {root / 'cache'}}}\n")
-    return root / "yaml"
+    return write_task_yamls(small_dataset, tmp_path_factory.mktemp("in_loop_tasks"))
 
 
 def _train_overrides(small_dataset: Path, run_dir: Path) -> list[str]:

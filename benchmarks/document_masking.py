@@ -32,6 +32,7 @@ from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.data.objectives import document_ids  # noqa: E402
 from scaletrain.data.tokenizer import SPECIAL_IDS  # noqa: E402
 from scaletrain.model import build_model  # noqa: E402
+from scaletrain.model.gpt import attention_backend  # noqa: E402
 from scaletrain.parallel.groups import Topology, destroy_distributed, init_distributed  # noqa: E402
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
@@ -95,11 +96,15 @@ def main() -> None:
     for pair in range(args.pairs):
         for name in names[pair % len(names):] + names[:pair % len(names)]:
             times[name].append(time_steps(trainers[name], args.steps, topology.device))
-    _report(config, times, args)
+    # what runs the attention: a variant without a mask runs SDPA's is_causal whatever the backend
+    backends = {name: attention_backend(variant) if variant.model.document_masking or variant.model.sliding_window
+                else "sdpa is_causal" for name, variant in variants.items()}
+    _report(config, times, args, backends)
     destroy_distributed()
 
 
-def _report(config: Config, times: dict[str, list[float]], args: argparse.Namespace) -> None:
+def _report(config: Config, times: dict[str, list[float]], args: argparse.Namespace,
+            backends: dict[str, str]) -> None:
     tokens = config.train.micro_batch_size * config.train.grad_accum * config.model.seq_length
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"{config.model.family}: {config.model.num_layers} layers, hidden {config.model.hidden_size}, "
@@ -109,7 +114,8 @@ def _report(config: Config, times: dict[str, list[float]], args: argparse.Namesp
     for name, measured in times.items():
         step_time = statistics.median(measured)
         ratios = sorted(ours / plain for ours, plain in zip(measured, times["causal"], strict=True))
-        print(f"{name:>20}: {step_time * 1000:8.1f} ms/step (median), {tokens / step_time:9.0f} tokens/s "
+        print(f"{name:>20} ({backends[name]}): {step_time * 1000:8.1f} ms/step (median), "
+              f"{tokens / step_time:9.0f} tokens/s "
               f"({causal / step_time:.3f} x causal's); step time / causal's per round: median "
               f"{statistics.median(ratios):.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}")
 

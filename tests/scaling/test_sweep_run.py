@@ -19,8 +19,10 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import yaml
 
 from scaletrain.cli import main
+from scaletrain.config import ConfigError
 from scaletrain.scaling.fit_plots import PLOT_FILES
 from scaletrain.scaling.sweep.executors import materialize
 from scaletrain.scaling.sweep.plan import plan_sweep
@@ -231,6 +233,27 @@ def test_finalize_exits_non_zero_when_the_fit_fails_entirely(tmp_path: Path) -> 
     assert f"wrote {plan.directory / 'results.csv'}" in result.stdout
     assert [row["status"] for row in read_results(plan.directory)] == ["done"] * 2 + ["pending"] * 4
     assert not (plan.directory / "fit").exists()
+
+
+def test_a_started_run_resumes_after_an_upgrade_that_added_a_key_but_not_after_a_changed_spec(tmp_path: Path):
+    """A run with checkpoints keeps its run.yaml. One written before a section existed (here `eval`, added
+    with its defaults while a sweep was training) is the same config to today's code, so the sweep goes
+    on; a value the spec no longer gives is refused, naming the run and its file."""
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(tmp_path / "unprepared", tmp_path / "sweep"))
+    plan = plan_sweep(load_sweep_spec(spec_path))
+    materialize(plan)
+    run_dir = plan.run_dir(plan.runs[0])
+    (run_dir / "checkpoints").mkdir()
+    run_yaml = run_dir / "run.yaml"
+    written_before = yaml.safe_load(run_yaml.read_text())
+    del written_before["eval"]
+    run_yaml.write_text(yaml.safe_dump(written_before, sort_keys=False))
+    materialize(plan)
+    assert "eval" not in yaml.safe_load(run_yaml.read_text())  # kept as it was written
+    written_before["train"]["lr"] *= 2
+    run_yaml.write_text(yaml.safe_dump(written_before, sort_keys=False))
+    with pytest.raises(ConfigError, match=f"run {plan.runs[0].name} was started with a different config"):
+        materialize(plan)
 
 
 def test_status_shows_a_running_runs_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from scaletrain.config import ConfigError, save_config
+from scaletrain.config import Config, ConfigError, save_config
 from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RUN_CONFIG_FILE, RUNS_DIR, SWEEP_FILE, TRAIN_LOG
 from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan
@@ -36,7 +36,9 @@ def materialize(plan: SweepPlan) -> None:
     """Write SWEEP/sweep.json, SWEEP/plan.json and each run's full config, RUN/run.yaml.
 
     A run that already has checkpoints keeps its config: a changed spec would otherwise resume
-    it under different settings, so that is refused with the run's name.
+    it under different settings, so that is refused with the run's name. The stored config is read
+    as today's code reads it, so a key added to scaletrain since (its default filled in) is no change:
+    a sweep started before an upgrade resumes under it.
     """
     sweep_dir = plan.directory
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,7 @@ def materialize(plan: SweepPlan) -> None:
         run_dir = plan.run_dir(run)
         path = run_dir / RUN_CONFIG_FILE
         if path.is_file() and (run_dir / "checkpoints").is_dir():
-            if yaml.safe_load(path.read_text()) != yaml.safe_load(yaml.safe_dump(config.to_dict(), sort_keys=False)):
+            if _as_read_now(path) != _as_yaml(config):
                 raise ConfigError(
                     f"sweep {plan.spec.name}: run {run.name} was started with a different config "
                     f"({path}); the spec changed since. Use a new sweep `dir`, or delete {run_dir} to retrain it"
@@ -56,6 +58,18 @@ def materialize(plan: SweepPlan) -> None:
     _write_json(sweep_dir / SWEEP_FILE, {"spec": plan.spec.to_dict(), "working_dir": os.getcwd()})
     _write_json(sweep_dir / PLAN_FILE, {"tokens_per_step": plan.tokens_per_step, "train_tokens": plan.train_tokens,
                                         "runs": [run.to_row() for run in plan.runs]})
+
+
+def _as_yaml(config: Config) -> dict:
+    return yaml.safe_load(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def _as_read_now(path: Path) -> dict:
+    """RUN/run.yaml as a config today's code loads (defaults filled in), or as written where it no longer loads."""
+    try:
+        return _as_yaml(load_config(path, [], to_train=False))
+    except ConfigError:
+        return yaml.safe_load(path.read_text())
 
 
 def run_one(run_dir: Path, nproc: int = 1, nodes: int = 1) -> int:

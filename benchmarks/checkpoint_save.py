@@ -35,6 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpt_throughput import random_batches  # noqa: E402
 from scaletrain.checkpoint import manager  # noqa: E402
+
+try:  # the newest save's times: in publishing.py since checkpoint/ was split by concern, before in manager.py
+    from scaletrain.checkpoint.publishing import last_save
+except ImportError:
+    last_save = getattr(manager, "last_save", None)
 from scaletrain.config import resolve_for_world  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.parallel.groups import destroy_distributed, init_distributed, world_size_from_environment  # noqa: E402
@@ -93,7 +98,7 @@ def main() -> None:
             finish_started = time.perf_counter()
             finish()  # measure the write; the next blocks start with nothing in flight
             writes.append(call + time.perf_counter() - finish_started
-                          if not hasattr(manager, "last_save") else manager.last_save.write_s)
+                          if last_save is None else last_save.write_s)
         newest = manager.complete_checkpoints(Path(run_dir))[-1]
         size = sum(path.stat().st_size for path in newest.rglob("*") if path.is_file())
         if topology.rank == 0:

@@ -297,8 +297,8 @@ def _train(args: argparse.Namespace) -> int:
 
     The stop handlers go in as soon as the config names them and are never taken out; once the
     exit code is known the stop signals are ignored (train/stopping.py StopSignals says why).
-    A run already at train.steps says so in one line and exits 0 (run_config.NothingToTrain)."""
-    from scaletrain.checkpoint.run_config import NothingToTrain
+    A run already at train.steps says so in one line and exits 0 (resume_policy.NothingToTrain)."""
+    from scaletrain.checkpoint.resume_policy import NothingToTrain
     from scaletrain.parallel.groups import destroy_distributed
     from scaletrain.parallel.peer_loss import EXIT_RANK_LOST, RankLost
     from scaletrain.train.loop import train
@@ -336,7 +336,7 @@ def _train(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> None:
     """The summary of the run `train` would start; train's own line for what it would refuse (exit 2),
     and for a run with nothing left to train (exit 0, as train)."""
-    from scaletrain.checkpoint.run_config import NothingToTrain
+    from scaletrain.checkpoint.resume_policy import NothingToTrain
     from scaletrain.train.preflight import preflight
 
     try:

@@ -887,7 +887,7 @@ def _validate_recompute(train: TrainConfig, num_layers: int) -> None:
 
 
 def _validate_schedule(train: TrainConfig) -> None:
-    """The LR schedule's keys; a branch's checkpoint is checked when the run starts (checkpoint/manager.py)."""
+    """The LR schedule's keys; a branch's checkpoint is checked when the run starts (checkpoint/resume_policy.py)."""
     if train.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"train.lr_schedule={train.lr_schedule!r}; use {' or '.join(LR_SCHEDULES)}")
     if train.cooldown_shape not in COOLDOWN_SHAPES:

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, read_meta
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import CheckpointMeta, read_meta
 from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location

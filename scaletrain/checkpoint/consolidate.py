@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import read_meta
 from scaletrain.checkpoint.integrity import check_finite
 from scaletrain.checkpoint.layout_free import full_weights
-from scaletrain.checkpoint.manager import CheckpointError, read_meta
 from scaletrain.checkpoint.safe_load import CheckedFiles
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank
 

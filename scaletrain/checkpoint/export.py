@@ -15,8 +15,9 @@ from types import FrameType
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import CheckpointMeta, read_meta
 from scaletrain.checkpoint.hf.tokenizer import write_hf_tokenizer
-from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, read_meta
 from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
@@ -32,7 +33,7 @@ EXPORT_DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "b
 
 def export_run(run_dir: Path, out_dir: Path, checkpoint: str | None = None, dtype: str = "fp32") -> Path:
     """`checkpoint` of `run_dir` (a directory, its name or its step: run_config.chosen_checkpoint), or its
-    newest that loads (manager.first_loadable), whatever its layout, as a transformers model directory
+    newest that loads (format.first_loadable), whatever its layout, as a transformers model directory
     (the family's HF adapter: GPT2LMHeadModel, BertForMaskedLM, T5ForConditionalGeneration,
     LlamaForCausalLM; ELECTRA's generator/ and discriminator/ side by side) with its weights in `dtype`
     (EXPORT_DTYPES), plus, beside each model, our tokenizer files and the Hugging Face ones made from them

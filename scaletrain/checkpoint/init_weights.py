@@ -14,7 +14,7 @@ import torch
 
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.integrity import nonfinite_tensors
-from scaletrain.checkpoint.manager import resume_candidates
+from scaletrain.checkpoint.resume_policy import resume_candidates
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import Config, ConfigError
 

@@ -1,7 +1,7 @@
 """A checkpoint's contents as they were saved: a CRC-32 per file, taken while saving and checked on
 load, and the loaded weights and Adam moments checked finite (issue 20).
 
-Sizes (manager.check_files) catch a truncated or missing file, not bytes changed in place: a bit
+Sizes (format.check_files) catch a truncated or missing file, not bytes changed in place: a bit
 flipped on a disk or in transit, a file overwritten at its own size. Such a file unpickles fine, and
 a NaN in it used to train on into a divergence that blamed the run. So:
 - Saving: each rank's files stream through `ChecksumWriter`, which updates the CRC as torch.save
@@ -24,7 +24,7 @@ meta.json carries its own CRC-32 too (`seal_meta`): its step and consumed_sample
 starts and which batches come next, so one changed in place (step 20 read as 28) would skip steps
 or replay data without a word. It is taken over the fields in one canonical JSON form, as the
 checksum cannot cover the file that holds it. A meta.json written before it was sealed (no
-`meta_crc32`) is read as before; manager.read_meta still checks its step against the directory name.
+`meta_crc32`) is read as before; format.read_meta still checks its step against the directory name.
 Cost, same box (shared: load average 5 on its 2 cores; best of 15), a 256 MiB state in 16 MiB fp32
 tensors: saving 0.8-1.3 -> 1.2-1.7 s per GiB (+0.4-0.7 s: the CRC, 0.27 s per GiB alone, and
 torch.save writing through Python); loading 0.6-0.7 -> 1.5-2.0 s per GiB (+0.9-1.4 s: reading the

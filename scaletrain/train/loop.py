@@ -11,23 +11,24 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.checkpoint.consolidate import load_full_state_dict
+from scaletrain.checkpoint.divergence import set_aside_rejected
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import CheckpointMeta, check_files, checkpoint_root, complete_checkpoints, read_meta
 from scaletrain.checkpoint.init_weights import check_init_from, load_init_weights
-from scaletrain.checkpoint.manager import (
-    CheckpointError,
-    CheckpointMeta,
+from scaletrain.checkpoint.manager import load_checkpoint
+from scaletrain.checkpoint.publishing import (
     abandon_pending_save,
-    check_files,
-    checkpoint_root,
     clean_leftovers,
-    complete_checkpoints,
     finish_pending_save,
-    load_checkpoint,
     pending_save_failed,
-    read_meta,
-    resume_candidates,
-    set_aside_rejected,
 )
-from scaletrain.checkpoint.run_config import Resumption, checkpoint_provenance, resume_rules, resumption_from
+from scaletrain.checkpoint.resume_policy import (
+    Resumption,
+    checkpoint_provenance,
+    resume_candidates,
+    resume_rules,
+    resumption_from,
+)
 from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
 from scaletrain.model.counts import model_counts
 from scaletrain.parallel.groups import (
@@ -179,7 +180,7 @@ def _run(
     stop_signals: StopSignals, provenance: dict[str, str],
 ) -> None:
     """Steps until train.steps or an agreed early stop; every side concern is a hook (train/hooks/).
-    `provenance` goes into each checkpoint's meta.json (run_config.checkpoint_provenance)."""
+    `provenance` goes into each checkpoint's meta.json (resume_policy.checkpoint_provenance)."""
     global_batch = config.global_batch_size(topology.data_parallel_size)
     objective = build_objective(config)
 
@@ -310,10 +311,10 @@ def _injects_nonfinite_loss(config: Config, topology: Topology, step: int) -> bo
 def _restore_or_start(
     engine: Any, config: Config, topology: Topology, run_dir: Path, candidates: list[Path], tokenizer_sha256: str
 ) -> tuple[TrainState, Resumption | None]:
-    """Resume from the first of `candidates` (manager.resume_candidates) that loads, naming any that
-    did not and setting aside those of this run (manager.set_aside_rejected), or start at step 0.
+    """Resume from the first of `candidates` (resume_policy.resume_candidates) that loads, naming any that
+    did not and setting aside those of this run (divergence.set_aside_rejected), or start at step 0.
     Every rank takes the same checkpoint: a failure on any rank skips it on all. Each is held to the
-    resume rules (run_config.resumption_from) before it loads: a checkpoint of another config stops
+    resume rules (resume_policy.resumption_from) before it loads: a checkpoint of another config stops
     the run instead of quietly falling back to an older one, since the config changed, not the checkpoint."""
     if topology.rank == 0:
         for leftover in clean_leftovers(run_dir):

@@ -6,7 +6,7 @@ prepared data's manifest, the layout for the world size, the run directory's loc
 checkpoints can be written, and its newest checkpoint whose meta.json is intact, and builds no model
 and no process group; launch/slurm.sbatch runs it before srun. `train` runs the same checks that
 need no other rank's word (check_data_matches, check_checkpoints_writable, check_init_from, and the
-resume rules: run_config.resume_rules) before its first step, so `check` refuses with train's line.
+resume rules: resume_policy.resume_rules) before its first step, so `check` refuses with train's line.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import checkpoint_root, describe_layout, warn_once
 from scaletrain.checkpoint.init_weights import check_init_from
-from scaletrain.checkpoint.manager import checkpoint_root, describe_layout, resume_candidates, warn_once
-from scaletrain.checkpoint.run_config import SCHEDULE_KEYS, Resumption, resume_rules
+from scaletrain.checkpoint.resume_policy import SCHEDULE_KEYS, Resumption, resume_candidates, resume_rules
 from scaletrain.config import Config, ConfigError, TrainConfig, resolve_for_world
 from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer

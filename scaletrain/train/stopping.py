@@ -144,7 +144,7 @@ class StopConditions:
         """The first reason that holds on any rank, or None; the same answer on every rank (a signal
         is named by the largest signal number any rank received, so every rank says the same even
         when the signal reached some ranks first). `save_failed`: this rank's checkpoint write has
-        failed (manager.pending_save_failed), which the ranks learn at different moments."""
+        failed (publishing.pending_save_failed), which the ranks learn at different moments."""
         train = self._train
         received = self._signals.received
         local = [

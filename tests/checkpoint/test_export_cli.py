@@ -36,7 +36,7 @@ def _train(family: str, data_dir: Path, run_dir: Path, extra: list[str], nproc: 
 def _our_logits(rank: int, world_size: int, run_dir: Path, inputs: dict) -> torch.Tensor:
     from megatron.core import parallel_state
 
-    from scaletrain.checkpoint.manager import latest_checkpoint
+    from scaletrain.checkpoint.format import latest_checkpoint
     from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model

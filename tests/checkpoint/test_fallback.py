@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
-from scaletrain.checkpoint.manager import complete_checkpoints, prune_checkpoints
+from scaletrain.checkpoint.format import complete_checkpoints
+from scaletrain.checkpoint.publishing import prune_checkpoints
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,

@@ -111,7 +111,7 @@ def _greedy_continuation(rank: int, world_size: int, run_dir: Path, prompt_ids: 
                          new_tokens: int) -> list[int]:
     from megatron.core import parallel_state
 
-    from scaletrain.checkpoint.manager import latest_checkpoint
+    from scaletrain.checkpoint.format import latest_checkpoint
     from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model

@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import first_loadable, read_meta
 from scaletrain.checkpoint.integrity import (
     META_CHECKSUM,
     FileRecord,
@@ -30,7 +32,6 @@ from scaletrain.checkpoint.integrity import (
     save_with_checksum,
     seal_meta,
 )
-from scaletrain.checkpoint.manager import CheckpointError, first_loadable, read_meta
 from scaletrain.checkpoint.safe_load import CheckedFiles, load_tensors
 from scaletrain.cli import main
 from tests.train.runs import (

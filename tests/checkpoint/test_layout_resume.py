@@ -137,8 +137,8 @@ def test_resume_in_another_layout_continues_the_run(resumed_case: tuple[str, Pat
 
 def _full_states(rank: int, world_size: int, checkpoints: list[Path]) -> list[dict]:
     """Each checkpoint's full per-parameter state, merged by the index alone (no model built)."""
+    from scaletrain.checkpoint.format import read_meta
     from scaletrain.checkpoint.layout_free import STATE_KEYS, _full_tensors, _PieceReader, read_index
-    from scaletrain.checkpoint.manager import read_meta
     from scaletrain.checkpoint.safe_load import CheckedFiles
 
     states = []

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.checkpoint.manager import CheckpointError, check_branch_point, resume_candidates
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.resume_policy import check_branch_point, resume_candidates
 from scaletrain.checkpoint.safe_load import load_tensors
 from scaletrain.config import ConfigError, TrainConfig
 from scaletrain.config_loader import load_config

@@ -2,7 +2,7 @@
 change since its checkpoint and the LR before and now; another model, seed, global batch or tokenizer
 is refused before the first step; a finished run says there is nothing to train; train.resume=never
 in a used run directory is refused; an explicit train.resume=PATH is a starting point once. `check`
-runs the same rules as `train`, so each refusal is the same line from both (run_config.resume_rules).
+runs the same rules as `train`, so each refusal is the same line from both (resume_policy.resume_rules).
 Each case is run as a user runs it, on a copy of one short trained run."""
 
 from __future__ import annotations

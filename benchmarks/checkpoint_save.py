@@ -36,9 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpt_throughput import random_batches  # noqa: E402
 from scaletrain.checkpoint import manager  # noqa: E402
 
-try:  # the newest save's times: in publishing.py since checkpoint/ was split by concern, before in manager.py
+try:  # their homes since checkpoint/ was split by concern; before, manager.py (this script runs on older checkouts)
+    from scaletrain.checkpoint.format import complete_checkpoints
     from scaletrain.checkpoint.publishing import last_save
 except ImportError:
+    complete_checkpoints = manager.complete_checkpoints
     last_save = getattr(manager, "last_save", None)
 from scaletrain.config import resolve_for_world  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
@@ -99,7 +101,7 @@ def main() -> None:
             finish()  # measure the write; the next blocks start with nothing in flight
             writes.append(call + time.perf_counter() - finish_started
                           if last_save is None else last_save.write_s)
-        newest = manager.complete_checkpoints(Path(run_dir))[-1]
+        newest = complete_checkpoints(Path(run_dir))[-1]
         size = sum(path.stat().st_size for path in newest.rglob("*") if path.is_file())
         if topology.rank == 0:
             stall = statistics.median(s - p for s, p in zip(saving, plain, strict=True))

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.checkpoint import layout_free
-from scaletrain.checkpoint.divergence import DIVERGED_DIR as DIVERGED_DIR
-from scaletrain.checkpoint.divergence import set_aside_from as set_aside_from
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.format import (
     FORMAT,
@@ -30,18 +28,10 @@ from scaletrain.checkpoint.format import (
     rng_state,
     translate_load_errors,
 )
-from scaletrain.checkpoint.format import checkpoint_root as checkpoint_root
-from scaletrain.checkpoint.format import complete_checkpoints as complete_checkpoints
-from scaletrain.checkpoint.format import latest_checkpoint as latest_checkpoint
-from scaletrain.checkpoint.format import read_meta as read_meta
 from scaletrain.checkpoint.publishing import checkpoint_group, finish_pending_save, publish
-from scaletrain.checkpoint.publishing import prune_checkpoints as prune_checkpoints
 from scaletrain.checkpoint.safe_load import CheckedFiles
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
-
-# The names imported `as` themselves above are read from here by train/hooks/, evaluation/downstream.py
-# and tests/evaluation/, which were written before the split; their homes are the modules they come from.
 
 
 def save_checkpoint(

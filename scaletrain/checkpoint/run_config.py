@@ -20,7 +20,6 @@ from scaletrain.checkpoint.format import (
     read_meta,
     translate_load_errors,
 )
-from scaletrain.checkpoint.resume_policy import RESUME_FREE_KEYS as RESUME_FREE_KEYS  # noqa: F401 (tests read it here)
 from scaletrain.config import Config, ParallelConfig, resolve_for_world
 from scaletrain.config_loader import load_config
 

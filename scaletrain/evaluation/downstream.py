@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from scaletrain.checkpoint import layout_free
-from scaletrain.checkpoint.manager import CheckpointError, CheckpointMeta, read_meta, translate_load_errors
+from scaletrain.checkpoint.errors import CheckpointError
+from scaletrain.checkpoint.format import CheckpointMeta, read_meta, translate_load_errors
 from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, stored_config
 from scaletrain.checkpoint.safe_load import CheckedFiles
 from scaletrain.config import Config, ConfigError, ParallelConfig, resolve_for_world

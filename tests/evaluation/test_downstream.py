@@ -153,7 +153,7 @@ def _direct_scores(rank: int, world_size: int, run_dir: Path, requests: dict) ->
     from lm_eval import utils
     from megatron.core import parallel_state
 
-    from scaletrain.checkpoint.manager import latest_checkpoint
+    from scaletrain.checkpoint.format import latest_checkpoint
     from scaletrain.checkpoint.run_config import run_config
     from scaletrain.data.storage import dataset_location
     from scaletrain.data.tokenizer import Tokenizer
@@ -232,7 +232,7 @@ def _generate_until(rank: int, world_size: int, run_dir: Path, requests: list[tu
     from lm_eval.api.instance import Instance
     from megatron.core import parallel_state
 
-    from scaletrain.checkpoint.manager import latest_checkpoint
+    from scaletrain.checkpoint.format import latest_checkpoint
     from scaletrain.checkpoint.run_config import run_config
     from scaletrain.data.storage import dataset_location
     from scaletrain.data.tokenizer import Tokenizer

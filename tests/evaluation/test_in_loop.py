@@ -124,7 +124,7 @@ def test_layouts_the_loop_cannot_score_in_are_refused_at_load(override: str, fra
 
 
 def test_eval_keys_load_with_their_defaults_and_are_free_on_resume() -> None:
-    from scaletrain.checkpoint.run_config import RESUME_FREE_KEYS
+    from scaletrain.checkpoint.resume_policy import RESUME_FREE_KEYS
 
     config = load_config(DEMO_CONFIG, ["eval.tasks=[a, configs/eval_tasks]", "eval.every=100", "eval.limit=20"])
     assert (config.eval.tasks, config.eval.every, config.eval.limit, config.eval.batch_size) == (

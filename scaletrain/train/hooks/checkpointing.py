@@ -11,16 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scaletrain.checkpoint.manager import (
-    DIVERGED_DIR,
-    checkpoint_group,
-    checkpoint_root,
-    complete_checkpoints,
-    finish_pending_save,
-    prune_checkpoints,
-    save_checkpoint,
-    set_aside_from,
-)
+from scaletrain.checkpoint.divergence import DIVERGED_DIR, set_aside_from
+from scaletrain.checkpoint.format import checkpoint_root, complete_checkpoints
+from scaletrain.checkpoint.manager import save_checkpoint
+from scaletrain.checkpoint.publishing import checkpoint_group, finish_pending_save, prune_checkpoints
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
 from scaletrain.train.hooks import Hook
@@ -34,7 +28,7 @@ class Checkpointing(Hook):
 
     def __init__(self, engine: Any, config: Config, topology: Topology, provenance: dict[str, str]) -> None:
         """`provenance`: what each checkpoint's meta.json records for the next resume's rules
-        (run_config.checkpoint_provenance)."""
+        (resume_policy.checkpoint_provenance)."""
         self._engine, self._config, self._topology = engine, config, topology
         self._provenance = provenance
         self._prune_due = True

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from scaletrain.checkpoint.manager import latest_checkpoint
+from scaletrain.checkpoint.format import latest_checkpoint
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
 from scaletrain.train.evaluation import metrics_text

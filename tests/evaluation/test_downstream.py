@@ -1,14 +1,15 @@
 """`scaletrain eval RUN --tasks`: lm-evaluation-harness on scaletrain's own model, as a user runs it.
 
 On each local task (configs/eval_tasks/, its data built by `scaletrain eval-tasks build`) the backend's
-log-likelihoods equal a direct computation with the model and lm-eval's own `hf` backend on the run's export,
-within 1e-4, for GPT, Llama and T5 runs trained at TP=2 and scored in one process (TP=1) and under torchrun at
-TP=2, and for BART in one process; generate_until writes what `scaletrain generate` writes; a missing lm-eval
-and an encoder family each get one line."""
+log-likelihoods equal a direct computation with the model and lm-eval's own `hf` backend on the run's export, within
+1e-4, and so does gold_loss (configs/eval_tasks/metrics.py) of the next-line and cloze tasks, for GPT, Llama and T5
+runs trained at TP=2 and scored in one process (TP=1) and under torchrun at TP=2, and for BART in one process;
+generate_until writes what `scaletrain generate` writes; a missing lm-eval and an encoder family each get one line."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ FAMILIES = {
     "bert": ("bert_tiny.yaml", ["train.steps=1", "train.warmup_steps=0"], 1),
 }
 TASKS = ("passages", "next_line", "cloze")
+GOLD_LOSS_TASKS = ("next_line", "cloze")  # their gold continuation: the labelled choice, the target word
 TAG = "scaletrain_shakespeare"  # the shipped YAMLs' tag for the three
 SEQ_LENGTH = 64
 EOS_ID = 3
@@ -113,12 +115,12 @@ def _ours(results_dir: Path) -> dict[str, dict[int, list[tuple[float, bool | Non
 
 @pytest.fixture(scope="module")
 def references(trained: TrainedAhead, task_yamls: Path, tmp_path_factory: pytest.TempPathFactory
-               ) -> Callable[[str], tuple[dict, dict, dict]]:
+               ) -> Callable[[str], tuple[dict, dict, dict, dict]]:
     """references(family): (lm-eval's hf backend's scores on the export of the family's run, its metrics, the
-    direct computation's scores), computed once per family."""
+    direct computation's scores, the documents by task and id), computed once per family."""
     computed = {}
 
-    def reference(family: str) -> tuple[dict, dict, dict]:
+    def reference(family: str) -> tuple[dict, dict, dict, dict]:
         if family not in computed:
             computed[family] = _reference(trained(family), task_yamls, tmp_path_factory.mktemp(f"{family}_reference"))
         return computed[family]
@@ -126,7 +128,7 @@ def references(trained: TrainedAhead, task_yamls: Path, tmp_path_factory: pytest
     return reference
 
 
-def _reference(run_dir: Path, yamls: Path, tmp_dir: Path) -> tuple[dict, dict, dict]:
+def _reference(run_dir: Path, yamls: Path, tmp_dir: Path) -> tuple[dict, dict, dict, dict]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -144,7 +146,22 @@ def _reference(run_dir: Path, yamls: Path, tmp_dir: Path) -> tuple[dict, dict, d
     requests = {task: {sample["doc_id"]: [list(arguments) for arguments in sample["arguments"]]
                        for sample in samples[f"shakespeare_{task}"]} for task in TASKS}
     direct = run_on_ranks(_direct_scores, 1, run_dir, requests)[0]
-    return hf, results["results"], direct
+    documents = {task: {sample["doc_id"]: sample["doc"] for sample in samples[f"shakespeare_{task}"]}
+                 for task in TASKS}
+    return hf, results["results"], direct, documents
+
+
+def _direct_gold_loss(task: str, direct: dict, documents: dict) -> float:
+    """The mean over documents of the gold continuation's -log-likelihood (direct computation) per UTF-8 byte, in
+    bits: the next-line task's labelled choice, the cloze task's target word."""
+    losses = []
+    for doc, document in documents[task].items():
+        if task == "next_line":
+            gold, (loglikelihood, _) = document["choices"][document["label"]], direct[task][doc][document["label"]]
+        else:
+            gold, ((loglikelihood, _),) = document["target"], direct[task][doc]
+        losses.append(-loglikelihood / (math.log(2) * len(gold.encode("utf-8"))))
+    return sum(losses) / len(losses)
 
 
 def _direct_scores(rank: int, world_size: int, run_dir: Path, requests: dict) -> dict:
@@ -205,7 +222,7 @@ def test_scores_equal_a_direct_computation_and_the_hf_backend_on_the_export(
     run_dir = trained(family)
     options = ["--checkpoint", "6", "--out", str(tmp_path)] if nproc == 2 else []
     stdout, results_dir = _eval_tasks(run_dir, task_yamls, nproc, *options)
-    hf, hf_metrics, direct = references(family)
+    hf, hf_metrics, direct, documents = references(family)
     assert results_dir == (tmp_path if nproc == 2 else run_dir / "eval" / "step_00000006")
     results = json.loads(next(results_dir.glob("results_*.json")).read_text())
     tensor = min(nproc, FAMILIES[family][2])
@@ -221,6 +238,8 @@ def test_scores_equal_a_direct_computation_and_the_hf_backend_on_the_export(
         metrics = {key: value for key, value in results["results"][f"shakespeare_{task}"].items()
                    if "," in key and "_stderr," not in key}
         assert metrics == pytest.approx({key: hf_metrics[f"shakespeare_{task}"][key] for key in metrics}, rel=1e-5)
+        if task in GOLD_LOSS_TASKS:
+            assert metrics["gold_loss,none"] == pytest.approx(_direct_gold_loss(task, direct, documents), abs=TOLERANCE)
         assert f"shakespeare_{task}: " in stdout and f"({RECORDS} documents)" in stdout
 
 

@@ -1,7 +1,8 @@
 """In-loop downstream evaluation (eval.tasks, train/hooks/downstream.py): the numbers it logs at a step are those of
 `scaletrain eval RUN --tasks ... --checkpoint STEP`, in one process and with two data-parallel or tensor-parallel
-ranks; a run that evaluates trains the same losses, bit for bit, as one that does not; a missing lm-eval, a layout
-it cannot score in and an unknown task are each refused in one line before the first step."""
+ranks, and the last step's are in the run's summary.json; a run that evaluates trains the same losses, bit for bit,
+as one that does not; a missing lm-eval, a layout it cannot score in and an unknown task are each refused in one
+line before the first step."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
+from scaletrain.scaling.sweep import results as sweep_results
 from scaletrain.train.hooks.downstream import downstream_metrics, lm_eval_limit
 from tests.evaluation.test_downstream import HIDE_LM_EVAL, TASKS, write_task_yamls
 from tests.train.runs import DEMO_CONFIG, REPO, TrainedAhead, run_scaletrain, scaletrain_environment, tiny_overrides
@@ -92,8 +94,15 @@ def test_in_loop_logs_what_the_offline_command_logs_at_that_step_and_trains_the_
         in_loop_json = next((run_dir / "eval" / f"step_{step:08d}").glob("results_*.json"))
         assert downstream_metrics(json.loads(in_loop_json.read_text())) == logged
     assert downstream[2]["eval/downstream/time_s"] > 0
-    assert {"eval/downstream/shakespeare_next_line/acc", "eval/downstream/shakespeare_passages/bits_per_byte",
-            "eval/downstream/shakespeare_cloze/acc"} <= downstream[4].keys()
+    assert {"eval/downstream/shakespeare_next_line/acc", "eval/downstream/shakespeare_next_line/gold_loss",
+            "eval/downstream/shakespeare_passages/bits_per_byte", "eval/downstream/shakespeare_cloze/acc",
+            "eval/downstream/shakespeare_cloze/gold_loss"} <= downstream[4].keys()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {key: value for key, value in summary.items() if key.startswith("eval/downstream/")} == {
+        key: value for key, value in downstream[STEPS].items() if key != "step"}
+    without = {key: value for key, value in summary.items() if not key.startswith("eval/downstream/")}
+    assert sweep_results.downstream_metrics(summary, run_dir / "metrics.jsonl") == sweep_results.downstream_metrics(
+        without, run_dir / "metrics.jsonl")  # results.csv's columns: the same from either file
 
 
 def test_without_lm_eval_a_run_with_eval_tasks_is_refused_in_one_line_before_step_1(small_dataset: Path,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from scaletrain.scaling import fit_inputs
-from scaletrain.scaling.downstream import Sigmoid, fit_task, recorded_metrics
+from scaletrain.scaling.downstream import Sigmoid, fit_task, recorded_metrics, task_loss_metric
 from scaletrain.scaling.fit import ParametricFit, Point
 from scaletrain.scaling.fit_source import FitOptions, run_fit
 from scaletrain.scaling.sweep.results import result_row, write_results_csv
@@ -115,6 +115,25 @@ def test_fit_predicts_the_task_metrics_and_checks_them_on_held_out_runs(tmp_path
     assert accuracy["check"]["mean_abs_error"] < 0.03
     assert gold["check"]["coverage"]["runs"] == 3
     assert "next/acc: step 1 on 20 runs" in report and "held-out check of 3 runs" in report
+
+
+def test_the_local_tasks_accuracies_are_fitted_on_their_gold_loss(tmp_path: Path) -> None:
+    """The metrics the local tasks record (configs/eval_tasks/): the next-line and cloze tasks' accuracies are a
+    sigmoid of their gold_loss (metrics.py), and a loss is its own task loss."""
+    local = {"shakespeare_next_line": ("acc", "acc_norm", "gold_loss"),
+             "shakespeare_cloze": ("acc", "perplexity", "gold_loss"),
+             "shakespeare_passages": ("bits_per_byte", "byte_perplexity", "word_perplexity")}
+    columns = [f"downstream/{task}/{metric}" for task, metrics in local.items() for metric in metrics]
+    path = tmp_path / "runs.csv"
+    path.write_text(",".join(["params", "tokens", "loss", *columns]) + "\n" + ",".join(
+        ["1e6", "2e7", "3.5", *["0.5"] * len(columns)]) + "\n")
+    runs = fit_inputs.read_runs(path)
+    assert {name: task_loss_metric(name, runs, None) for name in recorded_metrics(runs)} == {
+        "shakespeare_next_line/acc": "gold_loss", "shakespeare_next_line/acc_norm": "gold_loss",
+        "shakespeare_next_line/gold_loss": "gold_loss", "shakespeare_cloze/acc": "gold_loss",
+        "shakespeare_cloze/perplexity": "perplexity", "shakespeare_cloze/gold_loss": "gold_loss",
+        "shakespeare_passages/bits_per_byte": "bits_per_byte", "shakespeare_passages/byte_perplexity":
+            "byte_perplexity", "shakespeare_passages/word_perplexity": "word_perplexity"}
 
 
 def test_an_unrecorded_task_metric_is_refused_before_the_fit(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ model trains in (fp32 on CPU; a bf16 run's in-loop scores are its bf16 weights')
 metrics.jsonl gets one record per evaluation: eval/downstream/<task>/<metric> (lm-eval's metric name, with
 `/<filter>` after it for a filter other than `none`) and eval/downstream/time_s, the evaluation's wall time on
 rank 0, which no step's step_time_s includes; W&B and TensorBoard get the same names. lm-eval's own results JSON
-goes to RUN/eval/step_NNNNNNNN/, where `scaletrain eval --tasks` writes that checkpoint's.
+goes to RUN/eval/step_NNNNNNNN/, where `scaletrain eval --tasks` writes that checkpoint's. The same metrics extend
+the step's record, where RunSummary (listed after this hook) takes the last step's into summary.json.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ class DownstreamTasks(Hook):
                                "tensor_parallel": topology.tensor_parallel_size,
                                "data_parallel": topology.data_parallel_size}}
         self._lm = self._harness.ScaletrainLM(scorer, parallel_state.get_data_parallel_group(), info)
-        self.final_metrics: dict[str, float] = {}
 
     @classmethod
     def for_run(cls, model: Any, config: Config, topology: Topology, logger: MetricsLogger,
@@ -67,11 +67,11 @@ class DownstreamTasks(Hook):
             self._evaluate(0)
 
     def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
+        """The metrics extend `record` after StepMetrics logged it (metrics.jsonl has them in their own record), for
+        the hooks listed after this one: RunSummary writes the last step's to summary.json."""
         every, finished = self._config.eval.every, state.step == self._config.train.steps
         if finished or (every and state.step % every == 0):
-            metrics = self._evaluate(state.step)
-            if finished:
-                self.final_metrics = metrics
+            record.update(self._evaluate(state.step))
 
     def _evaluate(self, step: int) -> dict[str, float]:
         """Every rank scores its share; rank 0 logs the metrics (an empty dict elsewhere) and writes the JSON."""

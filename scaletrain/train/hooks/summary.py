@@ -13,6 +13,7 @@ from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
 from scaletrain.train.evaluation import metrics_text
 from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks.downstream import PREFIX as DOWNSTREAM_PREFIX
 from scaletrain.train.hooks.evaluation import PeriodicEvaluation
 from scaletrain.train.hooks.speed import SpeedMonitor
 from scaletrain.train.state import TrainState
@@ -23,20 +24,28 @@ RUN_SUMMARY_FILE = "summary.json"
 
 class RunSummary(Hook):
     """On the logging rank: the summary file after the last step's checkpoint (list it after
-    Checkpointing), and a line saying how the invocation ended: finished, or stopped early and how to resume."""
+    Checkpointing), and a line saying how the invocation ended: finished, or stopped early and how to resume.
+    The summary holds the final validation metrics and, listed after DownstreamTasks, the last step's
+    downstream ones, which that hook adds to the step's record (eval/downstream/<task>/<metric>, as metrics.jsonl
+    names them and scaling/sweep/results.py reads them)."""
 
     def __init__(self, config: Config, topology: Topology, speed: SpeedMonitor, evaluation: PeriodicEvaluation) -> None:
         self._config, self._speed, self._evaluation = config, speed, evaluation
         self._enabled = topology.is_logging_rank
         self._started = 0.0
+        self._downstream: dict[str, float] = {}
 
     def on_train_start(self, state: TrainState) -> None:
         self._started = time.perf_counter()
 
+    def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
+        if state.step == self._config.train.steps:
+            self._downstream = {key: value for key, value in record.items() if key.startswith(DOWNSTREAM_PREFIX)}
+
     def after_stop_check(self, state: TrainState) -> None:
         if self._enabled and state.step == self._config.train.steps:
             write_run_summary(Path(self._config.run.dir), state, self._speed.tokens_per_step,
-                              self._speed.flops_per_step, self._evaluation.final_metrics)
+                              self._speed.flops_per_step, {**self._evaluation.final_metrics, **self._downstream})
 
     def on_train_end(self, state: TrainState) -> None:
         if self._enabled:
@@ -57,7 +66,7 @@ def write_run_summary(
     run_dir: Path, state: TrainState, tokens_per_step: int, flops_per_step: float, metrics: dict[str, float]
 ) -> None:
     """RUN_DIR/summary.json, written once a run has trained all its steps: what sweeps and scripts
-    read to tell a finished run and its final validation metrics (written atomically)."""
+    read to tell a finished run and its final validation and downstream metrics (written atomically)."""
     summary = {"step": state.step, "consumed_samples": state.consumed_samples,
                "tokens": state.step * tokens_per_step, "flops": state.step * flops_per_step, **metrics}
     staging = run_dir / f".{RUN_SUMMARY_FILE}.tmp"

@@ -185,7 +185,9 @@ def select_tasks(tasks: Sequence[str], include_paths: Sequence[Path] = ()) -> Ta
                 raise ValueError(f"--tasks {entry}: the directory defines no task (a YAML file with a `task:` key)")
             selected += defined
         elif path.suffix in (".yaml", ".yml") and path.is_file():
-            selected.append(load_yaml(path, resolve_func=True))
+            config = load_yaml(path, resolve_func=True)
+            _check_data_files(path, config)
+            selected.append(config)
         else:
             selected.append(entry)
     names = [entry for entry in selected if isinstance(entry, str)]
@@ -199,7 +201,39 @@ def select_tasks(tasks: Sequence[str], include_paths: Sequence[Path] = ()) -> Ta
         raise ValueError(f"--tasks: no task {', '.join(missing)} in lm-evaluation-harness{where}; give task names "
                          "(`lm-eval ls tasks`), task YAML files or directories of them, and --include-path DIR for "
                          "the directories of local tasks that names refer to")
+    for name in names:
+        _check_named_data_files(manager, name)
     return TaskSelection(manager, selected)
+
+
+def _check_named_data_files(manager: TaskManager, name: str) -> None:
+    """_check_data_files for a task named (by its name, a tag or a group of its YAML): each member task's YAML."""
+    entry = manager.task_index.get(name)
+    if entry is None:
+        return
+    if entry.yaml_path is not None and isinstance(entry.cfg, dict):
+        _check_data_files(Path(entry.yaml_path), entry.cfg)
+    elif entry.tags and entry.yaml_path is None:  # a tag: `tags` holds its member tasks
+        for member in sorted(entry.tags):
+            if member != name:
+                _check_named_data_files(manager, member)
+
+
+def _check_data_files(task_file: Path, config: Any) -> None:
+    """A local task's `dataset_kwargs.data_files` exist (relative to the working directory, where lm-eval reads
+    them), or one error naming the file: found now rather than when the task is first scored, which in the loop
+    is after training."""
+    data_files = (config.get("dataset_kwargs") or {}).get("data_files") if isinstance(config, dict) else None
+    if data_files is None:
+        return
+    listed = data_files.values() if isinstance(data_files, dict) else [data_files]
+    for files in listed:
+        for file in [files] if isinstance(files, str) else files:
+            if "://" not in file and not any(character in file for character in "*?[") and not Path(file).is_file():
+                raise ValueError(f"--tasks {task_file}: its data file {file} does not exist (relative to {Path.cwd()}, "
+                                 "where lm-eval reads it); build it with `scaletrain eval-tasks build CONFIG --out "
+                                 "DIR` (the YAML's comment names CONFIG and DIR), or run from the directory it is "
+                                 "relative to")
 
 
 @contextlib.contextmanager

@@ -313,3 +313,25 @@ def test_without_lm_eval_eval_tasks_says_how_to_install_it(tmp_path: Path) -> No
                             capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (2, "scaletrain eval: error: lm-evaluation-harness is not "
                                                      "installed: pip install 'scaletrain[eval]'\n")
+
+
+def test_a_local_task_whose_data_file_is_missing_is_refused_naming_it(tmp_path: Path) -> None:
+    """By its YAML file, its name, its tag or its directory, before anything is scored (in the loop, scoring comes
+    after training)."""
+    from scaletrain.evaluation.harness import select_tasks
+
+    tasks, data = tmp_path / "tasks", tmp_path / "cloze.jsonl"
+    tasks.mkdir()
+    (tasks / "tiny_cloze.yaml").write_text(
+        f"include: {REPO / 'configs' / 'eval_tasks' / 'shakespeare_cloze.yaml'}\ntask: tiny_cloze\ntag: tiny_tag\n"
+        f"dataset_kwargs: {{data_files: {{test: {data}}}}}\n")
+    ways = [([str(tasks / "tiny_cloze.yaml")], []), (["tiny_cloze"], [tasks]), (["tiny_tag"], [tasks]),
+            ([str(tasks)], [])]
+    for names, include in ways:
+        with pytest.raises(ValueError) as error:
+            select_tasks(names, include)
+        assert str(error.value).startswith(f"--tasks {tasks / 'tiny_cloze.yaml'}: its data file {data} does not "
+                                           "exist"), names
+    data.write_text('{"document": 0, "context": "to be or not to ", "target": "be"}\n')
+    for names, include in ways:
+        assert select_tasks(names, include).tasks

@@ -403,3 +403,31 @@ def test_predicted_time_counts_every_evaluation(small_dataset: Path, tmp_path: P
         start = 0 if run.role == "stable" else run.branch_step
         assert run.predicted_s == pytest.approx(throughput.startup_s + (run.steps - start) * run.timing.step_s
                                                 + evaluations(start, run.steps, every) * run.timing.evaluation_s)
+
+
+def test_downstream_tasks_reach_every_planned_run_but_not_the_tunes_and_are_found_at_plan(
+        small_dataset: Path, tmp_path: Path) -> None:
+    """downstream: each run of the plan scores the tasks at its last step (its eval section), the tune's grid does
+    not; a task whose data file is missing is refused once, when the sweep is planned, naming the file (an unknown
+    task gets selected_tasks' message, tests/evaluation/test_in_loop.py, with downstream. for eval.)."""
+    data, task = tmp_path / "cloze.jsonl", tmp_path / "tiny_cloze.yaml"
+    task.write_text(f"include: {REPO / 'configs' / 'eval_tasks' / 'shakespeare_cloze.yaml'}\ntask: tiny_cloze\n"
+                    f"dataset_kwargs: {{data_files: {{test: {data}}}}}\n")
+    downstream = {"tasks": [str(task)], "limit": 5}
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, tmp_path / "sweep", downstream=downstream))
+    with pytest.raises(ConfigError) as error:
+        plan_sweep(load_sweep_spec(spec_path))
+    assert str(error.value).startswith(f"sweep tiny-isoflop: downstream.tasks {task}: its data file {data} does not "
+                                       "exist (relative to ")
+    data.write_text('{"document": 0, "context": "to be or not to ", "target": "be"}\n')
+    spec = load_sweep_spec(spec_path)
+    plan = plan_sweep(spec)
+    assert len(plan.runs) == len(TINY_BUDGETS) * len(TINY_SHAPES)
+    for run in plan.runs:
+        config = load_config(spec.base, [*spec.overrides, *run.overrides])
+        assert (config.eval.tasks, config.eval.every, config.eval.limit) == ([str(task)], 0, 5.0)
+    tuned = load_sweep_spec(write_spec(tmp_path / "tune.yaml", {
+        **tune_spec(small_dataset, tmp_path / "tuned", tokens=[40 * 256]), "downstream": downstream}))
+    grid, _ = tune_plan(tuned)
+    assert grid.runs and all(
+        load_config(tuned.base, [*tuned.overrides, *run.overrides]).eval.tasks == [] for run in grid.runs)

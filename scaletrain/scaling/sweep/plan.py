@@ -36,7 +36,7 @@ from scaletrain.scaling.sweep.hyperparams import (
 from scaletrain.scaling.sweep.ladder import ladder_runs
 from scaletrain.scaling.sweep.layout import RUNS_DIR
 from scaletrain.scaling.sweep.shapes import rule_shapes, shape_counts
-from scaletrain.scaling.sweep.spec import BUDGET_MODES, ModelShape, SweepSpec
+from scaletrain.scaling.sweep.spec import BUDGET_MODES, DownstreamOptions, ModelShape, SweepSpec
 from scaletrain.scaling.sweep.timing import RunTime, run_time, validation_sequences
 
 
@@ -126,6 +126,7 @@ def plan_sweep(spec: SweepSpec, label: str = "", spec_path: str = "SPEC", to_sho
                                   rule_amount=horizons.get(shape_label(shape), amount)))
     _check_unique_names(runs, spec)
     _check_min_steps(runs, spec)
+    _check_downstream(spec, runs)
     if spec.mode == "ladder":
         runs = ladder_runs(spec, runs)
     for run in runs:
@@ -257,8 +258,30 @@ def _run_overrides(
         f"checkpoint.every={math.ceil(steps / spec.checkpoints_per_run)}",
         f"run.dir={Path(spec.dir) / RUNS_DIR / name}",
         f"tracking.group={spec.name}", "tracking.job_type=sweep-run", f"tracking.name={name}",
-        f"tracking.tags=[{', '.join(tags)}]",
+        f"tracking.tags=[{', '.join(tags)}]", *_downstream_overrides(spec.downstream),
     ]
+
+
+def _downstream_overrides(downstream: DownstreamOptions) -> list[str]:
+    """The run's eval section: the spec's downstream tasks, scored at the last step only."""
+    if not downstream.tasks:
+        return []
+    return [f"eval.tasks=[{', '.join(downstream.tasks)}]", f"eval.include_path=[{', '.join(downstream.include_path)}]",
+            "eval.every=0", f"eval.limit={'' if downstream.limit is None else repr(downstream.limit)}"]
+
+
+def _check_downstream(spec: SweepSpec, runs: list[PlannedRun]) -> None:
+    """downstream.tasks found (lm-eval installed, each task and its data there) once, before any run trains, rather
+    than refused by every run at its start."""
+    if not spec.downstream.tasks or not runs:
+        return
+    from scaletrain.train.hooks.downstream import harness_for_training, selected_tasks  # lm-eval's only when used
+
+    config = load_config(spec.base, [*spec.overrides, *runs[0].overrides])
+    try:
+        selected_tasks(harness_for_training(config), config)
+    except ConfigError as error:
+        raise ConfigError(f"sweep {spec.name}: {str(error).replace('eval.', 'downstream.')}") from None
 
 
 def lr_setting(spec: SweepSpec, rules: HyperparameterRules) -> LearningRateSetting:

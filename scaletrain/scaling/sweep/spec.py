@@ -169,6 +169,20 @@ class LadderOptions:
 
 
 @dataclass
+class DownstreamOptions:
+    """Downstream tasks that every run of the sweep scores at its last step, in the loop (its config's `eval`
+    section: eval.tasks, eval.every 0), so results.csv gets their downstream/TASK/METRIC columns and the fit
+    predicts them, the OLMo ladder's way (scaling/downstream.py; Bhagia et al. 2024). `sweep tune`'s runs do not
+    score them: the LR fit reads the loss only. Found (and lm-eval imported) when the sweep is planned."""
+
+    # lm-eval task names or task YAML files, relative to the working directory like `dir`
+    # (e.g. [configs/eval_tasks/english_next_line.yaml]); empty: none
+    tasks: list[str] = field(default_factory=list)
+    include_path: list[str] = field(default_factory=list)  # directories of task YAMLs the names refer to
+    limit: float | None = None  # documents per task (a number, or a fraction below 1); null: every document
+
+
+@dataclass
 class SlurmOptions:
     """Resources of one array task (one run) and the array's concurrency throttle (`%max_concurrent`)."""
 
@@ -235,6 +249,7 @@ class SweepSpec:
     repeat_seeds: SeedRepeats = field(default_factory=SeedRepeats)
     overrides: list[str] = field(default_factory=list)  # dotted run-config overrides for every run
     checkpoints_per_run: int = 4  # so an interrupted run resumes with at most 1/4 of it to redo
+    downstream: DownstreamOptions = field(default_factory=DownstreamOptions)
     fit: FitOptions = field(default_factory=FitOptions)
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
     throughput: ThroughputModel = field(default_factory=ThroughputModel)

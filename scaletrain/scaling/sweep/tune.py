@@ -31,7 +31,15 @@ from scaletrain.scaling.sweep.hyperparams import (
 )
 from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan, ladder_rungs, plan_sweep
 from scaletrain.scaling.sweep.shapes import shape_counts
-from scaletrain.scaling.sweep.spec import Horizons, ModelLadder, ModelShape, SeedRepeats, SweepSpec, load_sweep_spec
+from scaletrain.scaling.sweep.spec import (
+    DownstreamOptions,
+    Horizons,
+    ModelLadder,
+    ModelShape,
+    SeedRepeats,
+    SweepSpec,
+    load_sweep_spec,
+)
 from scaletrain.scaling.sweep.tune_fit import GridResult, TuningFit, fit_tuning
 
 TUNING_PLOT = "lr_tuning.png"
@@ -116,10 +124,11 @@ def _tune_shapes(spec: SweepSpec, base: Config) -> list[ModelShape]:
 
 def _point_spec(spec: SweepSpec, shape: ModelShape, tokens: float, rules: HyperparameterRules,
                 seed: int) -> SweepSpec:
-    """One grid point as a grid-mode sweep of one run in SWEEP/tune."""
+    """One grid point as a grid-mode sweep of one run in SWEEP/tune, without the downstream tasks (the LR fit
+    reads the loss only)."""
     return dataclasses.replace(spec, mode="grid", budgets=[], tokens=[tokens], dir=str(Path(spec.dir) / TUNE_DIR),
                                models=ModelLadder(shapes=[shape]), seeds=[seed], repeat_seeds=SeedRepeats(),
-                               hyperparameters=rules, tune=None)
+                               hyperparameters=rules, tune=None, downstream=DownstreamOptions())
 
 
 def _scaled_rules(spec: SweepSpec, rules: HyperparameterRules, centre: PlannedRun, lr_multiplier: float,

@@ -42,7 +42,10 @@ try:  # their homes since checkpoint/ was split by concern; before, manager.py (
 except ImportError:
     complete_checkpoints = manager.complete_checkpoints
     last_save = getattr(manager, "last_save", None)
-from scaletrain.config import resolve_for_world  # noqa: E402
+try:  # its home since the parallel layout became one value (parallel/layout.py); before, config.py
+    from scaletrain.parallel.layout import resolve_for_world
+except ImportError:
+    from scaletrain.config import resolve_for_world
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.parallel.groups import destroy_distributed, init_distributed, world_size_from_environment  # noqa: E402
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402

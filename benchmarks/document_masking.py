@@ -27,13 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpt_throughput import time_steps  # noqa: E402
-from scaletrain.config import Config, resolve_for_world  # noqa: E402
+from scaletrain.config import Config  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.data.objectives import document_ids  # noqa: E402
 from scaletrain.data.tokenizer import SPECIAL_IDS  # noqa: E402
 from scaletrain.model import build_model  # noqa: E402
 from scaletrain.model.gpt import attention_backend  # noqa: E402
 from scaletrain.parallel.groups import Topology, destroy_distributed, init_distributed  # noqa: E402
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from scaletrain.config import resolve_for_world
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.model import build_model
 from scaletrain.model.sampling import sample_tokens
+from scaletrain.parallel.layout import resolve_for_world
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

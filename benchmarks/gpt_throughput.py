@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
-from scaletrain.config import Config, resolve_for_world  # noqa: E402
+from scaletrain.config import Config  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.model import build_model  # noqa: E402
 from scaletrain.model.counts import model_counts  # noqa: E402
@@ -44,6 +44,7 @@ from scaletrain.parallel.groups import (  # noqa: E402
     resolve_precision,
     world_size_from_environment,
 )
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.tracking.flops import device_peak_flops  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
@@ -161,7 +162,7 @@ def _warmed_up(build: Callable[[], Callable[[], None]], warmup: int, device: tor
 
 def _report(config: Config, topology: Topology, precision: str, times: dict[str, list[float]],
             peaks: dict[str, float], args: argparse.Namespace) -> None:
-    tokens = config.global_batch_size(topology.data_parallel_size) * config.model.seq_length
+    tokens = topology.layout.global_batch * config.model.seq_length
     flops_per_token = model_flops_per_token(config.model, config.padded_vocab_size)
     device_name = torch.cuda.get_device_name() if topology.device.type == "cuda" else "cpu"
     peak = device_peak_flops(device_name, config.tracking.peak_tflops)

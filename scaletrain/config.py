@@ -437,9 +437,6 @@ class Config:
         multiple = self.model.vocab_divisible_by
         return math.ceil(self.data.vocab_size / multiple) * multiple
 
-    def global_batch_size(self, data_parallel_size: int) -> int:
-        return self.train.micro_batch_size * self.train.grad_accum * data_parallel_size
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -949,58 +946,6 @@ def _validate_data(data: DataConfig) -> None:
     if data.tokenizer is not None and data.tokenizer_train_bytes is not None:
         raise ConfigError(f"data.tokenizer={data.tokenizer} reuses a tokenizer, so data.tokenizer_train_bytes="
                           f"{data.tokenizer_train_bytes} would train none; set one of them")
-
-
-def resolve_for_world(config: Config, world_size: int) -> Config:
-    """The config with parallel.data, parallel.zero_stage and train.grad_accum fixed for this world size.
-
-    DP is derived from the world size, or checked against it when the config sets it. ZeRO-1/2
-    with one data-parallel rank and no pipeline have nothing to partition and run as stage 0:
-    DeepSpeed's plain optimizer path, without ZeRO's flat fp32 copies of every weight and gradient
-    and the copies back each step (a 30M GPT on CPU: 1.24x a plain PyTorch loop as ZeRO-1, 0.99x as
-    stage 0). Pipelines keep their stage: DeepSpeed's pipelined ZeRO-0 checkpoints do not reshard.
-    """
-    parallel = config.parallel
-    model_parallel = parallel.tensor * parallel.context * parallel.pipeline
-    if world_size % model_parallel:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.context x parallel.pipeline = "
-            f"{parallel.tensor} x {parallel.context} x {parallel.pipeline}; launch a multiple of {model_parallel} "
-            "processes"
-        )
-    data_parallel = world_size // model_parallel
-    if parallel.data is not None and parallel.data != data_parallel:
-        raise ConfigError(
-            f"world size {world_size} != parallel.tensor x parallel.context x parallel.pipeline x parallel.data = "
-            f"{parallel.tensor} x {parallel.context} x {parallel.pipeline} x {parallel.data}; "
-            f"launch {model_parallel * parallel.data} processes or set parallel.data={data_parallel}"
-        )
-    if data_parallel % parallel.expert:
-        raise ConfigError(
-            f"parallel.expert={parallel.expert} must divide the data-parallel size {data_parallel} (world size "
-            f"{world_size} / (parallel.tensor x parallel.context x parallel.pipeline)): experts are split over "
-            f"data-parallel ranks; launch a multiple of {model_parallel * parallel.expert} processes or lower "
-            "parallel.expert"
-        )
-    grad_accum = config.train.grad_accum
-    if config.train.global_batch_size is not None:
-        per_step = config.train.micro_batch_size * data_parallel
-        if config.train.global_batch_size % per_step:
-            raise ConfigError(
-                f"train.global_batch_size={config.train.global_batch_size} is not divisible by "
-                f"train.micro_batch_size x data-parallel size = {config.train.micro_batch_size} x {data_parallel}; "
-                "change the micro-batch size or the number of processes"
-            )
-        grad_accum = config.train.global_batch_size // per_step
-    zero_stage = config.parallel.zero_stage
-    # context-parallel ranks hold the same weights: DeepSpeed reduces (and ZeRO partitions) over DP x CP
-    if data_parallel * parallel.context == 1 and parallel.pipeline == 1 and zero_stage in (1, 2):
-        zero_stage = 0
-    return dataclasses.replace(
-        config,
-        parallel=dataclasses.replace(config.parallel, data=data_parallel, zero_stage=zero_stage),
-        train=dataclasses.replace(config.train, grad_accum=grad_accum, global_batch_size=None),
-    )
 
 
 def _is_float(text: str) -> bool:

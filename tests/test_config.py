@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, resolve_for_world, save_config
+from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, save_config
 from scaletrain.config_loader import load_config
 from scaletrain.config_schema import schema_keys
 from scaletrain.model.registry import MODEL_SECTIONS
+from scaletrain.parallel.layout import Layout, resolve_for_world
 from scaletrain.train.schedule import learning_rate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def test_gpt3_175b_shape_and_batch():
     assert (config.model.num_layers, config.model.hidden_size, config.model.num_heads) == (96, 12288, 96)
     resolved = resolve_for_world(load_config(REPO / "configs" / "gpt3_175b.yaml", ["parallel.tensor=8"]), 1024)
     assert resolved.parallel.data == 128
-    assert resolved.global_batch_size(resolved.parallel.data) == 1536
+    assert Layout.of(resolved).global_batch == 1536
 
 
 @pytest.mark.parametrize(

@@ -63,17 +63,14 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def layout_of(config: Config, topology: Topology) -> dict[str, int]:
-    """The layout a checkpoint records; `context` only when > 1, so earlier checkpoints still match."""
-    layout = {
-        "tensor": topology.tensor_parallel_size,
-        "pipeline": topology.pipeline_parallel_size,
-        "data": topology.data_parallel_size,
-        "zero_stage": config.parallel.zero_stage,
-        "bf16": int(resolve_precision(config, topology.device) == "bf16"),
-    }
-    if topology.context_parallel_size > 1:
-        layout["context"] = topology.context_parallel_size
-    return layout
+    """What a checkpoint records of the run's layout (parallel/layout.py) and precision; `context` only when > 1,
+    so earlier checkpoints still match."""
+    layout = topology.layout
+    recorded = {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
+                "zero_stage": layout.zero_stage, "bf16": int(resolve_precision(config, topology.device) == "bf16")}
+    if layout.context > 1:
+        recorded["context"] = layout.context
+    return recorded
 
 
 def describe_layout(layout: dict[str, int]) -> str:

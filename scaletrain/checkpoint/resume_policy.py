@@ -27,6 +27,7 @@ from scaletrain.checkpoint.format import (
     read_meta,
 )
 from scaletrain.config import Config, ConfigError, config_yaml
+from scaletrain.parallel.layout import Layout
 
 # The keys the LR schedule reads (train/schedule.py): a resume that changes one says the LR it gives.
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.min_lr", "train.warmup_steps", "train.warmup_fraction",
@@ -163,19 +164,10 @@ def _branch_differences(stored: dict[str, Any], config: Config) -> list[str]:
     differing = [f"{key}={theirs.get(key)!r} there, {ours.get(key)!r} here"
                  for key in sorted(set(ours) | set(theirs))
                  if not key.startswith(BRANCH_FREE_KEYS) and ours.get(key) != theirs.get(key)]
-    batch_here = _global_batch_as_set(config.to_dict())
-    batch_there = _global_batch_as_set(stored)
+    batch_here, batch_there = Layout.of(config).global_batch, _global_batch(stored)
     if batch_here != batch_there:
         differing.append(f"global batch size {batch_there} there, {batch_here} here")
     return differing
-
-
-def _global_batch_as_set(config: dict[str, Any]) -> int:
-    """train.global_batch_size where set, else micro-batch x grad_accum x data-parallel size, of a
-    config as its config.yaml nests it."""
-    train = config["train"]
-    return train.get("global_batch_size") or (
-        train["micro_batch_size"] * train["grad_accum"] * (config["parallel"].get("data") or 1))
 
 
 def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -252,7 +244,7 @@ def resumption_from(config: Config, path: Path, meta: CheckpointMeta, tokenizer_
     ours = flatten_config(yaml.safe_load(config_yaml(config)))
     differing = [(key, stored[key], value) for key, value in ours.items() if key in stored and stored[key] != value]
     refused = [f"{key} {show(there)} there, {show(here)} here" for key, there, here in differing if not _free(key)]
-    batch_there, batch_here = _global_batch(stored), _global_batch(ours)
+    batch_there, batch_here = _global_batch(stored), Layout.of(config).global_batch
     if batch_there is not None and batch_there != batch_here:
         refused.append(f"global batch {batch_there} there, {batch_here} here (set train.global_batch_size="
                        f"{batch_there} to cut it for this layout)")
@@ -297,9 +289,8 @@ def _stored_config(path: Path) -> dict[str, Any]:
     return flatten_config(stored) if isinstance(stored, dict) else {}
 
 
-def _global_batch(flat: dict[str, Any]) -> int | None:
-    """micro-batch x grad_accum x data-parallel size, of a config resolved for its world (as saved)."""
-    try:
-        return flat["train.micro_batch_size"] * flat["train.grad_accum"] * (flat.get("parallel.data") or 1)
-    except (KeyError, TypeError):
-        return None
+def _global_batch(config: dict[str, Any]) -> int | None:
+    """The global batch of a saved config (nested or flattened; resolved for its world, as every saved config
+    is); None where it lacks the keys."""
+    layout = Layout.stored(config)
+    return None if layout is None else layout.global_batch

@@ -20,8 +20,9 @@ from scaletrain.checkpoint.format import (
     read_meta,
     translate_load_errors,
 )
-from scaletrain.config import Config, ParallelConfig, resolve_for_world
+from scaletrain.config import Config, ParallelConfig
 from scaletrain.config_loader import load_config
+from scaletrain.parallel.layout import resolve_for_world
 
 
 def run_config(run_dir: Path, checkpoint: Path | None = None) -> Config:

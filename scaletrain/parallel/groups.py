@@ -12,28 +12,49 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from scaletrain.config import Config, ConfigError
+from scaletrain.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
 class Topology:
-    """This process's place in the TP x CP x DP x PP grid (TP fastest, then CP, then DP, then PP: Megatron's
-    tp-cp-dp-pp). Data-parallel coordinates are the pure DP ones (which samples a rank reads); the
-    context-parallel ranks of one DP rank read the same samples and each keeps its chunks of the sequence."""
+    """This process's place in its run's layout, the TP x CP x DP x PP grid (TP fastest, then CP, then DP, then PP:
+    Megatron's tp-cp-dp-pp): the Layout and this rank's coordinates in it. Data-parallel coordinates are the pure
+    DP ones (which samples a rank reads); the context-parallel ranks of one DP rank read the same samples and each
+    keeps its chunks of the sequence."""
 
-    world_size: int
+    layout: Layout
     rank: int
-    tensor_parallel_size: int
     tensor_parallel_rank: int
-    data_parallel_size: int
     data_parallel_rank: int
-    pipeline_parallel_size: int
     pipeline_parallel_rank: int
     device: torch.device
-    # Expert parallelism is carved out of the data-parallel ranks (it does not add a grid dimension):
-    # data-parallel ranks k·EP .. k·EP+EP-1 of one TP rank and stage split each MoE layer's experts.
-    expert_parallel_size: int = 1
-    context_parallel_size: int = 1
     context_parallel_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.layout.pipeline
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Expert parallelism is carved out of the data-parallel ranks (it does not add a grid dimension):
+        data-parallel ranks k·EP .. k·EP+EP-1 of one TP rank and stage split each MoE layer's experts."""
+        return self.layout.expert
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.layout.context
 
     @property
     def is_logging_rank(self) -> bool:
@@ -62,7 +83,7 @@ class Topology:
 def init_distributed(config: Config) -> Topology:
     """Start torch.distributed (alone or under torchrun/SLURM) and build megatron's groups.
 
-    `config` must already be resolved for the world size (config.resolve_for_world).
+    `config` must already be resolved for the world size (parallel.layout.resolve_for_world).
     """
     _default_single_process_environment()
     device = _select_device()
@@ -84,18 +105,17 @@ def init_distributed(config: Config) -> Topology:
         from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel
 
         enable_cpu_sequence_parallel()  # megatron's SP buffers on the CPU when there is no GPU
+    layout = Layout.of(config)
+    if (world_size, parallel_state.get_data_parallel_world_size()) != (layout.world_size, layout.data):
+        raise ConfigError(f"the launcher started {world_size} processes, but the config was resolved for "
+                          f"{layout.world_size} (parallel.layout.resolve_for_world with the launcher's world size)")
     return Topology(
-        world_size=world_size,
+        layout=layout,
         rank=dist.get_rank(),
-        tensor_parallel_size=config.parallel.tensor,
         tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        pipeline_parallel_size=config.parallel.pipeline,
         pipeline_parallel_rank=parallel_state.get_pipeline_model_parallel_rank(),
         device=device,
-        expert_parallel_size=config.parallel.expert,
-        context_parallel_size=config.parallel.context,
         context_parallel_rank=parallel_state.get_context_parallel_rank(),
     )
 

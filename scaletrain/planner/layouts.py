@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.model.registry import get_family
+from scaletrain.parallel.layout import requested_global_batch
 from scaletrain.planner.activations import RECOMPUTE_BY_COST, Recompute
 
 # DeepSpeed refuses ZeRO-3 with its native MoE layers ("Native DeepSpeed MoE is not supported with ZeRO
@@ -54,10 +55,9 @@ class Layout:
 
 def planning_global_batch(config: Config) -> int:
     """The global batch (sequences per step) all layouts are compared at."""
-    if config.train.global_batch_size is not None:
-        return config.train.global_batch_size
-    if config.parallel.data is not None:
-        return config.train.micro_batch_size * config.train.grad_accum * config.parallel.data
+    global_batch = requested_global_batch(config)
+    if global_batch is not None:
+        return global_batch
     raise ConfigError(
         "planning needs a fixed global batch, but train.global_batch_size is not set (and neither is "
         "parallel.data); pass e.g. train.global_batch_size=512"

@@ -45,7 +45,7 @@ def device_memory(device: torch.device) -> int | None:
 
 def resolve_recompute(config: Config, gpu_memory: int | None) -> tuple[Config, RecomputeDecision]:
     """The config with train.activation_checkpoint=auto replaced by the decision (other configs as they
-    are), and the decision. `config` is resolved for its world size (config.resolve_for_world)."""
+    are), and the decision. `config` is resolved for its world size (parallel.layout.resolve_for_world)."""
     decision = decide_recompute(config, gpu_memory)
     if config.train.recompute != "auto":
         return config, decision
@@ -81,7 +81,7 @@ def run_peak_memory(config: Config, recompute: Recompute) -> float:
     parallel, train = config.parallel, config.train
     if parallel.data is None:
         raise ConfigError("the recomputation's memory is that of a layout: resolve the config for its world size "
-                          "first (config.resolve_for_world)")
+                          "first (parallel.layout.resolve_for_world)")
     layout = Layout(parallel.tensor, parallel.pipeline, parallel.data, parallel.zero_stage, train.micro_batch_size,
                     recompute, expert=parallel.expert, context=parallel.context)
     precision = planning_precision(config)

@@ -29,7 +29,7 @@ from scaletrain.checkpoint.resume_policy import (
     resume_rules,
     resumption_from,
 )
-from scaletrain.config import Config, ConfigError, resolve_for_world, save_config
+from scaletrain.config import Config, ConfigError, save_config
 from scaletrain.model.counts import model_counts
 from scaletrain.parallel.groups import (
     Topology,
@@ -38,6 +38,7 @@ from scaletrain.parallel.groups import (
     resolve_precision,
     world_size_from_environment,
 )
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.parallel.peer_loss import is_peer_failure, rank_lost
 from scaletrain.parallel.placement import (
     RankPlace,
@@ -181,7 +182,7 @@ def _run(
 ) -> None:
     """Steps until train.steps or an agreed early stop; every side concern is a hook (train/hooks/).
     `provenance` goes into each checkpoint's meta.json (resume_policy.checkpoint_provenance)."""
-    global_batch = config.global_batch_size(topology.data_parallel_size)
+    global_batch = topology.layout.global_batch
     objective = build_objective(config)
 
     def batches_from(consumed_samples: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -250,7 +251,7 @@ def _rewind(engine: Any, config: Config, topology: Topology, state: TrainState, 
         raise TrainingDiverged(f"training diverged: the loss spiked at steps {rewind.first_spike}-{rewind.last_spike} "
                                f"and no checkpoint before them is left to rewind to (train.spike.rewind). {set_aside}")
     meta = _load_any_layout(engine, good[-1], config, topology)
-    skipped = spike.rewind_skip_batches * config.global_batch_size(topology.data_parallel_size)
+    skipped = spike.rewind_skip_batches * topology.layout.global_batch
     earlier = TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(good[-1]),
                          skipped_steps=meta.skipped_steps, consecutive_skipped_steps=meta.consecutive_skipped_steps)
     earlier.restore_spikes(meta.spikes)
@@ -393,7 +394,7 @@ def _scaling_facts(config: Config, topology: Topology) -> dict[str, float]:
     """N, D and C of the whole run (Kaplan et al. 2020 notation) and the layout's derived sizes,
     for the tracker's run config."""
     counts = model_counts(config)
-    global_batch = config.global_batch_size(topology.data_parallel_size)
+    global_batch = topology.layout.global_batch
     tokens = config.train.steps * global_batch * config.model.seq_length
     return {"params": counts.total_params, "non_embedding_params": counts.non_embedding_params,
             "active_params": counts.active_params,

@@ -25,12 +25,13 @@ from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.format import checkpoint_root, describe_layout, warn_once
 from scaletrain.checkpoint.init_weights import check_init_from
 from scaletrain.checkpoint.resume_policy import SCHEDULE_KEYS, Resumption, resume_candidates, resume_rules
-from scaletrain.config import Config, ConfigError, TrainConfig, resolve_for_world
+from scaletrain.config import Config, ConfigError, TrainConfig
 from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest
 from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.model.counts import model_counts
+from scaletrain.parallel.layout import Layout, resolve_for_world
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.train.run_lock import RunDirectoryLock
@@ -60,7 +61,7 @@ class Preflight:
     def summary(self) -> str:
         config, counts = self.config, model_counts(self.config)
         parallel = config.parallel
-        global_batch = config.global_batch_size(parallel.data)
+        global_batch = Layout.of(config).global_batch
         tokens_per_step = global_batch * config.model.seq_length
         resumption, start = self.resumption, "starts at step 0"
         if resumption:

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from scaletrain.config import ConfigError, resolve_for_world
+from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
 from scaletrain.model.chunked_cross_entropy import DeferredLogits
 from scaletrain.model.layers import masked_vocab_parallel_loss_sum
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.parallel.sequence_parallel import enable_cpu_sequence_parallel, register_sequence_parallel_grad_hooks
 from tests.distributed.harness import gather_full_parameters, run_on_ranks
 

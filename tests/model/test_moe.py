@@ -301,7 +301,8 @@ def test_bad_expert_parallel_layouts_are_refused_naming_the_key(model: dict, par
 
 
 def test_expert_parallel_size_must_divide_the_launched_data_parallel_ranks():
-    from scaletrain.config import ConfigError, resolve_for_world
+    from scaletrain.config import ConfigError
+    from scaletrain.parallel.layout import resolve_for_world
 
     config = config_from_dict({**TINY_MOE, "parallel": {"expert": 4, "tensor": 2}})
     with pytest.raises(ConfigError, match=r"parallel\.expert=4 must divide the data-parallel size 2 \(world size 4"):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.parallel.groups import Topology
+from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.peer_loss import is_peer_failure, rank_lost
 from scaletrain.parallel.placement import gather_places
 from tests.warm import fork_server
@@ -32,7 +33,7 @@ def _rank(rank: int, port: int, results: Path) -> None:
                       WORLD_SIZE=str(WORLD_SIZE))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=TIMEOUT_S))
-    places = gather_places(Topology(WORLD_SIZE, rank, 1, 0, WORLD_SIZE, rank, 1, 0, torch.device("cpu")))
+    places = gather_places(Topology(Layout(data=WORLD_SIZE), rank, 0, rank, 0, torch.device("cpu")))
     (results / f"ready{rank}").write_text(str(os.getpid()))
     try:
         while True:

@@ -9,6 +9,7 @@ import torch
 
 from scaletrain.config import ConfigError
 from scaletrain.parallel.groups import Topology
+from scaletrain.parallel.layout import Layout
 from scaletrain.parallel.placement import RankPlace, check_tensor_parallel_within_hosts, hosts_of, place_lines
 
 
@@ -23,7 +24,8 @@ def places(hosts: list[str]) -> list[RankPlace]:
 
 
 def topology(world: int, tensor: int, pipeline: int) -> Topology:
-    return Topology(world, 0, tensor, 0, world // (tensor * pipeline), 0, pipeline, 0, torch.device("cpu"))
+    return Topology(Layout(tensor=tensor, pipeline=pipeline, data=world // (tensor * pipeline)), 0, 0, 0, 0,
+                    torch.device("cpu"))
 
 
 def test_tp_groups_inside_hosts_pass_and_one_across_is_refused_naming_it():
@@ -48,7 +50,8 @@ def test_place_lines_give_each_rank_its_host_and_coordinates():
 
 def test_place_lines_give_the_expert_parallel_rank_among_the_data_parallel_ones():
     """TP2 x DP4 with EP2: data-parallel ranks 0-1 and 2-3 each split the experts (megatron's groups)."""
-    expert_topology = dataclasses.replace(topology(8, 2, 1), expert_parallel_size=2)
+    dense = topology(8, 2, 1)
+    expert_topology = dataclasses.replace(dense, layout=dataclasses.replace(dense.layout, expert=2))
     lines = place_lines(places(["n1"] * 8), expert_topology)
     assert lines[1].endswith("TP 1 DP 0 PP 0 EP 0")
     assert lines[2].endswith("TP 0 DP 1 PP 0 EP 1")

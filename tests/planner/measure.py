@@ -16,10 +16,11 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
-from scaletrain.config import Config, resolve_for_world
+from scaletrain.config import Config
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.model import build_model
 from scaletrain.parallel.groups import init_distributed
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.train.engine import build_engine
 
 MICRO_BATCH = 3

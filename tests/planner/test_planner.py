@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ConfigError, resolve_for_world
+from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.planner.activations import ActivationSettings, Recompute
 from scaletrain.planner.command import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
 from scaletrain.planner.layouts import Layout, layout_settings

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import resolve_for_world
 from scaletrain.config_loader import load_config
+from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.planner.activations import (
     RECOMPUTE_BY_COST,
     ActivationSettings,

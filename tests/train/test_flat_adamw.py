@@ -108,9 +108,9 @@ def test_slices_are_aligned_views_of_one_buffer_and_state_views_write_through():
 
 
 def _profiled_optimizer_step(rank: int, world_size: int, num_layers: int, precision: str) -> dict[str, Any]:
-    from scaletrain.config import resolve_for_world
     from scaletrain.model import build_model
     from scaletrain.parallel.groups import init_distributed
+    from scaletrain.parallel.layout import resolve_for_world
     from scaletrain.train.engine import build_engine
     from scaletrain.train.nonfinite import NonFiniteGuard
 

@@ -23,6 +23,7 @@ from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.data.storage import dataset_location
 from scaletrain.model.counts import ModelCounts
+from scaletrain.parallel.layout import requested_global_batch
 from scaletrain.scaling.sweep.hyperparams import (
     HyperparameterRules,
     LearningRateSetting,
@@ -321,7 +322,8 @@ def _eval_every(base: Config, steps: int) -> int:
 
 
 def _global_batch_size(config: Config) -> int:
-    return config.train.global_batch_size or config.global_batch_size(config.parallel.data or 1)
+    """The base's global batch, with one data-parallel rank where it leaves DP to the world size."""
+    return requested_global_batch(config, data_parallel=1)
 
 
 def _train_tokens(base: Config) -> int | None:

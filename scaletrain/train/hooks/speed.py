@@ -52,7 +52,7 @@ class SpeedMonitor(Hook):
     time and the cluster's peak."""
 
     def __init__(self, config: Config, topology: Topology, batches: TimedBatches) -> None:
-        self.tokens_per_step = config.global_batch_size(topology.data_parallel_size) * config.model.seq_length
+        self.tokens_per_step = topology.layout.global_batch * config.model.seq_length
         self.flops_per_step = model_counts(config).flops_per_token * self.tokens_per_step
         self._peak_flops = cluster_peak_flops(config, topology)
         self._batches = batches

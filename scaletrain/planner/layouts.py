@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.model.registry import get_family
-from scaletrain.parallel.layout import requested_global_batch
+from scaletrain.parallel.layout import Layout, requested_global_batch
 from scaletrain.planner.activations import RECOMPUTE_BY_COST, Recompute
 
 # DeepSpeed refuses ZeRO-3 with its native MoE layers ("Native DeepSpeed MoE is not supported with ZeRO
@@ -34,23 +34,12 @@ EXPERT_ZERO_STAGES = {"fp32": (0, 1, 2), "bf16": (1, 2)}
 
 
 @dataclass(frozen=True)
-class Layout:
-    tensor: int
-    pipeline: int
-    data: int
-    zero_stage: int
-    micro_batch: int
-    recompute: Recompute  # none, selective or full (a bool still reads as none or full)
-    expert: int = 1  # EP: ranks among the DP ones that split each MoE layer's experts
-    context: int = 1  # context-parallel ranks each sequence is split over
+class Candidate(Layout):
+    """A layout the planner weighs: a run's parallel Layout (parallel/layout.py; its grad_accum, the micro-batches
+    each pipeline runs per step, the m in the bubble (p-1)/m, makes the global batch the layouts are compared at)
+    with the recomputation it would run."""
 
-    @property
-    def model_parallel(self) -> int:
-        return self.tensor * self.context * self.pipeline
-
-    def micro_batches(self, global_batch: int) -> int:
-        """Micro-batches each pipeline (DP rank) runs per step: the m in the bubble (p-1)/m."""
-        return global_batch // (self.micro_batch * self.data)
+    recompute: Recompute = Recompute.NONE  # none, selective or full (a bool still reads as none or full)
 
 
 def planning_global_batch(config: Config) -> int:
@@ -64,7 +53,7 @@ def planning_global_batch(config: Config) -> int:
     )
 
 
-def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
+def layout_settings(config: Config, layout: Candidate) -> dict[str, int | str]:
     """The dotted config keys (`key=value` overrides) that make `scaletrain train` run `layout`.
 
     The global batch stays the one the layouts were compared at: train.global_batch_size where the
@@ -86,7 +75,7 @@ def layout_settings(config: Config, layout: Layout) -> dict[str, int | str]:
     if config.train.global_batch_size is not None:
         settings["train.global_batch_size"] = global_batch
     else:
-        settings["train.grad_accum"] = layout.micro_batches(global_batch)
+        settings["train.grad_accum"] = layout.grad_accum
     recompute = Recompute(layout.recompute)
     settings["train.activation_checkpoint"] = recompute.setting
     # full recomputation is modelled in chunks of one block (interval 0 or 1); any other interval the config
@@ -127,7 +116,7 @@ def context_parallel_sizes(config: Config, gpus: int, most: int) -> list[int]:
     return [cp for cp in range(1, most + 1) if gpus % cp == 0 and config.model.seq_length % (2 * cp) == 0]
 
 
-def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_batch: int) -> Iterator[Layout]:
+def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_batch: int) -> Iterator[Candidate]:
     """Every layout that satisfies the rules in the module docstring."""
     global_batch = planning_global_batch(config)
     expert_zero_stages = EXPERT_ZERO_STAGES["fp32" if config.train.precision == "fp32" else "bf16"]
@@ -144,4 +133,6 @@ def enumerate_layouts(config: Config, gpus: int, gpus_per_node: int, max_micro_b
                     for ep in expert_parallel_sizes(config, dp):
                         for zero_stage in (z for z in zero_stages if ep == 1 or z in expert_zero_stages):
                             for recompute in RECOMPUTE_BY_COST:
-                                yield Layout(tp, pp, dp, zero_stage, micro_batch, recompute, expert=ep, context=cp)
+                                yield Candidate(tensor=tp, context=cp, pipeline=pp, data=dp, expert=ep,
+                                                zero_stage=zero_stage, micro_batch=micro_batch,
+                                                grad_accum=global_batch // (micro_batch * dp), recompute=recompute)

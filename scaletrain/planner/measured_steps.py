@@ -27,7 +27,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"  # a row's config i
 # DeepSpeed's bf16 ZeRO-0 wrapper, converting, clipping and copying per tensor: ~67-75 ms/step more than
 # FlatAdamW at GPT-3 350M on an H200
 SUPERSEDED_OPTIMIZERS = frozenset({"deepspeed_unfused"})
-RECOMPUTE = {recompute.setting: recompute for recompute in Recompute}  # a row's `recompute` as a Layout's
+RECOMPUTE = {recompute.setting: recompute for recompute in Recompute}  # a row's `recompute` as a Candidate's
 
 
 @dataclass(frozen=True)

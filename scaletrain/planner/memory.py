@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 
 from scaletrain.config import Config
 from scaletrain.planner.activations import ActivationSettings, flex_attention_planned, stage_activations
-from scaletrain.planner.layouts import Layout
+from scaletrain.planner.layouts import Candidate
 from scaletrain.planner.params import ParameterCount, largest_gathered_module, num_blocks, stage_parameters
 
 ADAM_MOMENT_BYTES = 8  # fp32 exp_avg + exp_avg_sq
@@ -94,7 +94,7 @@ def zero_partition_numel(group_numel: int, data_parallel: int) -> int:
     return math.ceil(group_numel / alignment) * alignment // data_parallel
 
 
-def uses_flat_optimizer(layout: Layout) -> bool:
+def uses_flat_optimizer(layout: Candidate) -> bool:
     """train/engine.py's `uses_flat_optimizer`: FlatAdamW steps layouts without ZeRO, stages or EP."""
     return layout.zero_stage == 0 and layout.pipeline == 1 and layout.expert == 1
 
@@ -116,7 +116,7 @@ def optimizer_state_bytes(params: ParameterCount, zero_stage: int, data_parallel
     return sum(per_element * zero_partition_numel(n, data_parallel) + STEP_COUNTER_BYTES for n in groups)
 
 
-def uses_pipeline_bf16_optimizer(layout: Layout, precision: Precision) -> bool:
+def uses_pipeline_bf16_optimizer(layout: Candidate, precision: Precision) -> bool:
     return layout.pipeline > 1 and layout.zero_stage == 0 and precision.weight_bytes < MASTER_WEIGHT_BYTES
 
 
@@ -133,7 +133,7 @@ class RankParameters:
         return self.dense.total + self.experts.total
 
 
-def rank_parameters(config: Config, layout: Layout, stage: int) -> RankParameters:
+def rank_parameters(config: Config, layout: Candidate, stage: int) -> RankParameters:
     """One GPU's parameters on stage `stage`; at EP = 1 the experts count as dense (module docstring)."""
     params = stage_parameters(config, layout.tensor, layout.pipeline, stage)
     if layout.expert == 1:
@@ -142,12 +142,12 @@ def rank_parameters(config: Config, layout: Layout, stage: int) -> RankParameter
     return RankParameters(params - experts, experts.share(layout.expert))
 
 
-def expert_data_parallel(layout: Layout) -> int:
+def expert_data_parallel(layout: Candidate) -> int:
     """The ranks holding the same experts, over which their gradients and ZeRO's partitions go."""
     return layout.data // layout.expert
 
 
-def weight_bytes(config: Config, params: RankParameters, layout: Layout, precision: Precision) -> float:
+def weight_bytes(config: Config, params: RankParameters, layout: Candidate, precision: Precision) -> float:
     """Weights on one GPU; ZeRO-3 (never with EP) adds the gathered weights of the module computing and the
     one prefetched."""
     if layout.zero_stage < 3:
@@ -156,7 +156,7 @@ def weight_bytes(config: Config, params: RankParameters, layout: Layout, precisi
     return precision.weight_bytes * (math.ceil(params.total / layout.data) + 2 * largest_module)
 
 
-def gradient_bytes(params: RankParameters, layout: Layout, precision: Precision) -> float:
+def gradient_bytes(params: RankParameters, layout: Candidate, precision: Precision) -> float:
     if uses_flat_optimizer(layout):
         return MASTER_WEIGHT_BYTES * params.total
     if layout.zero_stage < 2:
@@ -166,14 +166,15 @@ def gradient_bytes(params: RankParameters, layout: Layout, precision: Precision)
     return precision.grad_bytes * partitioned
 
 
-def rank_optimizer_bytes(params: RankParameters, zero_stage: int, layout: Layout, precision: Precision) -> int:
+def rank_optimizer_bytes(params: RankParameters, zero_stage: int, layout: Candidate, precision: Precision) -> int:
     """Optimizer state of the dense groups partitioned over DP plus the expert groups over DP / EP."""
     return (optimizer_state_bytes(params.dense, zero_stage, layout.data, precision)
             + optimizer_state_bytes(params.experts, zero_stage, expert_data_parallel(layout), precision))
 
 
 def stage_memory(
-    config: Config, layout: Layout, stage: int, micro_batches: int, precision: Precision, settings: ActivationSettings
+    config: Config, layout: Candidate, stage: int, micro_batches: int, precision: Precision,
+    settings: ActivationSettings,
 ) -> MemoryBreakdown:
     """Memory of one GPU of pipeline stage `stage` when each pipeline runs `micro_batches` per step."""
     model, pp = config.model, layout.pipeline
@@ -200,7 +201,7 @@ def stage_memory(
 
 
 def peak_memory(
-    config: Config, layout: Layout, micro_batches: int, precision: Precision, settings: ActivationSettings
+    config: Config, layout: Candidate, micro_batches: int, precision: Precision, settings: ActivationSettings
 ) -> tuple[int, MemoryBreakdown]:
     """The stage with the most memory, and its breakdown: every stage must fit."""
     stages = [

@@ -19,8 +19,9 @@ import torch
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import validate
+from scaletrain.parallel.layout import Layout
 from scaletrain.planner.activations import RECOMPUTE_BY_COST, ActivationSettings, Recompute
-from scaletrain.planner.layouts import Layout
+from scaletrain.planner.layouts import Candidate
 from scaletrain.planner.memory import peak_memory
 from scaletrain.planner.search import DEFAULT_MEMORY_RESERVE, planning_precision
 
@@ -82,8 +83,7 @@ def run_peak_memory(config: Config, recompute: Recompute) -> float:
     if parallel.data is None:
         raise ConfigError("the recomputation's memory is that of a layout: resolve the config for its world size "
                           "first (parallel.layout.resolve_for_world)")
-    layout = Layout(parallel.tensor, parallel.pipeline, parallel.data, parallel.zero_stage, train.micro_batch_size,
-                    recompute, expert=parallel.expert, context=parallel.context)
+    layout = Candidate(**dataclasses.asdict(Layout.of(config)), recompute=recompute)
     precision = planning_precision(config)
     settings = ActivationSettings(activation_bytes=precision.activation_bytes,
                                   sequence_parallel=parallel.sequence_parallel)

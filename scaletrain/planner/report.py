@@ -15,7 +15,7 @@ from scaletrain.planner.flops import (
     logits_flops_per_token,
     model_flops_per_token,
 )
-from scaletrain.planner.layouts import Layout, layout_settings, num_experts
+from scaletrain.planner.layouts import Candidate, layout_settings, num_experts
 from scaletrain.planner.memory import rank_parameters
 from scaletrain.planner.params import (
     LayerParameters,
@@ -83,7 +83,7 @@ def _parameters(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def stage_lines(config: Config, layout: Layout) -> list[str]:
+def stage_lines(config: Config, layout: Candidate) -> list[str]:
     """One line per pipeline stage, every stage listed: consecutive stages that hold the same layers
     share a line that names them all ("stages 1-14, each: ..."), so PP=64 stays readable."""
     described = []
@@ -136,7 +136,7 @@ def _layer_summary(layers: tuple[LayerParameters, ...]) -> str:
     return "layers: " + " + ".join(parts)
 
 
-def _stage_contents(layers: list[LayerParameters], layout: Layout) -> str:
+def _stage_contents(layers: list[LayerParameters], layout: Candidate) -> str:
     parts: list[str] = []
     blocks = sum(layer.is_block for layer in layers)
     for layer in layers:

@@ -9,7 +9,7 @@ from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import validate
 from scaletrain.planner.activations import RECOMPUTE_BY_COST, ActivationSettings
 from scaletrain.planner.flops import model_flops_per_token
-from scaletrain.planner.layouts import Layout, enumerate_layouts, layout_settings, planning_global_batch
+from scaletrain.planner.layouts import Candidate, enumerate_layouts, layout_settings, planning_global_batch
 from scaletrain.planner.measured_steps import has_measured_step
 from scaletrain.planner.memory import FP32, MIXED_BF16, MemoryBreakdown, Precision, peak_memory
 from scaletrain.planner.step_time import Hardware, StepTime, predict_step_time
@@ -22,7 +22,7 @@ DEFAULT_MAX_MICRO_BATCH = 8
 
 @dataclass(frozen=True)
 class PlannedLayout:
-    layout: Layout
+    layout: Candidate
     peak_stage: int  # the pipeline stage whose memory is reported (the fullest one)
     memory: MemoryBreakdown
     step_time: StepTime
@@ -82,10 +82,8 @@ def plan(
     measured_model = has_measured_step(config, hardware.device)
     planned = []
     for layout in enumerate_layouts(config, gpus, hardware.gpus_per_node, max_micro_batch):
-        stage, memory = peak_memory(config, layout, layout.micro_batches(global_batch), precision, settings)
-        time = predict_step_time(
-            config, layout, global_batch, hardware, precision.activation_bytes, precision.grad_bytes
-        )
+        stage, memory = peak_memory(config, layout, layout.grad_accum, precision, settings)
+        time = predict_step_time(config, layout, hardware, precision.activation_bytes, precision.grad_bytes)
         mfu = step_flops / (time.total * gpus * hardware.peak_flops)
         planned.append(PlannedLayout(layout, stage, memory, time, mfu, memory.total <= budget,
                                      calibrated=measured_model and time.measured_gemms))
@@ -97,7 +95,7 @@ def plan(
     return Plan(config, gpus, gpu_memory, budget, hardware, precision, settings, global_batch, planned)
 
 
-def runnable_now(config: Config, layout: Layout) -> str | None:
+def runnable_now(config: Config, layout: Candidate) -> str | None:
     """None if this release's config validation accepts the layout's settings (the overrides the
     report prints, layouts.layout_settings), else its message."""
     sections: dict[str, dict[str, int | str]] = {}

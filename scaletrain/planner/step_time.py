@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from scaletrain.config import Config
 from scaletrain.planner.activations import Recompute
 from scaletrain.planner.kernel_time import DEVICES, KernelTimes, kernel_times
-from scaletrain.planner.layouts import Layout
+from scaletrain.planner.layouts import Candidate
 from scaletrain.planner.memory import expert_data_parallel, rank_parameters
 from scaletrain.planner.params import num_blocks
 from scaletrain.planner.step_work import blocks_flops_scale, loss_bytes, output_layer_gemm, stage_blocks
@@ -117,10 +117,10 @@ def all_to_all_seconds(num_bytes: float, ranks: int, bandwidth: float) -> float:
 
 
 def predict_step_time(
-    config: Config, layout: Layout, global_batch: int, hardware: Hardware, activation_bytes: int, grad_bytes: int
+    config: Config, layout: Candidate, hardware: Hardware, activation_bytes: int, grad_bytes: int
 ) -> StepTime:
     model = config.model
-    micro_batches = layout.micro_batches(global_batch)
+    micro_batches = layout.grad_accum
     tokens = model.seq_length * layout.micro_batch
     blocks_per_stage = num_blocks(config) // layout.pipeline
     compute, measured_gemms = micro_batch_compute_seconds(config, layout, hardware.kernel_times(), activation_bytes)
@@ -152,7 +152,7 @@ def predict_step_time(
 
 
 def micro_batch_compute_seconds(
-    config: Config, layout: Layout, times: KernelTimes, activation_bytes: int
+    config: Config, layout: Candidate, times: KernelTimes, activation_bytes: int
 ) -> tuple[float, bool]:
     """One micro-batch's forward and backward on the last stage (module docstring), and whether every GEMM
     in it was timed from measurements."""
@@ -179,7 +179,7 @@ def micro_batch_compute_seconds(
     return seconds, measured
 
 
-def _optimizer_seconds(config: Config, layout: Layout, times: KernelTimes) -> float:
+def _optimizer_seconds(config: Config, layout: Candidate, times: KernelTimes) -> float:
     """The slowest stage's optimizer step over its rank's partition: ZeRO-1/2/3 split it over DP (experts over
     the DP / EP ranks holding them), which then all-gather the weights (the DP term)."""
     def stage_parameters(stage: int) -> float:
@@ -192,7 +192,7 @@ def _optimizer_seconds(config: Config, layout: Layout, times: KernelTimes) -> fl
     return times.memory_seconds(OPTIMIZER_BYTES_PER_PARAMETER * parameters)
 
 
-def _expert_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, activation_bytes: int) -> float:
+def _expert_parallel_seconds(config: Config, layout: Candidate, hardware: Hardware, activation_bytes: int) -> float:
     """The all-to-alls of one micro-batch on the last stage (the one the compute term times)."""
     if layout.expert == 1:
         return 0.0
@@ -206,7 +206,7 @@ def _expert_parallel_seconds(config: Config, layout: Layout, hardware: Hardware,
     return all_to_alls * all_to_all_seconds(dispatched, layout.expert, bandwidth)
 
 
-def _data_parallel_seconds(config: Config, layout: Layout, hardware: Hardware, grad_bytes: int) -> float:
+def _data_parallel_seconds(config: Config, layout: Candidate, hardware: Hardware, grad_bytes: int) -> float:
     """Gradients are reduced over the DP x CP ranks (context-parallel ranks hold the same weights)."""
     replicas = layout.data * layout.context
     if replicas == 1:

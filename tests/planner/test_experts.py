@@ -11,7 +11,7 @@ import pytest
 from scaletrain.config_loader import load_config
 from scaletrain.model.counts import model_counts
 from scaletrain.planner.activations import ActivationSettings
-from scaletrain.planner.layouts import Layout, layout_settings
+from scaletrain.planner.layouts import Candidate, layout_settings
 from scaletrain.planner.memory import MIXED_BF16, stage_memory
 from scaletrain.planner.params import expert_parameters, total_parameters
 from scaletrain.planner.report import format_plan
@@ -47,7 +47,7 @@ def test_mixtral_experts_are_counted_apart(mixtral):
 def test_ep8_on_8_gpus_holds_an_eighth_of_the_experts(mixtral):
     """ZeRO-1, DP = EP = 8: dense optimizer state over 8 ranks, the experts' over DP/EP = 1 (each expert
     lives on one rank only), bf16 weights and gradients of the dense weights and 1/8 of the experts."""
-    layout = Layout(tensor=1, pipeline=1, data=8, zero_stage=1, micro_batch=1, recompute=True, expert=8)
+    layout = Candidate(tensor=1, pipeline=1, data=8, zero_stage=1, micro_batch=1, recompute=True, expert=8)
     memory = stage_memory(mixtral, layout, 0, 128, MIXED_BF16, ActivationSettings())
     on_rank = DENSE_MATRICES + NORMS + EXPERT_WEIGHTS // 8
     assert memory.weights == memory.gradients == 2 * on_rank
@@ -57,13 +57,14 @@ def test_ep8_on_8_gpus_holds_an_eighth_of_the_experts(mixtral):
 
     groups = [partition(DENSE_MATRICES, 8), partition(NORMS, 8), partition(EXPERT_WEIGHTS // 8, 1)]
     assert memory.optimizer == sum(12 * numel + 4 for numel in groups)
-    zero_2 = stage_memory(mixtral, Layout(1, 1, 8, 2, 1, True, expert=8), 0, 128, MIXED_BF16, ActivationSettings())
+    zero_2 = stage_memory(mixtral, Candidate(data=8, zero_stage=2, recompute=True, expert=8), 0, 128, MIXED_BF16,
+                          ActivationSettings())
     assert zero_2.gradients == 2 * (math.ceil((DENSE_MATRICES + NORMS) / 8) + EXPERT_WEIGHTS // 8)
 
 
 def test_expert_state_partitions_over_the_expert_data_parallel_ranks(mixtral):
     """DP 32, EP 4: 2 experts per layer on a rank, their optimizer state over the 8 ranks holding them."""
-    layout = Layout(tensor=2, pipeline=1, data=32, zero_stage=1, micro_batch=1, recompute=True, expert=4)
+    layout = Candidate(tensor=2, pipeline=1, data=32, zero_stage=1, micro_batch=1, recompute=True, expert=4)
     memory = stage_memory(mixtral, layout, 0, 32, MIXED_BF16, ActivationSettings())
     experts_on_rank = EXPERT_WEIGHTS // 4 // 2  # EP 4, then TP 2 splits every expert matrix
     router = LAYERS * EXPERTS * HIDDEN  # replicated over TP, like the norms
@@ -71,7 +72,8 @@ def test_expert_state_partitions_over_the_expert_data_parallel_ranks(mixtral):
     assert memory.weights == 2 * (dense_on_rank + NORMS + experts_on_rank)
     assert memory.optimizer == 12 * (math.ceil(dense_on_rank / 64) * 2 + math.ceil(NORMS / 64) * 2
                                      + math.ceil(experts_on_rank / 16) * 2) + 3 * 4
-    no_ep = stage_memory(mixtral, Layout(2, 1, 32, 1, 1, True), 0, 32, MIXED_BF16, ActivationSettings())
+    no_ep = stage_memory(mixtral, Candidate(tensor=2, data=32, zero_stage=1, recompute=True), 0, 32, MIXED_BF16,
+                         ActivationSettings())
     assert no_ep.weights - memory.weights == 2 * (EXPERT_WEIGHTS // 2 - experts_on_rank)
 
 
@@ -80,11 +82,12 @@ def test_all_to_all_time_is_four_per_moe_layer(mixtral):
     of them over NVLink within a node."""
     hardware = Hardware(989e12)
     for recompute, per_layer in ((False, 4), (True, 6)):
-        layout = Layout(1, 1, 8, 1, 1, recompute, expert=8)
-        time = predict_step_time(mixtral, layout, 64, hardware, 2, 2)
+        layout = Candidate(data=8, zero_stage=1, grad_accum=64 // 8, recompute=recompute, expert=8)
+        time = predict_step_time(mixtral, layout, hardware, 2, 2)
         dispatched = 2 * 4096 * HIDDEN * 2
         assert time.expert_parallel == pytest.approx(8 * LAYERS * per_layer * 7 / 8 * dispatched / 360e9, rel=1e-12)
-    assert predict_step_time(mixtral, Layout(1, 1, 8, 1, 1, False), 64, hardware, 2, 2).expert_parallel == 0
+    dense = Candidate(data=8, zero_stage=1, grad_accum=64 // 8)
+    assert predict_step_time(mixtral, dense, hardware, 2, 2).expert_parallel == 0
 
 
 def test_plan_offers_expert_parallelism_for_moe_never_with_zero_3(mixtral_plan):

@@ -10,7 +10,7 @@ import pytest
 from scaletrain.config_loader import load_config
 from scaletrain.planner.activations import ActivationSettings, block_activations, stage_activations
 from scaletrain.planner.flops import hardware_flops_per_token, logits_flops_per_token
-from scaletrain.planner.layouts import Layout
+from scaletrain.planner.layouts import Candidate
 from scaletrain.planner.memory import MIXED_BF16, peak_memory, stage_memory, zero_partition_numel
 from scaletrain.planner.params import stage_parameters
 from scaletrain.planner.step_time import Hardware, predict_step_time
@@ -63,9 +63,10 @@ def test_recomputation_flops_are_megatron_96blsh2(gpt3_175b):
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m(gpt3_175b):
-    layout = Layout(tensor=8, pipeline=4, data=4, zero_stage=1, micro_batch=2, recompute=True)
-    time = predict_step_time(gpt3_175b, layout, 64, Hardware(989e12), 2, 2)
     micro_batches = 64 // (2 * 4)
+    layout = Candidate(tensor=8, pipeline=4, data=4, zero_stage=1, micro_batch=2, grad_accum=micro_batches,
+                       recompute=True)
+    time = predict_step_time(gpt3_175b, layout, Hardware(989e12), 2, 2)
     busy = time.compute + time.tensor_parallel + time.pipeline_parallel
     assert time.bubble / busy == pytest.approx((4 - 1) / micro_batches)
 
@@ -73,7 +74,8 @@ def test_pipeline_bubble_is_p_minus_1_over_m(gpt3_175b):
 def test_zero_stages_partition_what_the_paper_says(gpt3_175b):
     settings = ActivationSettings()
     by_stage = {
-        zero: stage_memory(gpt3_175b, Layout(8, 1, 16, zero, 1, True), 0, 96, MIXED_BF16, settings)
+        zero: stage_memory(gpt3_175b, Candidate(tensor=8, data=16, zero_stage=zero, recompute=True), 0, 96,
+                           MIXED_BF16, settings)
         for zero in range(4)
     }
     assert by_stage[1].optimizer == pytest.approx(by_stage[0].optimizer / 16, rel=1e-6)
@@ -87,7 +89,8 @@ def test_zero_stages_partition_what_the_paper_says(gpt3_175b):
 def test_pipeline_without_zero_uses_deepspeeds_bf16_optimizer(gpt3_175b):
     """Master weights and moments partitioned as in ZeRO-1, plus full fp32 gradients."""
     zero0, zero1 = (
-        stage_memory(gpt3_175b, Layout(8, 16, 8, zero, 1, True), 0, 192, MIXED_BF16, ActivationSettings())
+        stage_memory(gpt3_175b, Candidate(tensor=8, pipeline=16, data=8, zero_stage=zero, recompute=True), 0, 192,
+                     MIXED_BF16, ActivationSettings())
         for zero in (0, 1)
     )
     params = stage_parameters(gpt3_175b, 8, 16, 0).total
@@ -104,7 +107,7 @@ def test_deepspeed_pads_each_group_to_2_dp_elements():
 def test_first_stage_holds_p_micro_batches_in_flight(gpt3_175b):
     """1F1B: stage 0 keeps min(p, m) micro-batches' activations and sent outputs (Narayanan et al. 2021)."""
     model, settings = gpt3_175b.model, ActivationSettings()
-    layout = Layout(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=1, recompute=True)
+    layout = Candidate(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=1, recompute=True)
     stored = stage_activations(model, gpt3_175b.padded_vocab_size, 1, 8, 6, first_stage=True, last_stage=False,
                                recompute=True, settings=settings).stored
     sent = model.seq_length * model.hidden_size * 2
@@ -145,7 +148,7 @@ def test_flex_attention_keeps_no_dense_mask_where_it_runs(gpt3_175b, backend, dr
         return dataclasses.replace(gpt3_175b, model=dataclasses.replace(
             gpt3_175b.model, document_masking=True, dropout=dropout, **changes))
 
-    layout = Layout(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=2, recompute=False, context=context)
+    layout = Candidate(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=2, recompute=False, context=context)
     chosen, plain = (stage_memory(documents(attention_backend=name), layout, 0, 16, MIXED_BF16, ActivationSettings())
                      for name in (backend, "sdpa"))
     seq, blocks = gpt3_175b.model.seq_length, gpt3_175b.model.num_layers // 16

@@ -13,7 +13,7 @@ from scaletrain.config_loader import load_config
 from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.planner.activations import ActivationSettings, Recompute
 from scaletrain.planner.command import add_plan_arguments, parse_memory_size, plan_from_args, run_plan
-from scaletrain.planner.layouts import Layout, layout_settings
+from scaletrain.planner.layouts import Candidate, layout_settings
 from scaletrain.planner.memory import MIXED_BF16, peak_memory
 from scaletrain.planner.params import total_parameters
 from scaletrain.planner.report import format_plan, stage_lines
@@ -55,8 +55,9 @@ def test_175b_fits_only_with_model_parallelism(plan_175b):
 def test_175b_megatron_layout_fits(plan_175b):
     """Narayanan et al. 2021 trained 175B with TP 8 x PP 16 (ZeRO-free, recomputing) on 1024 A100-80GB."""
     fitting = {planned.layout for planned in plan_175b.feasible}
-    assert Layout(tensor=8, pipeline=16, data=8, zero_stage=1, micro_batch=1, recompute=True) in fitting
-    assert Layout(tensor=8, pipeline=16, data=8, zero_stage=0, micro_batch=1, recompute=True) in fitting
+    for zero_stage in (1, 0):  # the global batch of 1,536 sequences: 192 micro-batches per pipeline
+        assert Candidate(tensor=8, pipeline=16, data=8, zero_stage=zero_stage, micro_batch=1, grad_accum=192,
+                         recompute=True) in fitting
 
 
 def test_175b_without_model_parallelism_needs_more_than_80gib():
@@ -65,7 +66,7 @@ def test_175b_without_model_parallelism_needs_more_than_80gib():
     config = load_config(GPT3_175B)
     for zero_stage in (0, 1, 2):
         for recompute in (False, True):
-            layout = Layout(1, 1, 1024, zero_stage, 1, recompute)
+            layout = Candidate(data=1024, zero_stage=zero_stage, recompute=recompute)
             _, memory = peak_memory(config, layout, 2, MIXED_BF16, ActivationSettings())
             assert memory.total > 80 * GIB
     assert all(p.layout.model_parallel > 1 for p in plan(
@@ -108,7 +109,7 @@ def test_every_pipeline_stage_is_listed(plan_175b):
     lines = format_plan(plan_175b, str(GPT3_175B), top=3).splitlines()
     assert _listed_stages(lines) == list(range(pipeline))
     assert any(line.strip().startswith(f"stages 1-{pipeline - 2}, each: ") for line in lines)
-    sixteen = stage_lines(plan_175b.config, Layout(8, 16, 8, 1, 1, True))
+    sixteen = stage_lines(plan_175b.config, Candidate(tensor=8, pipeline=16, data=8, zero_stage=1, recompute=True))
     assert len(sixteen) == 3 and _listed_stages(sixteen) == list(range(16))
 
 
@@ -128,7 +129,8 @@ def test_overrides_line_loads_into_the_chosen_layout(config_name, overrides, gpu
     assert (parallel.tensor, parallel.pipeline, parallel.data) == (chosen.tensor, chosen.pipeline, chosen.data)
     assert parallel.zero_stage == chosen.zero_stage or (chosen.data, chosen.pipeline, parallel.zero_stage) == (1, 1, 0)
     global_batch = 1536 if config_name == "gpt3_175b.yaml" else 16 * 8
-    assert (train.micro_batch_size, train.grad_accum) == (chosen.micro_batch, chosen.micro_batches(global_batch))
+    assert (train.micro_batch_size, train.grad_accum) == (chosen.micro_batch, chosen.grad_accum)
+    assert chosen.global_batch == global_batch  # the global batch the layouts were compared at
     assert train.recompute == Recompute(chosen.recompute).setting
     assert train.full_recompute_interval == (1 if chosen.recompute == Recompute.FULL else 0)
     launch = lines[heading + 3].split()
@@ -198,11 +200,11 @@ def test_context_parallelism_divides_activation_memory_and_is_offered():
     """A CP rank keeps 1/CP of each sequence's activations; weights and optimizer state are not split by
     it. The search offers CP for a family that runs it, and its overrides set parallel.context."""
     config = load_config(GPT3_175B)
-    alone, split = (peak_memory(config, Layout(8, 1, 16, 1, 1, False, context=context), 12, MIXED_BF16,
+    alone, split = (peak_memory(config, Candidate(tensor=8, data=16, zero_stage=1, context=context), 12, MIXED_BF16,
                                 ActivationSettings())[1] for context in (1, 4))
     assert split.activations == pytest.approx(alone.activations / 4)
     assert (split.weights, split.optimizer) == (alone.weights, alone.optimizer)
-    assert layout_settings(config, Layout(8, 1, 16, 1, 1, False, context=4))["parallel.context"] == 4
+    assert layout_settings(config, Candidate(tensor=8, data=16, zero_stage=1, context=4))["parallel.context"] == 4
     small = plan(load_config(REPO / "configs" / "gpt3_125m.yaml"), 8, 80 * GIB, Hardware(989e12))
     assert {planned.layout.context for planned in small.layouts} == {1, 2, 4, 8}
     assert all(planned.layout.pipeline == 1 for planned in small.layouts if planned.layout.context > 1)

@@ -18,7 +18,7 @@ from scaletrain.planner.activations import (
     stage_activations,
 )
 from scaletrain.planner.flops import blocks_forward_flops_per_token, hardware_flops_per_token, model_flops_per_token
-from scaletrain.planner.layouts import Layout, layout_settings
+from scaletrain.planner.layouts import Candidate, layout_settings
 from scaletrain.planner.recompute import decide_recompute, resolve_recompute, run_peak_memory
 from scaletrain.planner.report import format_plan
 from scaletrain.planner.search import DEFAULT_MEMORY_RESERVE, plan
@@ -63,7 +63,7 @@ def test_selective_recomputes_the_attention_cores_forward(gpt3_1_3b):
 def test_layouts_offer_all_three_and_fastest_first_at_equal_shape():
     config = load_config(REPO / "configs" / "gpt3_350m.yaml", ["train.global_batch_size=16"])
     result = plan(config, 1, 80 * GIB, Hardware(989e12), max_micro_batch=2)
-    by_shape: dict[Layout, list[Recompute]] = {}
+    by_shape: dict[Candidate, list[Recompute]] = {}
     for planned in result.feasible:
         by_shape.setdefault(dataclasses.replace(planned.layout, recompute=Recompute.NONE), []).append(
             planned.layout.recompute)
@@ -76,7 +76,7 @@ def test_layouts_offer_all_three_and_fastest_first_at_equal_shape():
 @pytest.mark.parametrize("recompute", list(Recompute))
 def test_layout_settings_name_the_mode_and_clear_an_interval_it_cannot_take(recompute):
     config = load_config(REPO / "configs" / "gpt3_350m.yaml", ["train.activation_checkpoint_interval=4"])
-    settings = layout_settings(config, Layout(1, 1, 1, 0, 1, recompute))
+    settings = layout_settings(config, Candidate(recompute=recompute))
     assert settings["train.activation_checkpoint"] == recompute.setting
     assert settings["train.activation_checkpoint_interval"] == (1 if recompute == Recompute.FULL else 0)
     pasted = [f"{key}={value}" for key, value in settings.items()]

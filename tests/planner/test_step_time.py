@@ -12,7 +12,7 @@ import pytest
 from scaletrain.config_loader import load_config
 from scaletrain.planner.flops import model_flops_per_token
 from scaletrain.planner.kernel_time import DEVICES, KernelTimes, read_table, write_table
-from scaletrain.planner.layouts import Layout
+from scaletrain.planner.layouts import Candidate
 from scaletrain.planner.measured_steps import (
     RECOMPUTE,
     MeasuredStep,
@@ -119,7 +119,7 @@ def test_table_file_round_trips(tmp_path):
 
 def test_a_layout_is_measured_when_the_table_holds_every_gemm():
     config = _config("gpt3_350m.yaml")
-    layout = Layout(1, 1, 1, 0, 8, False)
+    layout = Candidate(micro_batch=8)
     shapes = gemm_shapes_for([config], micro_batches=(8,))
     table = KernelTimes(989e12, 4.8e12, tuple((m, n, k, 600e12) for m, n, k in shapes))
     assert micro_batch_compute_seconds(config, layout, table, 2)[1]
@@ -134,7 +134,7 @@ def _planned(step: MeasuredStep):
     device = DEVICES[step.device]
     hardware = Hardware(device.peak_flops, device.memory_bandwidth, device=step.device)
     result = plan(config, gpus=1, gpu_memory=141 * GIB, hardware=hardware, max_micro_batch=step.micro_batch)
-    layout = Layout(1, 1, 1, 0, step.micro_batch, RECOMPUTE[step.recompute])
+    layout = Candidate(micro_batch=step.micro_batch, grad_accum=step.grad_accum, recompute=RECOMPUTE[step.recompute])
     return next(planned for planned in result.layouts if planned.layout == layout)
 
 

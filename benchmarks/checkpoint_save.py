@@ -49,7 +49,12 @@ except ImportError:
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.parallel.groups import destroy_distributed, init_distributed, world_size_from_environment  # noqa: E402
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
-from scaletrain.train.engine import build_engine, build_training_model  # noqa: E402
+from scaletrain.train.engine import build_engine  # noqa: E402
+
+try:  # its home since parallelism is applied in one place (train/parallelize.py); before, engine.py
+    from scaletrain.train.parallelize import build_training_model
+except ImportError:
+    from scaletrain.train.engine import build_training_model
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
 

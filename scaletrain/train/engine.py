@@ -1,4 +1,5 @@
-"""DeepSpeed engine setup: the ZeRO/precision config, AdamW groups and the LR schedule."""
+"""DeepSpeed engine setup: the ZeRO/precision config, AdamW groups and the LR schedule, around a model that
+train/parallelize.py has parallelised for the layout."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from scaletrain import upstream
-from scaletrain.config import Config, ConfigError
-from scaletrain.model import build_model
+from scaletrain.config import Config
 from scaletrain.model.moe import MoELayer
 from scaletrain.notices import OP_BUILT, without_stdout_lines
 from scaletrain.parallel.expert_parallel import (
@@ -26,6 +26,7 @@ from scaletrain.parallel.mpu import MegatronMPU
 from scaletrain.parallel.sharding import is_tensor_parallel
 from scaletrain.train.compile import compile_blocks
 from scaletrain.train.flat_adamw import FlatAdamW
+from scaletrain.train.parallelize import parallelize
 
 
 def deepspeed_config(config: Config, precision: str, flat_optimizer: bool = False) -> dict[str, Any]:
@@ -101,24 +102,10 @@ def _apex_fused_adam() -> type | None:
     return FusedAdam
 
 
-def build_training_model(config: Config, topology: Topology) -> nn.Module:
-    """The plain model, or its DeepSpeed pipeline form when the layout has pipeline stages."""
-    if topology.pipeline_parallel_size > 1:
-        import deepspeed
-
-        from scaletrain.train.pipeline import build_pipeline
-
-        # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
-        with without_stdout_lines(OP_BUILT):  # its comm layer loads DeepSpeed's CPU op
-            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
-
-        return build_pipeline(config, topology)
-    return build_model(config)
-
-
 def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
-    """Wrap the model in a DeepSpeed engine. There is no LR scheduler object: the loop sets each
-    step's LR from the config (train/schedule.py), so a resume follows the config as written.
+    """Wrap the model, parallelised for the layout (train/parallelize.py), in a DeepSpeed engine. There is no LR
+    scheduler object: the loop sets each step's LR from the config (train/schedule.py), so a resume follows the
+    config as written.
 
     Without pipeline stages DeepSpeed learns megatron's groups from the mpu adapter; with them the
     PipelineModule's topology is the grid, and DeepSpeed wants no mpu.
@@ -126,25 +113,8 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     import deepspeed
 
     precision = resolve_precision(config, topology.device)
-    model.to(topology.device)
-    if config.parallel.sequence_parallel:
-        # norms see one sequence slice per TP rank: sum their gradients over TP before ZeRO sees them
-        from scaletrain.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
-
-        register_sequence_parallel_grad_hooks(model)
-    if config.parallel.zero_stage == 3:
-        # ZeRO-3 gathers a module's own parameters around its forward; tied weights used elsewhere
-        # must be announced, or the borrowing module sees an empty partition.
-        for module, parameter in model.borrowed_parameters():  # every family model has it; no ZeRO-3 with stages
-            deepspeed.zero.register_external_parameter(module, parameter)
+    model = parallelize(model, config, topology)  # a no-op for build_training_model's, which did it
     expert_group = expert_parallel_group()
-    if expert_group.size > 1 and config.parallel.zero_stage == 0 and precision == "bf16":
-        # DeepSpeed's bf16 wrappers without ZeRO (FP16_UnfusedOptimizer in bf16 mode, BF16_Optimizer) clip
-        # with the dense parameters' norm alone (unfused_optimizer.py step, DeepSpeed 0.19): the experts would
-        # be clipped by another norm than the single rank's
-        raise ConfigError(f"parallel.expert={expert_group.size} with parallel.zero_stage=0 in bf16: DeepSpeed's bf16 "
-                          "optimizer leaves split experts out of the clipping norm; use parallel.zero_stage=1 or 2 "
-                          "(or train.precision=fp32)")
     flat = uses_flat_optimizer(config, topology, expert_group.size)
     with without_stdout_lines(OP_BUILT), _expert_parallel(model, expert_group):
         # without pipeline stages, DeepSpeed's comm layer starts (and loads its CPU op) here

@@ -49,7 +49,7 @@ from scaletrain.parallel.placement import (
 )
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.tracking.metrics import MetricsLogger
-from scaletrain.train.engine import build_engine, build_training_model
+from scaletrain.train.engine import build_engine
 from scaletrain.train.hooks import Hooks
 from scaletrain.train.hooks.checkpointing import Checkpointing, set_aside_blown_up
 from scaletrain.train.hooks.console import LogLines, ProgressBar
@@ -64,6 +64,7 @@ from scaletrain.train.hooks.summary import RunSummary
 from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged
 from scaletrain.train.objective import Objective, build_objective
+from scaletrain.train.parallelize import build_training_model
 from scaletrain.train.preflight import check_checkpoints_writable, check_data_matches, describe_resume
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock, RunDirectoryStart
 from scaletrain.train.schedule import learning_rate

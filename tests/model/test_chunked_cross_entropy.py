@@ -120,7 +120,8 @@ def test_chunked_loss_under_tensor_parallelism_matches_the_single_rank_loss(fami
 def _engine_losses(rank: int, world_size: int, family: str, parallel: dict, data: dict) -> dict[int, list[float]]:
     """Two optimizer steps of DeepSpeed's engine (grad_accum 2), then an evaluation pass: the losses."""
     from scaletrain.parallel.groups import init_distributed
-    from scaletrain.train.engine import build_engine, build_training_model
+    from scaletrain.train.engine import build_engine
+    from scaletrain.train.parallelize import build_training_model
     from scaletrain.train.step import pipeline_inputs
 
     tokens, labels = _batch()

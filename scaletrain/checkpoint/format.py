@@ -56,6 +56,7 @@ class CheckpointMeta:
     spikes: dict[str, Any] = field(default_factory=dict)  # the loss-spike rule's state (train/state.py)
     tokenizer_sha256: str | None = None  # the tokenizer whose ids the run trained on (None: not recorded)
     started_from: str | None = None  # the explicit train.resume checkpoint the run started from (resume_candidates)
+    hooks: dict[str, Any] = field(default_factory=dict)  # the loop's hooks' state, by hook name (train/hooks/)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -150,7 +151,7 @@ def read_meta(path: Path) -> CheckpointMeta:
         meta = CheckpointMeta(int(raw["step"]), int(raw["consumed_samples"]), dict(raw["layout"]),
                               int(raw.get("skipped_steps", 0)), int(raw.get("consecutive_skipped_steps", 0)), files,
                               int(raw.get("format", 1)), dict(raw.get("spikes", {})), raw.get("tokenizer_sha256"),
-                              raw.get("started_from"))
+                              raw.get("started_from"), dict(raw.get("hooks", {})))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"checkpoint {path} is incomplete or corrupt ({error}); delete it or set train.resume to another"

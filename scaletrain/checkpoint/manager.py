@@ -37,14 +37,15 @@ from scaletrain.parallel.groups import Topology
 def save_checkpoint(
     engine: Any, config: Config, topology: Topology, step: int, consumed_samples: int,
     skipped_steps: int = 0, consecutive_skipped_steps: int = 0, spikes: dict[str, Any] | None = None,
-    provenance: dict[str, str] | None = None,
+    provenance: dict[str, str] | None = None, hooks: dict[str, Any] | None = None,
 ) -> Path:
     """Copy this rank's share of the state off the training tensors and write it (in the background
     with checkpoint.async_save) into a staging directory that rank 0 publishes in one rename once all
     ranks' files are in. A failed write on any rank (a full disk) removes the staging directory and
     raises one CheckpointError naming the file, the cause and the newest checkpoint left, on every
     rank, here or at the next finish_pending_save. `provenance` goes into meta.json as it is
-    (resume_policy.checkpoint_provenance: the tokenizer, the checkpoint the run started from)."""
+    (resume_policy.checkpoint_provenance: the tokenizer, the checkpoint the run started from), and so does
+    `hooks`, the loop's hooks' state (train/hooks/)."""
     finish_pending_save()
     started = time.perf_counter()
     group = checkpoint_group()
@@ -53,7 +54,7 @@ def save_checkpoint(
     meta = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
             "layout": layout_of(config, topology), "skipped_steps": skipped_steps,
             "consecutive_skipped_steps": consecutive_skipped_steps, **({"spikes": spikes} if spikes else {}),
-            **(provenance or {})}
+            **({"hooks": hooks} if hooks else {}), **(provenance or {})}
     return publish(collected, rng, config, topology, meta, group, started)
 
 

@@ -19,6 +19,7 @@ TRACKER_NAMES = {
     "tokens": "train/tokens",
     "tokens_per_s": "perf/tokens_per_s",
     "step_time_s": "perf/step_time_s",
+    "train_time_s": "perf/train_time_s",
     "mfu": "perf/mfu",
     "data_wait_fraction": "perf/data_wait_fraction",
 }

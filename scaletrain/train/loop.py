@@ -50,7 +50,7 @@ from scaletrain.parallel.placement import (
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine
-from scaletrain.train.hooks import Hooks
+from scaletrain.train.hooks import Hook, Hooks
 from scaletrain.train.hooks.checkpointing import Checkpointing, set_aside_blown_up
 from scaletrain.train.hooks.console import LogLines, ProgressBar
 from scaletrain.train.hooks.divergence import DivergenceStop
@@ -254,7 +254,8 @@ def _rewind(engine: Any, config: Config, topology: Topology, state: TrainState, 
     meta = _load_any_layout(engine, good[-1], config, topology)
     skipped = spike.rewind_skip_batches * topology.layout.global_batch
     earlier = TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(good[-1]),
-                         skipped_steps=meta.skipped_steps, consecutive_skipped_steps=meta.consecutive_skipped_steps)
+                         skipped_steps=meta.skipped_steps, consecutive_skipped_steps=meta.consecutive_skipped_steps,
+                         hook_states=meta.hooks)
     earlier.restore_spikes(meta.spikes)
     data_window = (meta.consumed_samples, meta.consumed_samples + skipped)
     state.rewind_to(earlier, skipped)
@@ -291,9 +292,12 @@ def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology
     routing = ExpertStatistics.for_model(engine.module, topology.device)  # None without MoE layers
     # None without eval.tasks; scores the model the checkpoint of its step holds (Checkpointing comes first)
     downstream = DownstreamTasks.for_run(engine.module, config, topology, logger, progress)
-    return Hooks([speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
-                  DivergenceStop(config, topology), Checkpointing(engine, config, topology, provenance), progress,
-                  evaluation, *([downstream] if downstream else []), RunSummary(config, topology, speed, evaluation)])
+    hooks: list[Hook] = []
+    checkpointing = Checkpointing(engine, config, topology, provenance, hook_states=Hooks(hooks).state_dict)
+    hooks += [speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
+              DivergenceStop(config, topology), checkpointing, progress, evaluation,
+              *([downstream] if downstream else []), RunSummary(config, topology, speed, evaluation)]
+    return Hooks(hooks)
 
 
 def _injected_spike(config: Config, topology: Topology, batch: int) -> float:
@@ -336,7 +340,7 @@ def _restore_or_start(
                 _set_aside_rejected(run_dir, candidates[:index])
             state = TrainState(step=meta.step, consumed_samples=meta.consumed_samples, resumed_from=str(path),
                                skipped_steps=meta.skipped_steps,
-                               consecutive_skipped_steps=meta.consecutive_skipped_steps)
+                               consecutive_skipped_steps=meta.consecutive_skipped_steps, hook_states=meta.hooks)
             state.restore_spikes(meta.spikes)
             return state, resumption
         if index + 1 == len(candidates):

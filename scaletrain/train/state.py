@@ -25,6 +25,8 @@ class TrainState:
     loss_window: list[float] = field(default_factory=list)
     grad_norm_window: list[float] = field(default_factory=list)
     rewinds: int = 0
+    # the hooks' state as of the checkpoint this invocation started from (meta.json "hooks"; train/hooks/)
+    hook_states: dict[str, Any] = field(default_factory=dict)
 
     def count_step(self, global_batch_size: int, skipped: bool, spiked: bool = False) -> None:
         """One more step trained; a skipped step (non-finite, or a spike) consumes its batch too (as

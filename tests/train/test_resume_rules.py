@@ -17,7 +17,15 @@ import pytest
 from scaletrain.cli import main
 from scaletrain.config import TrainConfig
 from scaletrain.train.schedule import learning_rate
-from tests.train.runs import DEMO_CONFIG, REPO, launcher, run_scaletrain, scaletrain_environment, tiny_overrides
+from tests.train.runs import (
+    DEMO_CONFIG,
+    REPO,
+    launcher,
+    read_metrics,
+    run_scaletrain,
+    scaletrain_environment,
+    tiny_overrides,
+)
 
 STEPS = 4
 
@@ -46,6 +54,11 @@ def run_files(run_dir: Path) -> dict[str, bytes]:
 
 def checkpoint(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def train_time(checkpoint_dir: Path) -> float:
+    """The run's training time up to the checkpoint's step, as its meta.json carries it (SpeedMonitor's state)."""
+    return json.loads((checkpoint_dir / "meta.json").read_text())["hooks"]["SpeedMonitor"]["train_time_s"]
 
 
 def train(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
@@ -159,6 +172,10 @@ def test_a_resume_names_every_change_and_the_lr_before_and_now(trained_run: Path
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert f"; resuming at step 4 from {checkpoint(run_dir, 4)}; {changes}; run dir {run_dir}" in trained.stderr
 
+    step_times = {step: record["step_time_s"] for step, record in read_metrics(run_dir)[0].items()}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["train_time_s"] == pytest.approx(train_time(checkpoint(run_dir, 4)) + step_times[5] + step_times[6])
+
     resumed_again = train(args + ["train.steps=7"])  # nothing else changed since step 6
     assert f"resuming at step 6 from {checkpoint(run_dir, 6)}; changed since: train.steps 6 -> 7; LR at step 7: " \
         in resumed_again.stderr, resumed_again.stderr[-3000:]
@@ -177,6 +194,10 @@ def test_an_explicit_resume_path_is_a_starting_point_once(trained_run: Path, sma
     assert f"resuming at step 2 from {checkpoint(run_dir, 2)}" in first.stderr
     meta = json.loads((checkpoint(run_dir, 3) / "meta.json").read_text())
     assert meta["started_from"] == str(checkpoint(run_dir, 2).resolve())
+    # the training time is carried on from step 2's checkpoint (SpeedMonitor's hook state), not step 4's
+    step_3 = read_metrics(run_dir)[0][3]
+    carried_on = train_time(checkpoint(run_dir, 2)) + step_3["step_time_s"]
+    assert train_time(checkpoint(run_dir, 3)) == pytest.approx(carried_on) == step_3["train_time_s"]
 
     rerun = train(args)
     assert rerun.returncode == 75, rerun.stderr[-3000:]

@@ -3,12 +3,15 @@
 The loop (train/loop.py) trains steps and decides whether to stop; everything else a step does
 (speed and MFU, metrics, console and log lines, divergence, evaluation, checkpoints, the run
 summary) is a `Hook` here, each in its own module, called in the order the loop lists them
-(OLMo-core's trainer callbacks, allenai/OLMo-core `olmo_core/train/callbacks/`).
+(OLMo-core's trainer callbacks, allenai/OLMo-core `olmo_core/train/callbacks/`). A hook that keeps state
+across a resume says so in state_dict: each checkpoint's meta.json holds it under `hooks`, by the hook's
+name, and a run resumed (or rewound) from that checkpoint hands it back before its first step, as
+OLMo-core's callbacks carry theirs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from scaletrain.train.state import TrainState
@@ -43,6 +46,15 @@ class Hook:
     def close(self) -> None:
         """However the loop ended."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What this hook carries across a resume, JSON-serialisable, as of the step being checkpointed; {}:
+        nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed or rewound run's: what state_dict returned at the checkpoint it starts from (called only
+        for a hook that checkpoint holds state of)."""
+
 
 class Hooks(Hook):
     """Several hooks as one: each point calls them in the order given (the loop's `_hooks` says why
@@ -52,6 +64,7 @@ class Hooks(Hook):
         self._hooks = hooks
 
     def on_train_start(self, state: TrainState) -> None:
+        self.load_state_dict(state.hook_states)
         for hook in self._hooks:
             hook.on_train_start(state)
 
@@ -68,6 +81,7 @@ class Hooks(Hook):
             hook.after_stop_check(state)
 
     def on_rewind(self, state: TrainState) -> None:
+        self.load_state_dict(state.hook_states)
         for hook in self._hooks:
             hook.on_rewind(state)
 
@@ -78,3 +92,13 @@ class Hooks(Hook):
     def close(self) -> None:
         for hook in self._hooks:
             hook.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """{hook name: its state} of the hooks that keep any: what a checkpoint's meta.json holds under `hooks`."""
+        states = {type(hook).__name__: hook.state_dict() for hook in self._hooks}
+        return {name: state for name, state in states.items() if state}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        for hook in self._hooks:
+            if type(hook).__name__ in states:
+                hook.load_state_dict(states[type(hook).__name__])

@@ -8,6 +8,7 @@ never the checkpoint the run resumed from or last saved: the newest it knows to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ class Checkpointing(Hook):
     """Saves at the steps the config asks for, after the stop check (an early stop saves too), and
     prunes older checkpoints after the first finite step since the newest (a resumed run's first)."""
 
-    def __init__(self, engine: Any, config: Config, topology: Topology, provenance: dict[str, str]) -> None:
+    def __init__(self, engine: Any, config: Config, topology: Topology, provenance: dict[str, str],
+                 hook_states: Callable[[], dict[str, Any]]) -> None:
         """`provenance`: what each checkpoint's meta.json records for the next resume's rules
-        (resume_policy.checkpoint_provenance)."""
+        (resume_policy.checkpoint_provenance); `hook_states`: the loop's hooks' state at the save (Hooks.state_dict)."""
         self._engine, self._config, self._topology = engine, config, topology
-        self._provenance = provenance
+        self._provenance, self._hook_states = provenance, hook_states
         self._prune_due = True
         self._newest_own: Path | None = None  # resumed from or saved by this run: never pruned
         checkpoint_group()  # now, not at the first save: that may come after the rendezvous store is gone
@@ -64,7 +66,8 @@ class Checkpointing(Hook):
             )
         self._newest_own = save_checkpoint(self._engine, self._config, self._topology, state.step,
                                            state.consumed_samples, state.skipped_steps, state.consecutive_skipped_steps,
-                                           spikes=state.spike_record(), provenance=self._provenance)
+                                           spikes=state.spike_record(), provenance=self._provenance,
+                                           hooks=self._hook_states())
         return True
 
     def _prune(self) -> None:

@@ -49,7 +49,9 @@ class TimedBatches:
 class SpeedMonitor(Hook):
     """Adds tokens, step_time_s, tokens_per_s, data_wait_fraction and (where the device's peak is
     known) mfu to each step's record: model FLOPs per step (model/counts.py) over the step's wall
-    time and the cluster's peak."""
+    time and the cluster's peak; and train_time_s, the step times summed over the steps the run has
+    trained to this one, across its resumes (kept in each checkpoint: the steps an interrupted
+    invocation trained after its last checkpoint are trained again and counted once)."""
 
     def __init__(self, config: Config, topology: Topology, batches: TimedBatches) -> None:
         self.tokens_per_step = topology.layout.global_batch * config.model.seq_length
@@ -57,6 +59,7 @@ class SpeedMonitor(Hook):
         self._peak_flops = cluster_peak_flops(config, topology)
         self._batches = batches
         self._step_started = 0.0
+        self.train_time_s = 0.0
 
     def on_step_start(self, state: TrainState) -> None:
         self._batches.take_waited()  # waits outside steps (evaluation's loader) are not the step's
@@ -64,11 +67,18 @@ class SpeedMonitor(Hook):
 
     def on_step_end(self, state: TrainState, record: dict[str, float]) -> None:
         elapsed = time.perf_counter() - self._step_started
-        record.update(tokens=state.step * self.tokens_per_step, step_time_s=elapsed,
+        self.train_time_s += elapsed
+        record.update(tokens=state.step * self.tokens_per_step, step_time_s=elapsed, train_time_s=self.train_time_s,
                       tokens_per_s=self.tokens_per_step / elapsed,
                       data_wait_fraction=self._batches.take_waited() / elapsed)
         if self._peak_flops:
             record["mfu"] = self.flops_per_step / elapsed / self._peak_flops
+
+    def state_dict(self) -> dict[str, float]:
+        return {"train_time_s": self.train_time_s}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.train_time_s = float(state["train_time_s"])
 
 
 def cluster_peak_flops(config: Config, topology: Topology) -> float | None:

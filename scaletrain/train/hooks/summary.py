@@ -44,8 +44,8 @@ class RunSummary(Hook):
 
     def after_stop_check(self, state: TrainState) -> None:
         if self._enabled and state.step == self._config.train.steps:
-            write_run_summary(Path(self._config.run.dir), state, self._speed.tokens_per_step,
-                              self._speed.flops_per_step, {**self._evaluation.final_metrics, **self._downstream})
+            write_run_summary(Path(self._config.run.dir), state, self._speed,
+                              {**self._evaluation.final_metrics, **self._downstream})
 
     def on_train_end(self, state: TrainState) -> None:
         if self._enabled:
@@ -62,13 +62,13 @@ class RunSummary(Hook):
                 f"in this invocation; final {val}; checkpoint {latest}")
 
 
-def write_run_summary(
-    run_dir: Path, state: TrainState, tokens_per_step: int, flops_per_step: float, metrics: dict[str, float]
-) -> None:
+def write_run_summary(run_dir: Path, state: TrainState, speed: SpeedMonitor, metrics: dict[str, float]) -> None:
     """RUN_DIR/summary.json, written once a run has trained all its steps: what sweeps and scripts
-    read to tell a finished run and its final validation and downstream metrics (written atomically)."""
+    read to tell a finished run, its training time over all its invocations (train_time_s, SpeedMonitor's)
+    and its final validation and downstream metrics (written atomically)."""
     summary = {"step": state.step, "consumed_samples": state.consumed_samples,
-               "tokens": state.step * tokens_per_step, "flops": state.step * flops_per_step, **metrics}
+               "tokens": state.step * speed.tokens_per_step, "flops": state.step * speed.flops_per_step,
+               "train_time_s": speed.train_time_s, **metrics}
     staging = run_dir / f".{RUN_SUMMARY_FILE}.tmp"
     staging.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(staging, run_dir / RUN_SUMMARY_FILE)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scaletrain.train.jit_ops import pin_build_root
 from tests.warm import fork_server
 
 
@@ -39,6 +40,10 @@ def _entry(rank: int, worker: Callable[..., Any], world_size: int, port: int, re
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    # DeepSpeed's CPU comm op from this environment's own build root, with its ninja, as a training run
+    # loads it (scaletrain/train/jit_ops.py): torch's shared default root is rebuilt (~30 s) whenever another
+    # environment or ninja built it last, and the first engine a test builds would wait on that
+    pin_build_root()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = worker(rank, world_size, *args)

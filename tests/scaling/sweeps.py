@@ -39,6 +39,14 @@ def tiny_spec(data_dir: Path, sweep_dir: Path, wandb: str = "disabled", **change
     return spec
 
 
+def in_process_loading(spec: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with its runs loading batches in the trainer's own process (no loader worker to start) and
+    saving only their last checkpoint: the same batches in the same order, so the same losses, bit for
+    bit; for sweeps whose runs are never interrupted (an interrupted run resumes from its checkpoints)."""
+    overrides = [o for o in spec["overrides"] if not o.startswith("data.loader_workers=")]
+    return {**spec, "overrides": [*overrides, "data.loader_workers=0"], "checkpoints_per_run": 1}
+
+
 def write_spec(path: Path, spec: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

@@ -28,7 +28,7 @@ from scaletrain.scaling.sweep.executors import materialize
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.results import RESULT_COLUMNS, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
-from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, tiny_spec, write_spec
+from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
 from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
 
@@ -45,8 +45,11 @@ class InterruptedSweep:
 
 
 def finish_sweep(data_dir: Path, root: Path) -> tuple[Path, Path, str]:
-    """Every run of the tiny sweep, W&B offline: (spec, sweep directory, output)."""
-    spec_path = write_spec(root / "spec.yaml", tiny_spec(data_dir, root / "sweep", wandb="offline"))
+    """Every run of the tiny sweep, W&B offline: (spec, sweep directory, output). Its runs load their
+    batches in-process and keep one checkpoint (in_process_loading): the interrupted sweep, which keeps
+    the loader worker and four checkpoints a run, must end with the same losses."""
+    spec = in_process_loading(tiny_spec(data_dir, root / "sweep", wandb="offline"))
+    spec_path = write_spec(root / "spec.yaml", spec)
     return spec_path, root / "sweep", run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500)
 
 
@@ -73,7 +76,8 @@ def interrupt_and_run_again(data_dir: Path, root: Path) -> InterruptedSweep:
 def sweep_with_torchrun(data_dir: Path, root: Path) -> tuple[Path, subprocess.CompletedProcess]:
     """The tiny sweep's first budget, each run on 2 ranks: (sweep directory, `sweep run`'s result)."""
     sweep_dir = root / "sweep"
-    spec_path = write_spec(root / "spec.yaml", tiny_spec(data_dir, sweep_dir, budgets=[TINY_BUDGETS[0]]))
+    spec = in_process_loading(tiny_spec(data_dir, sweep_dir, budgets=[TINY_BUDGETS[0]]))
+    spec_path = write_spec(root / "spec.yaml", spec)
     return sweep_dir, subprocess.run(
         [*launcher(1), "sweep", "run", str(spec_path), "--executor", "torchrun", "--nproc", "2"], cwd=REPO,
         env=scaletrain_environment(), capture_output=True, text=True, timeout=1500)

@@ -17,7 +17,7 @@ from scaletrain.scaling.sweep.commands import format_plan
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from scaletrain.scaling.sweep.tune_fit import fit_power_law
-from tests.scaling.sweeps import tiny_spec, write_spec
+from tests.scaling.sweeps import in_process_loading, tiny_spec, write_spec
 from tests.train.runs import run_scaletrain
 
 LR_MULTIPLIERS = [0.1, 1.0, 10.0]  # around 1e-2: at 80-160 steps the tiny models do best near 3e-3 to 3e-2
@@ -25,7 +25,7 @@ HORIZONS = [80 * 256, 160 * 256]
 
 
 def tuned_spec(data_dir: Path, sweep_dir: Path) -> dict:
-    spec = tiny_spec(data_dir, sweep_dir)
+    spec = in_process_loading(tiny_spec(data_dir, sweep_dir))  # the grid's losses as with a loader worker
     del spec["learning_rate"]
     spec["hyperparameters"] = {"lr": {"rule": "tuned", "value": 1e-2, "reference_params": 1e5, "exponent": 0.0}}
     spec["tune"] = {"sizes": [0, 2], "lr_multipliers": LR_MULTIPLIERS, "tokens": HORIZONS,

@@ -27,7 +27,7 @@ from scaletrain.checkpoint.format import (
     read_meta,
 )
 from scaletrain.config import Config, ConfigError, config_yaml
-from scaletrain.parallel.layout import Layout
+from scaletrain.parallel.layout import Layout, requested_global_batch
 
 # The keys the LR schedule reads (train/schedule.py): a resume that changes one says the LR it gives.
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.min_lr", "train.warmup_steps", "train.warmup_fraction",
@@ -164,7 +164,7 @@ def _branch_differences(stored: dict[str, Any], config: Config) -> list[str]:
     differing = [f"{key}={theirs.get(key)!r} there, {ours.get(key)!r} here"
                  for key in sorted(set(ours) | set(theirs))
                  if not key.startswith(BRANCH_FREE_KEYS) and ours.get(key) != theirs.get(key)]
-    batch_here, batch_there = Layout.of(config).global_batch, _global_batch(stored)
+    batch_here, batch_there = requested_global_batch(config, data_parallel=1), _global_batch(stored)
     if batch_here != batch_there:
         differing.append(f"global batch size {batch_there} there, {batch_here} here")
     return differing
@@ -244,7 +244,7 @@ def resumption_from(config: Config, path: Path, meta: CheckpointMeta, tokenizer_
     ours = flatten_config(yaml.safe_load(config_yaml(config)))
     differing = [(key, stored[key], value) for key, value in ours.items() if key in stored and stored[key] != value]
     refused = [f"{key} {show(there)} there, {show(here)} here" for key, there, here in differing if not _free(key)]
-    batch_there, batch_here = _global_batch(stored), Layout.of(config).global_batch
+    batch_there, batch_here = _global_batch(stored), requested_global_batch(config, data_parallel=1)
     if batch_there is not None and batch_there != batch_here:
         refused.append(f"global batch {batch_there} there, {batch_here} here (set train.global_batch_size="
                        f"{batch_there} to cut it for this layout)")
@@ -290,7 +290,11 @@ def _stored_config(path: Path) -> dict[str, Any]:
 
 
 def _global_batch(config: dict[str, Any]) -> int | None:
-    """The global batch of a saved config (nested or flattened; resolved for its world, as every saved config
-    is); None where it lacks the keys."""
+    """The global batch of a saved config (nested or flattened): train.global_batch_size where it sets one, else
+    its layout's (every saved config is resolved for its world); None where it lacks the keys."""
+    train = config.get("train")
+    explicit = train.get("global_batch_size") if isinstance(train, dict) else config.get("train.global_batch_size")
+    if explicit:
+        return int(explicit)
     layout = Layout.stored(config)
     return None if layout is None else layout.global_batch

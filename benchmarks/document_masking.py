@@ -31,13 +31,13 @@ from scaletrain.config import Config  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.data.objectives import document_ids  # noqa: E402
 from scaletrain.data.tokenizer import SPECIAL_IDS  # noqa: E402
-from scaletrain.model import build_model  # noqa: E402
 from scaletrain.model.gpt import attention_backend  # noqa: E402
 from scaletrain.parallel.groups import Topology, destroy_distributed, init_distributed  # noqa: E402
-from scaletrain.parallel.layout import resolve_for_world
+from scaletrain.parallel.layout import resolve_for_world  # noqa: E402
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
+from scaletrain.train.parallelize import build_training_model  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def packed_batches(config: Config, device: torch.device, mean_document: float, w
 
 
 def step_fn(config: Config, topology: Topology, mean_document: float) -> Callable[[], None]:
-    engine = build_engine(build_model(config), config, topology)
+    engine = build_engine(build_training_model(config, topology), config, topology)
     batches = packed_batches(config, topology.device, mean_document, config.model.document_masking)
     guard = NonFiniteGuard(engine, topology.device)
 

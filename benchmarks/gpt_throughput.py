@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
 from scaletrain.config import Config  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
-from scaletrain.model import build_model  # noqa: E402
 from scaletrain.model.counts import model_counts  # noqa: E402
 from scaletrain.model.gpt import model_flops_per_token  # noqa: E402
 from scaletrain.parallel.groups import (  # noqa: E402
@@ -44,11 +43,12 @@ from scaletrain.parallel.groups import (  # noqa: E402
     resolve_precision,
     world_size_from_environment,
 )
-from scaletrain.parallel.layout import resolve_for_world
+from scaletrain.parallel.layout import resolve_for_world  # noqa: E402
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402
 from scaletrain.tracking.flops import device_peak_flops  # noqa: E402
 from scaletrain.train.engine import build_engine  # noqa: E402
 from scaletrain.train.nonfinite import NonFiniteGuard  # noqa: E402
+from scaletrain.train.parallelize import build_training_model  # noqa: E402
 from scaletrain.train.step import train_step  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def time_steps(step: Callable[[], None], steps: int, device: torch.device) -> fl
 
 
 def scaletrain_step_fn(config: Config, topology: Topology) -> Callable[[], None]:
-    engine = build_engine(build_model(config), config, topology)
+    engine = build_engine(build_training_model(config, topology), config, topology)
     batches = random_batches(config, topology.device, seed=topology.data_parallel_rank)
     guard = NonFiniteGuard(engine, topology.device)
 

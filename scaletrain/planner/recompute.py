@@ -78,16 +78,13 @@ def decide_recompute(
 
 
 def run_peak_memory(config: Config, recompute: Recompute) -> float:
-    """plan's peak per-GPU memory (bytes, the fullest pipeline stage) of the config's own layout."""
-    parallel, train = config.parallel, config.train
-    if parallel.data is None:
-        raise ConfigError("the recomputation's memory is that of a layout: resolve the config for its world size "
-                          "first (parallel.layout.resolve_for_world)")
+    """plan's peak per-GPU memory (bytes, the fullest pipeline stage) of the config's own layout (Layout.of
+    refuses a config not resolved for its world size)."""
     layout = Candidate(**dataclasses.asdict(Layout.of(config)), recompute=recompute)
     precision = planning_precision(config)
     settings = ActivationSettings(activation_bytes=precision.activation_bytes,
-                                  sequence_parallel=parallel.sequence_parallel)
-    return peak_memory(config, layout, train.grad_accum, precision, settings)[1].total
+                                  sequence_parallel=config.parallel.sequence_parallel)
+    return peak_memory(config, layout, layout.grad_accum, precision, settings)[1].total
 
 
 def with_recompute(config: Config, recompute: Recompute) -> Config:

@@ -26,7 +26,6 @@ from scaletrain.parallel.mpu import MegatronMPU
 from scaletrain.parallel.sharding import is_tensor_parallel
 from scaletrain.train.compile import compile_blocks
 from scaletrain.train.flat_adamw import FlatAdamW
-from scaletrain.train.parallelize import parallelize
 
 
 def deepspeed_config(config: Config, precision: str, flat_optimizer: bool = False) -> dict[str, Any]:
@@ -103,9 +102,9 @@ def _apex_fused_adam() -> type | None:
 
 
 def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
-    """Wrap the model, parallelised for the layout (train/parallelize.py), in a DeepSpeed engine. There is no LR
-    scheduler object: the loop sets each step's LR from the config (train/schedule.py), so a resume follows the
-    config as written.
+    """Wrap the model build_training_model built and parallelised for the layout (train/parallelize.py) in a
+    DeepSpeed engine. There is no LR scheduler object: the loop sets each step's LR from the config
+    (train/schedule.py), so a resume follows the config as written.
 
     Without pipeline stages DeepSpeed learns megatron's groups from the mpu adapter; with them the
     PipelineModule's topology is the grid, and DeepSpeed wants no mpu.
@@ -113,7 +112,6 @@ def build_engine(model: nn.Module, config: Config, topology: Topology) -> Any:
     import deepspeed
 
     precision = resolve_precision(config, topology.device)
-    model = parallelize(model, config, topology)  # a no-op for build_training_model's, which did it
     expert_group = expert_parallel_group()
     flat = uses_flat_optimizer(config, topology, expert_group.size)
     with without_stdout_lines(OP_BUILT), _expert_parallel(model, expert_group):

@@ -50,7 +50,7 @@ from scaletrain.parallel.placement import (
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine
-from scaletrain.train.hooks import Hook, Hooks
+from scaletrain.train.hooks import Hooks
 from scaletrain.train.hooks.checkpointing import Checkpointing, set_aside_blown_up
 from scaletrain.train.hooks.console import LogLines, ProgressBar
 from scaletrain.train.hooks.divergence import DivergenceStop
@@ -292,12 +292,12 @@ def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology
     routing = ExpertStatistics.for_model(engine.module, topology.device)  # None without MoE layers
     # None without eval.tasks; scores the model the checkpoint of its step holds (Checkpointing comes first)
     downstream = DownstreamTasks.for_run(engine.module, config, topology, logger, progress)
-    hooks: list[Hook] = []
-    checkpointing = Checkpointing(engine, config, topology, provenance, hook_states=Hooks(hooks).state_dict)
-    hooks += [speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
-              DivergenceStop(config, topology), checkpointing, progress, evaluation,
-              *([downstream] if downstream else []), RunSummary(config, topology, speed, evaluation)]
-    return Hooks(hooks)
+    # each checkpoint holds the state of all the hooks, the Checkpointing hook's own among them
+    checkpointing = Checkpointing(engine, config, topology, provenance, hook_states=lambda: hooks.state_dict())
+    hooks = Hooks([speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
+                   DivergenceStop(config, topology), checkpointing, progress, evaluation,
+                   *([downstream] if downstream else []), RunSummary(config, topology, speed, evaluation)])
+    return hooks
 
 
 def _injected_spike(config: Config, topology: Topology, batch: int) -> float:

@@ -46,10 +46,7 @@ def build_training_model(config: Config, topology: Topology) -> nn.Module:
 
 
 def parallelize(model: nn.Module, config: Config, topology: Topology) -> nn.Module:
-    """`model` on this rank's device with what megatron's layers leave to the layout (the module docstring);
-    once per model: build_training_model calls it, as does build_engine for a model it has not seen."""
-    if getattr(model, "_parallelized", False):
-        return model
+    """`model` on this rank's device with what megatron's layers leave to the layout (the module docstring)."""
     model.to(topology.device)
     if config.parallel.sequence_parallel:
         from scaletrain.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
@@ -70,5 +67,4 @@ def parallelize(model: nn.Module, config: Config, topology: Topology) -> nn.Modu
         raise ConfigError(f"parallel.expert={expert_parallel} with parallel.zero_stage=0 in bf16: DeepSpeed's bf16 "
                           "optimizer leaves split experts out of the clipping norm; use parallel.zero_stage=1 or 2 "
                           "(or train.precision=fp32)")
-    model._parallelized = True
     return model

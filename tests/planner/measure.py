@@ -22,6 +22,7 @@ from scaletrain.model import build_model
 from scaletrain.parallel.groups import init_distributed
 from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.train.engine import build_engine
+from scaletrain.train.parallelize import build_training_model
 
 MICRO_BATCH = 3
 
@@ -90,7 +91,7 @@ def measure_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 def _measure_case(config: Config, world_size: int) -> dict[str, int]:
     _reset_model_parallel()
     topology = init_distributed(config)  # megatron's groups first: the layers capture them when built
-    engine = build_engine(build_model(config), config, topology)
+    engine = build_engine(build_training_model(config, topology), config, topology)
     tokens = torch.randint(0, config.data.vocab_size, (MICRO_BATCH, config.model.seq_length),
                            generator=torch.Generator().manual_seed(0))
     # three documents per sequence when the model masks by them

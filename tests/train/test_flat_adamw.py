@@ -108,11 +108,11 @@ def test_slices_are_aligned_views_of_one_buffer_and_state_views_write_through():
 
 
 def _profiled_optimizer_step(rank: int, world_size: int, num_layers: int, precision: str) -> dict[str, Any]:
-    from scaletrain.model import build_model
     from scaletrain.parallel.groups import init_distributed
     from scaletrain.parallel.layout import resolve_for_world
     from scaletrain.train.engine import build_engine
     from scaletrain.train.nonfinite import NonFiniteGuard
+    from scaletrain.train.parallelize import build_training_model
 
     config = config_from_dict({
         "model": {"num_layers": num_layers, "hidden_size": 32, "num_heads": 4, "seq_length": 16},
@@ -123,7 +123,7 @@ def _profiled_optimizer_step(rank: int, world_size: int, num_layers: int, precis
     validate(config)
     config = resolve_for_world(config, world_size)
     topology = init_distributed(config)
-    engine = build_engine(build_model(config), config, topology)
+    engine = build_engine(build_training_model(config, topology), config, topology)
     guard = NonFiniteGuard(engine, topology.device)
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     counts: list[Counter[str]] = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -158,7 +157,9 @@ def _select_device() -> torch.device:
 
 def _default_single_process_environment() -> None:
     """Fill in torch.distributed's variables where torchrun did not: from the srun step's tasks
-    (launch/slurm.sbatch starts one per rank), else a world of one on a free local port."""
+    (launch/slurm.sbatch starts one per rank), else a world of one whose store binds any free local port
+    (MASTER_PORT 0: no other process needs to find it; probing for a free port and binding it later left a
+    window in which another process could take it)."""
     if "RANK" in os.environ:  # torchrun set the world up
         return
     if _started_by_srun() and int(os.environ["SLURM_NTASKS"]) > 1:
@@ -172,19 +173,13 @@ def _default_single_process_environment() -> None:
                           WORLD_SIZE=os.environ["SLURM_NTASKS"])
         return
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", "0")
 
 
 def _started_by_srun() -> bool:
     """A task of an srun step; the batch script itself also has SLURM_PROCID and the job's
     SLURM_NTASKS, but no SLURM_STEP_ID, and is a world of one."""
     return {"SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"} <= os.environ.keys()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_precision(config: Config, device: torch.device) -> str:

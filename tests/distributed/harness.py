@@ -8,7 +8,6 @@ per-rank results (anything torch.save can write). Workers must be module-level f
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +23,16 @@ from tests.warm import fork_server
 
 def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Ranks are forks of the tests' warm fork server (tests/warm.py), which has imported torch,
-    megatron-core and DeepSpeed once; spawned ranks imported them each time, ~5 s of CPU per rank."""
+    megatron-core and DeepSpeed once; spawned ranks imported them each time, ~5 s of CPU per rank.
+
+    This process holds the ranks' rendezvous store, listening on a port the kernel picked, until they
+    have joined: a port probed free and bound later by rank 0 could be taken meanwhile (CI failed once
+    with EADDRINUSE, an outgoing connection's ephemeral port landing on it)."""
     fork_server()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as results_dir:
         mp.start_processes(
-            _entry, args=(worker, world_size, _free_port(), results_dir, args), nprocs=world_size, join=True,
+            _entry, args=(worker, world_size, store.port, results_dir, args), nprocs=world_size, join=True,
             start_method="forkserver",
         )
         return [torch.load(Path(results_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
@@ -44,7 +48,8 @@ def _entry(rank: int, worker: Callable[..., Any], world_size: int, port: int, re
     # loads it (scaletrain/train/jit_ops.py): torch's shared default root is rebuilt (~30 s) whenever another
     # environment or ninja built it last, and the first engine a test builds would wait on that
     pin_build_root()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, Path(results_dir) / f"rank{rank}.pt")
@@ -85,9 +90,3 @@ def gather_full_parameters(
         else:
             full[name] = local.clone()
     return full
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from scaletrain.config_loader import load_config  # noqa: E402
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from scaletrain.model.sampling import sample_tokens
 from scaletrain.parallel.layout import resolve_for_world
 

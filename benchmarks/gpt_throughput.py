@@ -13,7 +13,7 @@ process group; tensor and pipeline parallelism have no plain counterpart, so onl
 timed there. Batches are random tokens, so the loader is not part of the measurement (the training
 loop reports its own wait for data as `data_wait_fraction` in metrics.jsonl).
 
-MFU = model FLOPs per token (scaletrain.model.gpt: 6N plus attention, Kaplan et al. 2020 /
+MFU = model FLOPs per token (scaletrain.families.gpt.model: 6N plus attention, Kaplan et al. 2020 /
 Narayanan et al. 2021) x tokens per step / step time / (peak FLOP/s per device x devices).
 """
 
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.reference_gpt import ReferenceGPT  # noqa: E402
 from scaletrain.config import Config  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
-from scaletrain.model.counts import model_counts  # noqa: E402
-from scaletrain.model.gpt import model_flops_per_token  # noqa: E402
+from scaletrain.families import model_counts  # noqa: E402
+from scaletrain.families.gpt.model import model_flops_per_token  # noqa: E402
 from scaletrain.parallel.groups import (  # noqa: E402
     Topology,
     destroy_distributed,

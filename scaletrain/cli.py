@@ -19,7 +19,7 @@ from scaletrain import __version__
 from scaletrain.config import Config, ConfigError, ConfigWarning, config_yaml, derived_comment
 from scaletrain.config_loader import load_config
 from scaletrain.disk import DiskWriteError
-from scaletrain.model.registry import FAMILY_MODULES, MODEL_SECTIONS
+from scaletrain.families import FAMILIES, MODEL_SECTIONS
 from scaletrain.notices import quiet_cpu_notices, quiet_library_notices
 from scaletrain.planner.command import add_plan_arguments, plan_from_args
 from scaletrain.scaling.fit_arguments import add_fit_arguments
@@ -178,7 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
     import_ = commands.add_parser("import", help="convert a Hugging Face model into weights for train.init_from")
     import_.add_argument("hf_dir", type=Path, help="a Hugging Face model directory (config.json + weights)")
     import_.add_argument("out_file", type=Path, help="the weights file to write, for train.init_from")
-    import_.add_argument("--family", required=True, choices=list(FAMILY_MODULES),
+    import_.add_argument("--family", required=True, choices=list(FAMILIES),
                          help="the model family to import into")
     import_.set_defaults(handler=_import)
 
@@ -376,7 +376,7 @@ def _fit(args: argparse.Namespace) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     """Exit 0, or 128 + the signal's number when Ctrl-C or SIGTERM stopped it (the shell's convention)."""
-    from scaletrain.checkpoint.export import ExportInterrupted, export_run
+    from scaletrain.export import ExportInterrupted, export_run
 
     try:
         print(f"exported {export_run(args.run_dir, args.out_dir, args.checkpoint, args.dtype)}")
@@ -388,7 +388,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> None:
-    from scaletrain.checkpoint.export import import_to_file
+    from scaletrain.export import import_to_file
 
     out = import_to_file(args.hf_dir, args.family, args.out_file)
     print(f"wrote {out}; start a run from it with train.init_from={out}")

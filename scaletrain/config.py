@@ -3,7 +3,7 @@
 This module sits below every other package and imports none of them: model/, data/ and parallel/
 import it. What it cannot know is handed to it. Which model families exist and what each family's
 `model:` section holds come from the family registry as a mapping {family name -> ModelConfig
-subclass} (`read_config(..., model_sections)`, model/registry.py MODEL_SECTIONS). The rules that
+subclass} (`read_config(..., model_sections)`, families/__init__.py MODEL_SECTIONS). The rules that
 are other packages' facts (a family's own keys, the tokenizer's reserved ids, DeepSpeed's pipeline
 rules, the `pipe:` location syntax) live in those packages, and config_loader.py, above them all,
 runs them after `validate_keys`: `scaletrain.config_loader.load_config` is the one way to load a run.
@@ -80,7 +80,7 @@ def bounded(default: Any, allowed: str, note: str = "") -> Any:
 @dataclass
 class ModelConfig:
     """What every family's `model:` section has; each family's file extends it with its own keys
-    (model/gpt.py GPTConfig, bert.py BertConfig, t5.py T5Config, llama.py LlamaConfig)."""
+    (families/gpt/model.py GPTConfig, bert.py BertConfig, t5.py T5Config, llama.py LlamaConfig)."""
 
     family: str = "gpt"
     num_layers: int = bounded(2, ">= 1")  # transformer blocks (T5: encoder blocks)
@@ -171,7 +171,7 @@ class ObjectiveConfig:
     whole_word_masking: bool = False  # BERT: mask all pieces of a word together
     span_masking: bool = False  # SpanBERT geometric spans
     # SpanBERT's span boundary objective (Joshi et al. 2020, sec. 3.2): also predict each masked token from
-    # the two tokens around its span and its place in it (model/bert.py SpanBoundaryHead); needs span_masking
+    # the two tokens around its span and its place in it (families/bert/model.py SpanBoundaryHead); needs span_masking
     span_boundary: bool = False
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = bounded(0.15, "(0, 1)", "T5: 0.15")  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
@@ -749,7 +749,7 @@ def validate_keys(config: Config) -> None:
 
 def _validate_model(config: Config) -> None:
     """Rules every family shares (shapes that tensor parallelism splits); the family's own
-    `validate` checks its keys (model/registry.py validate_for_family)."""
+    `validate` checks its keys (families/__init__.py validate_for_family)."""
     model, tensor = config.model, config.parallel.tensor
     if model.head_dim is None and model.hidden_size % model.num_heads:
         raise ConfigError(

@@ -3,7 +3,7 @@
 config.py sits below every package and imports none of them, so it does not know which model
 families exist, how many ids the tokenizer reserves, what DeepSpeed's pipeline engine allows or what
 a `pipe:` location must hold. Each of those facts lives in its package, which imports config:
-  model/registry.py    each family's typed `model:` section (MODEL_SECTIONS) and the family's rules
+  families/__init__.py    each family's typed `model:` section (MODEL_SECTIONS) and the family's rules
   parallel/layout_rules.py   pipeline stages vs ZeRO, depth and partition; sequence parallelism
   data/tokenizer.py    the reserved ids a vocabulary must leave room beyond
   data/storage.py      the `pipe:` location syntax
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import Config, parse_config, read_config, validate_keys, warn_if_warmup_cut
-from scaletrain.model.registry import MODEL_SECTIONS, validate_for_family
+from scaletrain.families import MODEL_SECTIONS, validate_for_family
 from scaletrain.parallel.layout_rules import validate_layout
 
 

@@ -4,7 +4,7 @@ A key's meaning is the comment beside its field (and the comment lines just abov
 dataclass that declares it, read from the source, and a numeric key's range the one its field
 declares (config.bounded): config.py and the families' config classes stay the one place a key is
 described, and a new field shows up here without a second list to update.
-The families' classes are handed in (model/registry.py MODEL_SECTIONS), as to config.read_config.
+The families' classes are handed in (families/__init__.py MODEL_SECTIONS), as to config.read_config.
 """
 
 from __future__ import annotations

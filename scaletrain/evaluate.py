@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import EVAL_ALL, Config, ConfigError
+from scaletrain.families import get_family
 from scaletrain.generate import load_snapshot
-from scaletrain.model.registry import get_family
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
+from scaletrain.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.train.evaluation import is_size_key, validation_metrics
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_evaluation_metrics

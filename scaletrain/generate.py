@@ -12,15 +12,14 @@ import torch
 from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.format import CheckpointMeta, read_meta
-from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
-from scaletrain.model import build_model
+from scaletrain.families import build_model, get_family
 from scaletrain.model.family import ModelFamily
-from scaletrain.model.registry import get_family
 from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.groups import destroy_distributed, init_distributed
+from scaletrain.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 
 
 class NotGeneratingError(ValueError):

@@ -15,7 +15,7 @@ from scaletrain import __version__
 from scaletrain.cli import _build_parser, _parse_arguments, main
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
-from scaletrain.model.registry import FAMILY_MODULES, get_family
+from scaletrain.families import FAMILIES, get_family
 from tests.train.runs import REPO, launcher, scaletrain_environment, scaletrain_torchrun
 
 
@@ -100,7 +100,7 @@ def _leaf_keys() -> dict[str, object]:
     """Every key of the schema with its default, from the dataclasses: the default (GPT) config's,
     each family's model keys, and a blend entry's."""
     keys = dict(_flatten(Config().to_dict()))
-    for family in FAMILY_MODULES:
+    for family in FAMILIES:
         keys.update(_flatten(dataclasses.asdict(get_family(family).config_class()), "model."))
     keys.update({"data.blend[].dir": None, "data.blend[].weight": None, "data.blend[].name": None})
     return keys

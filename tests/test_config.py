@@ -11,7 +11,7 @@ import pytest
 from scaletrain.config import ConfigError, ConfigWarning, TrainConfig, save_config
 from scaletrain.config_loader import load_config
 from scaletrain.config_schema import schema_keys
-from scaletrain.model.registry import MODEL_SECTIONS
+from scaletrain.families import MODEL_SECTIONS
 from scaletrain.parallel.layout import Layout, resolve_for_world
 from scaletrain.train.schedule import learning_rate
 
@@ -212,7 +212,7 @@ def test_base_include_and_missing_file(tmp_path):
 )
 def test_llama_configs_load_with_their_published_sizes(name, params):
     """The family's own counts from the config files (Touvron et al. 2023; Meta's Llama 3 model cards)."""
-    from scaletrain.model.counts import model_counts
+    from scaletrain.families import model_counts
 
     assert model_counts(load_config(REPO / "configs" / f"{name}.yaml")).total_params == params
 

@@ -13,10 +13,9 @@ import torch
 from megatron.core import parallel_state
 
 from scaletrain.config_loader import config_from_dict, validate
+from scaletrain.families import FAMILIES, build_model, get_family
 from scaletrain.generate import GENERATIONS, NotGeneratingError, generation_of
-from scaletrain.model import build_model
 from scaletrain.model.layers import KVCache
-from scaletrain.model.registry import FAMILY_MODULES, get_family
 from scaletrain.model.sampling import sample_seq2seq, sample_tokens
 from scaletrain.parallel.sharding import gather_last_dim
 from tests.distributed.harness import run_on_ranks
@@ -184,7 +183,7 @@ def test_generate_on_a_bert_run_says_it_cannot(small_dataset: Path, tmp_path: Pa
 def test_every_family_generates_through_a_registered_generation(tmp_path: Path):
     """ModelFamily.generation names an entry of GENERATIONS; a name nobody registered is one error
     listing the known ones, and a family without generation says why it cannot."""
-    for name in FAMILY_MODULES:
+    for name in FAMILIES:
         family = get_family(name)
         if family.generation is None:
             with pytest.raises(NotGeneratingError, match="cannot generate"):

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "scaletrain"
 
 
 def _node(module: str) -> str:
-    """`scaletrain.model.gpt` -> `model`; `scaletrain` and names defined in its __init__ -> `scaletrain`."""
+    """`scaletrain.families.gpt.model` -> `model`; `scaletrain` and names defined in its __init__ -> `scaletrain`."""
     parts = module.split(".")
     if len(parts) > 1 and ((PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").is_file()):
         return parts[1]
@@ -105,9 +105,17 @@ def test_the_graph_sees_function_local_imports_and_skips_type_checking_ones():
     assert "scaletrain.model.family -> scaletrain.config.Config" not in edges["model", "config"]  # TYPE_CHECKING
 
 
-@pytest.mark.parametrize("package", ["model", "tracking"])
+@pytest.mark.parametrize("package", ["model", "families", "tracking"])
 def test_model_and_tracking_import_nothing_from_planner_or_scaling(package):
     """Counts live with the model (model/counts.py, each family's `counts`); the planner and the
     scaling science use them, never the reverse."""
     edges = package_imports()
     assert edges.get((package, "planner"), []) + edges.get((package, "scaling"), []) == []
+
+
+def test_the_block_kit_and_checkpoints_know_no_family():
+    """Families are built from model/ and read HF files with checkpoint/hf/; neither looks a family up
+    (the registry, families/__init__.py, sits above both), so a family's folder is the only place
+    that knows it."""
+    edges = package_imports()
+    assert edges.get(("model", "families"), []) + edges.get(("checkpoint", "families"), []) == []

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config_loader import load_config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

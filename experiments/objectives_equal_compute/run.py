@@ -28,8 +28,7 @@ from pathlib import Path
 
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
-from scaletrain.model.counts import model_counts
-from scaletrain.model.registry import FAMILY_MODULES
+from scaletrain.families import FAMILIES, model_counts
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -121,8 +120,8 @@ def arm_config(name: str, data_dir: Path, run_root: Path, steps: int = 1, shape:
 def missing_reason(name: str) -> str | None:
     """Why an arm cannot run on this checkout (its family or config is not here yet), or None."""
     arm = ARMS[name]
-    if arm.family not in FAMILY_MODULES:
-        return f"family {arm.family} is not registered (model/registry.py)"
+    if arm.family not in FAMILIES:
+        return f"family {arm.family} is not registered (families/__init__.py)"
     if not (REPO / "configs" / arm.config).exists():
         return f"configs/{arm.config} does not exist"
     return None

@@ -9,7 +9,7 @@ unlabelled noise to the generator's input.
 
 Sampling noise: one uniform in [0, 1) per position, drawn from (seed, global index) like the
 masking noise, so a resumed run and every layout (TP, DP/ZeRO) sample the same replacement tokens;
-the model uses the uniforms at the masked positions (model/electra.py sample_from_vocab_parallel).
+the model uses the uniforms at the masked positions (families/electra/model.py sample_from_vocab_parallel).
 """
 
 from __future__ import annotations

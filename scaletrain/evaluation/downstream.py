@@ -28,16 +28,15 @@ from megatron.core import parallel_state
 from scaletrain.checkpoint import layout_free
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.format import CheckpointMeta, read_meta, translate_load_errors
-from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, stored_config
 from scaletrain.checkpoint.safe_load import CheckedFiles
 from scaletrain.config import Config, ConfigError, ParallelConfig
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.evaluation.scoring import Scorer, check_scores
-from scaletrain.model import build_model
-from scaletrain.model.registry import get_family
+from scaletrain.families import build_model, get_family
 from scaletrain.parallel.groups import Topology, destroy_distributed, init_distributed, world_size_from_environment
 from scaletrain.parallel.layout import resolve_for_world
+from scaletrain.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, stored_config
 
 LM_EVAL_MISSING = "lm-evaluation-harness is not installed: pip install 'scaletrain[eval]'"
 EVAL_DIR = "eval"

@@ -24,9 +24,9 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.families import get_family
 from scaletrain.generate import Generation, continue_text, generation_of
 from scaletrain.model.family import ModelFamily
-from scaletrain.model.registry import get_family
 from scaletrain.parallel.sharding import gather_last_dim
 
 # (context token ids, continuation token ids): score the continuation after the context

@@ -1,25 +1,5 @@
-"""Model families built from one block kit (layers.py) on megatron-core tensor-parallel primitives.
+"""The block kit families are built from (layers.py) on megatron-core tensor-parallel primitives, and
+what a family is to the rest of scaletrain (family.py); the families themselves are in families/.
 
-`build_model(config)` asks the family registry (registry.py) for the config's family. The registry
-imports a family's module when it is first asked for, so importing this package does not load
-torch or megatron.
+Importing this package loads neither torch nor megatron.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from scaletrain.model.registry import get_family
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from scaletrain.config import Config
-
-
-def build_model(config: Config) -> nn.Module:
-    """The config's family on this process's TP rank, recomputing as train.activation_checkpoint says; its
-    forward takes the batch keys as keyword arguments."""
-    from scaletrain.model.family import apply_recompute
-
-    return apply_recompute(get_family(config.model.family).build(config), config.train)

@@ -1,6 +1,7 @@
 """Exact parameter and training-FLOPs counts of a model, by its family's own `counts` (its spec).
 
-Each family file (gpt.py, bert.py, t5.py, llama.py) counts its own model; this module holds what
+Each family's model.py (families/<name>/) counts its own model and `families.model_counts` asks it;
+this module holds what
 they share and what every count means.
 
 N is reported as Kaplan et al. 2020 (sec. 2.1) and Hoffmann et al. 2022 count it: `total_params`
@@ -30,9 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scaletrain.config import Config
-from scaletrain.model.registry import get_family
-
 
 @dataclass(frozen=True)
 class ModelCounts:
@@ -61,12 +59,6 @@ class ModelCounts:
     @property
     def sparse(self) -> bool:
         return self.active_params != self.total_params
-
-
-def model_counts(config: Config) -> ModelCounts:
-    """Parameters (TP=1 totals) and training FLOPs per token of the model `config` builds: the
-    family's own `counts` (its spec)."""
-    return get_family(config.model.family).counts(config)
 
 
 @dataclass(frozen=True)

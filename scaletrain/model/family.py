@@ -1,9 +1,9 @@
 """What a model family is to the rest of scaletrain: one registered `ModelFamily` spec.
 
-A family's file (model/gpt.py, bert.py, t5.py, llama.py) holds its typed config section, its
-validation, its model and this spec; model/registry.py maps the name to the file. The trainer,
-pipeline, planner, exporter and generator ask the spec instead of branching on the name (the
-pattern of torchtitan's `ModelSpec`).
+A family's folder (families/<name>/) holds its typed config section, validation and model
+(model.py), its Hugging Face adapter (hf.py) and this spec (__init__.py); families/__init__.py finds
+the folder by the name. The trainer, pipeline, planner, exporter and generator ask the spec instead
+of branching on the name (the pattern of torchtitan's `ModelSpec`).
 
 The model itself is an ordered list of `PipelineLayer`s: each builds the modules at one place in
 the model (so its parameters carry the model's names) and maps a tuple of activations to the next.
@@ -60,7 +60,7 @@ class PipelineLayer:
 @dataclass(frozen=True)
 class HFAdapter:
     """Export to / import from a Hugging Face `transformers` model class; each family's is the
-    `ADAPTER` of its module in checkpoint/hf/, which `ModelFamily.hf` names."""
+    `ADAPTER` of its folder's hf.py (families/<name>/hf.py), which its `ModelFamily.hf` names."""
 
     model_class: str  # e.g. "LlamaForCausalLM", for messages and docs
     export: Callable[[dict[str, torch.Tensor], Config, Any], None]  # (TP=1 state, config, out_dir)
@@ -87,7 +87,7 @@ class ModelFamily:
     batch_schema: Callable[[Config], BatchSchema]
     counts: Callable[[Config], ModelCounts]  # exact parameters and FLOPs (planner, MFU, sweeps)
     validate: Callable[[Config], None] = lambda config: None
-    hf: Callable[[], HFAdapter] | None = None  # imported on use: transformers is slow to import
+    hf: HFAdapter | None = None  # its hf.py's; transformers is imported only when it converts
     # Extra validation metrics as (numerator, denominator) counts, summed over batches and ranks.
     evaluation_counts: Callable[[nn.Module, Batch], dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
     # Metric values from those counts, each [numerator, denominator, ...] summed over batches and ranks;
@@ -103,18 +103,6 @@ class ModelFamily:
     pipeline_objectives: tuple[str, ...] = field(default=())  # objectives a pipelined run may train
     sequence_parallel: bool = False  # whether its layers implement parallel.sequence_parallel
     context_parallel: bool = False  # whether its layers implement parallel.context (ring attention)
-
-
-def lazy(path: str) -> Callable[[], Any]:
-    """`module:attribute`, imported when called (keeps `transformers` out of every start-up)."""
-
-    def load() -> Any:
-        import importlib
-
-        module, attribute = path.split(":")
-        return getattr(importlib.import_module(module), attribute)
-
-    return load
 
 
 class LayeredModel(nn.Module):

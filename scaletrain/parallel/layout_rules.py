@@ -90,7 +90,7 @@ def _validate_expert_parallel(config: Config) -> None:
 
 def _validate_context_parallel(config: Config) -> None:
     """Context parallelism (context_parallel.py) cuts each sequence into 2 x parallel.context equal chunks;
-    which families run it is the family registry's rule (model/registry.py)."""
+    which families run it is the family registry's rule (families/__init__.py)."""
     parallel, seq_length = config.parallel, config.model.seq_length
     if seq_length % (2 * parallel.context):
         raise ConfigError(

@@ -17,7 +17,7 @@ every block a decoder block's self-attention (T5's cross-attention is not counte
 from __future__ import annotations
 
 from scaletrain.config import Config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.planner.activations import Recompute
 from scaletrain.planner.params import num_blocks
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scaletrain.config import Config, ConfigError
-from scaletrain.model.registry import get_family
+from scaletrain.families import get_family
 from scaletrain.parallel.layout import Layout, requested_global_batch
 from scaletrain.planner.activations import RECOMPUTE_BY_COST, Recompute
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scaletrain.config import Config, ConfigError
-from scaletrain.model.registry import get_family
+from scaletrain.families import get_family
 
 if TYPE_CHECKING:
     from torch import nn

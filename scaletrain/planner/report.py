@@ -7,7 +7,7 @@ import shlex
 from collections.abc import Sequence
 
 from scaletrain.config import Config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.planner.activations import Recompute, attention_mask_bytes, flex_attention_planned
 from scaletrain.planner.flops import (
     attention_core_forward_flops_per_token,

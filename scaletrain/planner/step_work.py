@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scaletrain.config import Config
-from scaletrain.model.registry import objective_kind
+from scaletrain.families import objective_kind
 from scaletrain.planner.activations import ActivationSettings, attention_mask_bytes, flex_attention_planned
 from scaletrain.planner.flops import blocks_forward_flops_per_token
 from scaletrain.planner.params import model_parameters, num_blocks

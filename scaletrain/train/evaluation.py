@@ -24,7 +24,7 @@ import torch
 from scaletrain.batch import IGNORE_INDEX, Batch
 from scaletrain.config import EVAL_ALL, Config
 from scaletrain.data.sampler import EvaluationMicroBatch, evaluation_micro_batches, validation_sample
-from scaletrain.model.registry import get_family
+from scaletrain.families import get_family
 from scaletrain.parallel.groups import Topology
 from scaletrain.train.objective import Objective, ValidationSet
 from scaletrain.train.step import BatchWeight, WeightedBatches

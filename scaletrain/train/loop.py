@@ -30,7 +30,7 @@ from scaletrain.checkpoint.resume_policy import (
     resumption_from,
 )
 from scaletrain.config import Config, ConfigError, save_config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.parallel.groups import (
     Topology,
     any_rank,

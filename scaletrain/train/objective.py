@@ -29,8 +29,8 @@ from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import t5_span_corruption_collator
 from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.families import get_family, objective_kind
 from scaletrain.model.family import ModelFamily
-from scaletrain.model.registry import get_family, objective_kind
 
 
 @dataclass(frozen=True)

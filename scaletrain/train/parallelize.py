@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import Config, ConfigError
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from scaletrain.notices import OP_BUILT, without_stdout_lines
 from scaletrain.parallel.expert_parallel import expert_parallel_group
 from scaletrain.parallel.groups import Topology, resolve_precision

@@ -30,8 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from scaletrain import upstream
 from scaletrain.batch import Batch
 from scaletrain.config import Config
+from scaletrain.families import get_family
 from scaletrain.model.family import ModelFamily, PipelineLayer, apply_recompute, install
-from scaletrain.model.registry import get_family
 from scaletrain.notices import PIPELINE_LAYOUT, without_stdout_lines
 from scaletrain.parallel.groups import Topology
 

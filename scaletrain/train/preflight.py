@@ -30,7 +30,7 @@ from scaletrain.config_loader import load_config
 from scaletrain.data.blend import check_same_tokenizer
 from scaletrain.data.manifest import Manifest
 from scaletrain.data.storage import dataset_location, load_manifest
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.parallel.layout import Layout, resolve_for_world
 from scaletrain.parallel.placement import check_tensor_parallel_within_hosts, planned_places
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute

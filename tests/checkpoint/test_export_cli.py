@@ -37,9 +37,9 @@ def _our_logits(rank: int, world_size: int, run_dir: Path, inputs: dict) -> torc
     from megatron.core import parallel_state
 
     from scaletrain.checkpoint.format import latest_checkpoint
-    from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model
+    from scaletrain.run_config import single_process_config
 
     parallel_state.initialize_model_parallel()
     checkpoint = latest_checkpoint(run_dir)

@@ -1,4 +1,4 @@
-"""`scaletrain export` stopped by Ctrl-C or SIGTERM while it writes (checkpoint/export.py): one line, exit
+"""`scaletrain export` stopped by Ctrl-C or SIGTERM while it writes (export.py): one line, exit
 128 + the signal, and nothing left beside the out path (it used to leave a 29 MB `.out.partial-PID`)."""
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ import torch
 from megatron.core import parallel_state
 from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
 
-from scaletrain.checkpoint.hf import albert
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
+from scaletrain.families.albert import hf as albert
 from tests.checkpoint.test_export_cli import _inputs as bert_inputs
 from tests.checkpoint.test_export_cli import _our_logits
 from tests.checkpoint.test_hf_export import _load_full_state, _perturbed

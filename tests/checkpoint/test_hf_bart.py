@@ -11,8 +11,8 @@ import torch
 from megatron.core import parallel_state
 from transformers import AutoTokenizer, BartForConditionalGeneration
 
-from scaletrain.checkpoint.hf.bart import export_hf, import_hf, read_bart_architecture
-from scaletrain.model.bart import BART
+from scaletrain.families.bart.hf import export_hf, import_hf, read_bart_architecture
+from scaletrain.families.bart.model import BART
 from scaletrain.model.sampling import sample_seq2seq
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_bart import ARCHITECTURE, EOS, SEED, bart_batch

@@ -11,10 +11,10 @@ import torch
 from megatron.core import parallel_state
 from transformers import ElectraForMaskedLM, ElectraForPreTraining
 
-from scaletrain.checkpoint.hf import electra as conversion
 from scaletrain.config_loader import load_config
-from scaletrain.model.counts import model_counts
-from scaletrain.model.electra import replace_masked_tokens
+from scaletrain.families import model_counts
+from scaletrain.families.electra import hf as conversion
+from scaletrain.families.electra.model import replace_masked_tokens
 from tests.distributed.harness import run_on_ranks
 from tests.model.test_electra import build_electra, electra_batch, electra_config
 from tests.train.runs import REPO

@@ -10,9 +10,10 @@ import torch
 from megatron.core import parallel_state
 from transformers import BertConfig, BertForMaskedLM, BertForPreTraining, GPT2Config, GPT2LMHeadModel
 
-from scaletrain.checkpoint.hf import bert, gpt
 from scaletrain.config_loader import config_from_dict
-from scaletrain.model import build_model
+from scaletrain.families import build_model
+from scaletrain.families.bert import hf as bert
+from scaletrain.families.gpt import hf as gpt
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_bert import TINY, bert_batch, build_bert

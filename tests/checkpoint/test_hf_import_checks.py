@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from scaletrain.checkpoint.hf.gpt import import_hf
 from scaletrain.cli import main
+from scaletrain.families.gpt.hf import import_hf
 
 WEIGHTS = "model.safetensors"
 

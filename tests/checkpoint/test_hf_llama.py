@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from scaletrain.checkpoint.hf.llama import export_hf, import_hf
 from scaletrain.config import _read_yaml_with_bases
+from scaletrain.families.llama.hf import export_hf, import_hf
 from scaletrain.model.moe import MoEConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ VOCAB_SIZE = 384  # padded: 3 x 128
 
 @dataclass(frozen=True)
 class LlamaModelConfig:
-    """The attributes the converter reads from our llama config section (the contract with model/llama.py),
+    """The attributes the converter reads from our llama config section (the contract with families/llama/model.py),
     standing in for that section until config.py has it."""
 
     num_layers: int = 2

@@ -12,12 +12,12 @@ import torch
 from megatron.core import parallel_state
 from transformers import MistralForCausalLM
 
-from scaletrain.checkpoint.hf import gpt as gpt_conversion
-from scaletrain.checkpoint.hf.llama import ADAPTER as LLAMA_ADAPTER
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.data.objectives import document_ids
 from scaletrain.data.tokenizer import SPECIAL_IDS
-from scaletrain.model import build_model
+from scaletrain.families import build_model
+from scaletrain.families.gpt import hf as gpt_conversion
+from scaletrain.families.llama.hf import ADAPTER as LLAMA_ADAPTER
 from scaletrain.model.attention_masks import positions_in_document
 from scaletrain.model.sampling import sample_tokens
 from tests.distributed.harness import run_on_ranks

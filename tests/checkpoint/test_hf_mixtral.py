@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, MixtralForCausalLM
 
-from scaletrain.checkpoint.hf.llama import export_hf
 from scaletrain.config_loader import load_config
+from scaletrain.families.llama.hf import export_hf
 from tests.checkpoint.test_export_cli import _our_logits
 from tests.distributed.harness import run_on_ranks
 from tests.train.runs import REPO, read_metrics, run_scaletrain, tiny_overrides
@@ -101,7 +101,7 @@ def test_published_mixtral_shape_counts_as_transformers_does():
     the meta device) has our parameter count, 46.7B, and we count 12.9B of them active."""
     from transformers import MixtralConfig
 
-    from scaletrain.model.counts import model_counts
+    from scaletrain.families import model_counts
 
     config = load_config(REPO / "configs" / "mixtral_8x7b.yaml")
     hf_config = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -115,7 +115,7 @@ def test_published_mixtral_shape_counts_as_transformers_does():
 
 
 def test_other_model_types_are_refused_naming_the_key(tmp_path: Path):
-    from scaletrain.checkpoint.hf.llama import import_hf
+    from scaletrain.families.llama.hf import import_hf
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
     with pytest.raises(ValueError, match="model_type='qwen2_moe'"):
@@ -125,7 +125,7 @@ def test_other_model_types_are_refused_naming_the_key(tmp_path: Path):
 
 def test_a_windowed_mixture_of_experts_exports_its_window():
     """Mixtral has Mistral's sliding window: a llama with experts and a window exports both."""
-    from scaletrain.checkpoint.hf.llama import LlamaShape, _hf_config
+    from scaletrain.families.llama.hf import LlamaShape, _hf_config
 
     config = load_config(CONFIG, [*TINY, "model.sliding_window=16"])
     shape = LlamaShape.from_model_config(config.model, config.padded_vocab_size)

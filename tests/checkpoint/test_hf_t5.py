@@ -9,10 +9,10 @@ import torch
 from megatron.core import parallel_state
 from transformers import T5ForConditionalGeneration
 
-from scaletrain.checkpoint.hf.t5 import export_hf as export_t5_hf
-from scaletrain.checkpoint.hf.t5 import import_hf as import_t5_hf
-from scaletrain.checkpoint.hf.t5 import read_t5_architecture
-from scaletrain.model.t5 import T5
+from scaletrain.families.t5.hf import export_hf as export_t5_hf
+from scaletrain.families.t5.hf import import_hf as import_t5_hf
+from scaletrain.families.t5.hf import read_t5_architecture
+from scaletrain.families.t5.model import T5
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_t5 import SEED, VARIANTS, mp_config, t5_batch
 

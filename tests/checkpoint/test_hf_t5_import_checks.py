@@ -1,5 +1,5 @@
 """`scaletrain import --family t5` refuses a config.json that leaves out a size it reads in one line naming
-the key, exit 2, writing nothing (checkpoint/hf/t5.py; it used to end in a KeyError traceback). The other
+the key, exit 2, writing nothing (families/t5/hf.py; it used to end in a KeyError traceback). The other
 checks of a broken directory are the same for every family: tests/checkpoint/test_hf_import_checks.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from scaletrain.checkpoint.hf.t5 import REQUIRED_KEYS, import_hf
 from scaletrain.cli import main
+from scaletrain.families.t5.hf import REQUIRED_KEYS, import_hf
 
 
 @pytest.fixture(scope="module")

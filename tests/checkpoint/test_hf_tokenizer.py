@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from scaletrain.checkpoint.hf.tokenizer import FIRST_LEARNED_ID, write_hf_tokenizer
 from scaletrain.data.tokenizer import SPECIAL_IDS, Tokenizer
-from scaletrain.model.registry import get_family
+from scaletrain.families import get_family
 from tests.distributed.harness import run_on_ranks
 from tests.train.runs import DEMO_CONFIG, run_scaletrain, tiny_overrides
 
@@ -49,7 +49,7 @@ def ours(small_dataset: Path) -> Tokenizer:
 def _export_like_dir(small_dataset: Path, family: str, out_dir: Path) -> Path:
     """What `scaletrain export` leaves beside the weights: the family's HF config.json (AutoTokenizer
     reads its model type), our tokenizer files, and the Hugging Face ones made from them."""
-    model_class = getattr(transformers, get_family(family).hf().model_class)
+    model_class = getattr(transformers, get_family(family).hf.model_class)
     model_class.config_class().save_pretrained(out_dir)
     for name in ("tokenizer.model", "tokenizer.layout.json"):
         shutil.copy(small_dataset / name, out_dir / name)
@@ -112,10 +112,10 @@ def _greedy_continuation(rank: int, world_size: int, run_dir: Path, prompt_ids: 
     from megatron.core import parallel_state
 
     from scaletrain.checkpoint.format import latest_checkpoint
-    from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model
     from scaletrain.model.sampling import sample_tokens
+    from scaletrain.run_config import single_process_config
 
     parallel_state.initialize_model_parallel()
     checkpoint = latest_checkpoint(run_dir)

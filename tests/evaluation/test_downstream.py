@@ -171,12 +171,12 @@ def _direct_scores(rank: int, world_size: int, run_dir: Path, requests: dict) ->
     from megatron.core import parallel_state
 
     from scaletrain.checkpoint.format import latest_checkpoint
-    from scaletrain.checkpoint.run_config import run_config
     from scaletrain.data.storage import dataset_location
     from scaletrain.data.tokenizer import Tokenizer
     from scaletrain.evaluation.harness import ScaletrainLM
     from scaletrain.evaluation.scoring import Scorer
     from scaletrain.generate import load_model
+    from scaletrain.run_config import run_config
 
     parallel_state.initialize_model_parallel()
     config = run_config(run_dir)
@@ -252,12 +252,12 @@ def _generate_until(rank: int, world_size: int, run_dir: Path, requests: list[tu
     from megatron.core import parallel_state
 
     from scaletrain.checkpoint.format import latest_checkpoint
-    from scaletrain.checkpoint.run_config import run_config
     from scaletrain.data.storage import dataset_location
     from scaletrain.data.tokenizer import Tokenizer
     from scaletrain.evaluation.harness import ScaletrainLM
     from scaletrain.evaluation.scoring import Scorer
     from scaletrain.generate import load_model
+    from scaletrain.run_config import run_config
 
     parallel_state.initialize_model_parallel()
     config = run_config(run_dir)

@@ -14,8 +14,8 @@ from transformers import AlbertForPreTraining
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.model import albert, build_model
-from scaletrain.model.counts import model_counts
+from scaletrain.families import build_model, model_counts
+from scaletrain.families.albert import model as albert
 from scaletrain.planner.params import total_parameters
 from tests.checkpoint.test_hf_albert import albert_config
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks

@@ -14,7 +14,9 @@ from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.data.objectives import document_ids
 from scaletrain.data.tokenizer import SPECIAL_IDS
-from scaletrain.model import attention_masks, build_model
+from scaletrain.families import build_model
+from scaletrain.families.gpt.model import attention_backend
+from scaletrain.model import attention_masks
 from scaletrain.model.attention_masks import (
     causal_mask,
     decoder_attention_mask,
@@ -23,7 +25,6 @@ from scaletrain.model.attention_masks import (
     visible_keys,
     visible_keys_mask_mod,
 )
-from scaletrain.model.gpt import attention_backend
 from scaletrain.model.layers import KVCache
 from tests.distributed.harness import run_on_ranks
 

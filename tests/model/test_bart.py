@@ -13,8 +13,8 @@ from transformers import BartConfig as HFBartConfig
 from transformers import BartForConditionalGeneration
 
 from scaletrain.config_loader import load_config
-from scaletrain.model.bart import BART, BartArchitecture
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
+from scaletrain.families.bart.model import BART, BartArchitecture
 from scaletrain.model.sampling import sample_seq2seq
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 from tests.model.test_counts import measure_model

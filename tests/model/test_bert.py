@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
-from scaletrain.model.bert import BERT
+from scaletrain.families import build_model
+from scaletrain.families.bert.model import BERT
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 TINY = {

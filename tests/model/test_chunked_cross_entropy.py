@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from scaletrain.model.chunked_cross_entropy import DeferredLogits
 from scaletrain.model.layers import masked_vocab_parallel_loss_sum
 from scaletrain.parallel.layout import resolve_for_world

@@ -26,9 +26,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from scaletrain.batch import IGNORE_INDEX
 from scaletrain.config import Config
 from scaletrain.config_loader import load_config
-from scaletrain.model import bert, build_model, t5
-from scaletrain.model.counts import model_counts
-from scaletrain.model.gpt import model_flops_per_token
+from scaletrain.families import build_model, model_counts
+from scaletrain.families.bert import model as bert
+from scaletrain.families.gpt.model import model_flops_per_token
+from scaletrain.families.t5 import model as t5
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs
 from tests.distributed.harness import run_on_ranks

@@ -14,11 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
-from scaletrain.model.counts import model_counts
-from scaletrain.model.electra import (
+from scaletrain.families import build_model, model_counts
+from scaletrain.families.electra import FAMILY
+from scaletrain.families.electra.model import (
     ELECTRA,
-    FAMILY,
     counts,
     evaluation_counts,
     histogram_auc,

@@ -9,7 +9,7 @@ from megatron.core import parallel_state
 
 from benchmarks.reference_gpt import ReferenceGPT
 from scaletrain.config_loader import config_from_dict
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from tests.distributed.harness import run_on_ranks
 
 TINY = {

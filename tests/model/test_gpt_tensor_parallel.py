@@ -6,7 +6,7 @@ import torch
 from megatron.core import parallel_state
 
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 TINY = {

@@ -12,9 +12,9 @@ import torch
 from megatron.core import parallel_state
 from transformers import LlamaForCausalLM
 
-from scaletrain.checkpoint.hf.llama import ADAPTER as LLAMA_ADAPTER
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
+from scaletrain.families.llama.hf import ADAPTER as LLAMA_ADAPTER
 from scaletrain.model.layers import KVCache
 from scaletrain.parallel.sharding import is_tensor_parallel, split_for_rank
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks

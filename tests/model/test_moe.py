@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from scaletrain.model.moe import (
     MoEConfig,
     MoELayer,

@@ -13,7 +13,7 @@ from torch import nn
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, load_config, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from scaletrain.planner.activations import ActivationSettings, Recompute, block_activations, selective_block_activations
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs

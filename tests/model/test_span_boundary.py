@@ -13,12 +13,12 @@ from megatron.core import parallel_state
 from transformers import BertForMaskedLM
 
 from scaletrain.batch import IGNORE_INDEX
-from scaletrain.checkpoint.hf import bert as hf_bert
 from scaletrain.config import Config, ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.data.masking import SPAN_BOUNDARY_KEYS
-from scaletrain.model import build_model
-from scaletrain.model.bert import labelled_positions, mlm_loss
+from scaletrain.families import build_model
+from scaletrain.families.bert import hf as hf_bert
+from scaletrain.families.bert.model import labelled_positions, mlm_loss
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs
 from tests.distributed.harness import gather_full_parameters, run_on_ranks

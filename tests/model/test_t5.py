@@ -10,7 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from transformers.models.t5.modeling_t5 import T5Attention
 
-from scaletrain.model.t5 import T5, T5Architecture, relative_position_bucket
+from scaletrain.families.t5.model import T5, T5Architecture, relative_position_bucket
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 RELU_TIED = T5Architecture(

@@ -18,7 +18,7 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.model import build_model
+from scaletrain.families import build_model
 from scaletrain.parallel.groups import init_distributed
 from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.train.engine import build_engine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config_loader import load_config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.planner.activations import ActivationSettings
 from scaletrain.planner.layouts import Candidate, layout_settings
 from scaletrain.planner.memory import MIXED_BF16, stage_memory

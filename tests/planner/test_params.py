@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config_loader import config_from_dict, load_config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.planner.params import model_parameters, num_blocks, stage_parameters, total_parameters
 from tests.distributed.harness import run_on_ranks
 from tests.planner.measure import ACTIVATION_MODEL, PARAMETER_CONFIGS, PIPELINE_MODEL, case_config
@@ -77,7 +77,7 @@ def _count_family_models(rank: int, world_size: int) -> dict[str, dict[str, int]
     """Each family's real model at TP=2 (run_on_ranks started torch.distributed): this rank's parameters."""
     from megatron.core import parallel_state
 
-    from scaletrain.model import build_model
+    from scaletrain.families import build_model
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     counts = {}

@@ -10,7 +10,7 @@ import pytest
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.scaling.sweep.commands import format_plan
 from scaletrain.scaling.sweep.plan import plan_sweep, shape_label
 from scaletrain.scaling.sweep.spec import load_sweep_spec

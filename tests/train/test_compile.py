@@ -101,7 +101,7 @@ def _compiled_and_eager_gradients(rank: int, world_size: int) -> dict:
     """Loss and gradients of a tiny GPT under full recomputation, eager and with compiled blocks; what dynamo made."""
     from megatron.core import parallel_state
 
-    from scaletrain.model import build_model
+    from scaletrain.families import build_model
     from scaletrain.train.compile import compile_blocks
 
     parallel_state.initialize_model_parallel()

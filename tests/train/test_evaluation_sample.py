@@ -92,8 +92,7 @@ def test_eval_samples_takes_a_number_or_all() -> None:
 def _whole_split_losses(rank: int, world_size: int, data_dir: Path, micro_batch_size: int) -> dict[str, float]:
     """The evaluation's metrics over the whole split on `world_size` data-parallel ranks, and on the
     first rank the same model's token-weighted loss over every sequence, one at a time, in plain PyTorch."""
-    from scaletrain.model import build_model
-    from scaletrain.model.registry import get_family
+    from scaletrain.families import build_model, get_family
     from scaletrain.parallel.groups import init_distributed
     from scaletrain.parallel.layout import resolve_for_world
     from scaletrain.train.evaluation import validation_metrics

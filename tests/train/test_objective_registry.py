@@ -13,12 +13,12 @@ from scaletrain.data.objectives import CausalLMCollator, PrefixLMCollator, Token
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.span_corruption import SpanCorruptionCollator
 from scaletrain.data.tokenizer import Tokenizer
-from scaletrain.model.registry import FAMILY_MODULES, get_family
+from scaletrain.families import FAMILIES, get_family
 from scaletrain.train.objective import OBJECTIVES, build_objective, training_objective
 
 
 def test_every_objective_a_family_names_is_registered():
-    for name in FAMILY_MODULES:
+    for name in FAMILIES:
         for objective in get_family(name).objectives + get_family(name).pipeline_objectives:
             assert training_objective(objective) is OBJECTIVES[objective]
 

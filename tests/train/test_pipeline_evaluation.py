@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.model.registry import FAMILY_MODULES, get_family
+from scaletrain.families import FAMILIES, get_family
 from tests.train.runs import REPO, run_scaletrain, tiny_overrides
 
 BERT_CONFIG = REPO / "configs" / "bert_tiny.yaml"
 
 
 def test_every_family_with_its_own_metrics_counts_them_in_pipeline_stages_too():
-    for name in FAMILY_MODULES:
+    for name in FAMILIES:
         family = get_family(name)
         if family.evaluation_counts is not None and family.pipeline_objectives:
             assert family.pipeline_evaluation_counts is not None, name

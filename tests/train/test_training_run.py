@@ -90,9 +90,9 @@ def test_generate_samples_text(trained_run: Path):
 def _consolidated_val_loss(rank: int, world_size: int, run_dir: Path) -> float:
     """The consolidated model's loss on each evaluated sequence alone, averaged (each has as many targets)."""
     from scaletrain.checkpoint.format import latest_checkpoint
-    from scaletrain.checkpoint.run_config import single_process_config
     from scaletrain.config_loader import load_config
     from scaletrain.generate import load_model
+    from scaletrain.run_config import single_process_config
     from scaletrain.train.evaluation import evaluated_indices
     from scaletrain.train.objective import build_objective
 

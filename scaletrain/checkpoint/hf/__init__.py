@@ -1,3 +1,3 @@
-"""Hugging Face `transformers` conversion: one module per family (gpt, bert, llama, t5), each with an `ADAPTER`
-(model/family.py `HFAdapter`) that its `ModelFamily.hf` names; conversion.py holds what they share and
-tokenizer.py writes the tokenizer files an export carries."""
+"""What every family's Hugging Face `transformers` adapter (families/<name>/hf.py, a model/family.py
+`HFAdapter`) shares: reading.py reads and checks a transformers directory, conversion.py the name-by-name
+moves, tokenizer.py writes the tokenizer files an export carries. No family is named here."""

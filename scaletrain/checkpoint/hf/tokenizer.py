@@ -68,7 +68,7 @@ SENTINEL_MARK = "\ufdd0"
 def write_hf_tokenizer(tokenizer_model: Path, family: ModelFamily, model_max_length: int, out_dir: Path) -> list[Path]:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir` for the
     sentencepiece model `tokenizer_model` (its .layout.json beside it); returns their paths."""
-    adapter = family.hf()
+    adapter = family.hf
     tokenizer = Tokenizer.load(tokenizer_model)
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
     backend = backend_tokenizer(processor, tokenizer.num_sentinels, adapter.text_framing)

@@ -17,7 +17,8 @@ import dataclasses
 import math
 
 from scaletrain.config import Config, ConfigError
-from scaletrain.model.counts import ModelCounts, model_counts
+from scaletrain.families import model_counts
+from scaletrain.model.counts import ModelCounts
 from scaletrain.scaling.sweep.spec import ModelShape, ShapeRule
 
 # How much a factor e away from the aspect ratio costs against a factor e away from the target count:

@@ -30,7 +30,7 @@ from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.evaluation.downstream import EVAL_DIR, LMEvalMissing, harness_module, is_metric, write_results
 from scaletrain.evaluation.scoring import Scorer
-from scaletrain.model.registry import get_family
+from scaletrain.families import get_family
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.hooks import Hook

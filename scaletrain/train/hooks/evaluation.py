@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from scaletrain.config import Config
-from scaletrain.model.registry import get_family
+from scaletrain.families import get_family
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.evaluation import metrics_text, validation_metrics

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from scaletrain.config import Config
-from scaletrain.model.counts import model_counts
+from scaletrain.families import model_counts
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.flops import device_peak_flops
 from scaletrain.train.hooks import Hook

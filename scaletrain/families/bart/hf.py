@@ -12,9 +12,9 @@ whose bias is not zero, since this BART never trains one.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import BartConfig, BartForConditionalGeneration
 
 from scaletrain.checkpoint.hf.conversion import (
     StateDict,
@@ -28,9 +28,12 @@ from scaletrain.checkpoint.hf.conversion import (
 from scaletrain.checkpoint.hf.reading import load_checked
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
-from scaletrain.model.bart import BartArchitecture
-from scaletrain.model.bart import architecture as model_architecture
+from scaletrain.families.bart.model import BartArchitecture
+from scaletrain.families.bart.model import architecture as model_architecture
 from scaletrain.model.family import HFAdapter
+
+if TYPE_CHECKING:  # transformers is imported by the functions that convert (1.6 s)
+    from transformers import BartConfig
 
 FAMILY = "bart"
 HF_LAYERNORM_EPS = 1e-5  # nn.LayerNorm's default, which BartEncoderLayer and BartDecoderLayer keep
@@ -40,6 +43,8 @@ TIED_TO_SHARED = ("model.encoder.embed_tokens.weight", "model.decoder.embed_toke
 def export_hf(state: StateDict, architecture: BartArchitecture, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json, generation_config.json, model.safetensors) loadable with
     `BartForConditionalGeneration.from_pretrained(out_dir)`, from a full (TP=1 or merged) state."""
+    from transformers import BartForConditionalGeneration
+
     if architecture.layernorm_eps != HF_LAYERNORM_EPS:
         raise ValueError(f"model.layernorm_eps={architecture.layernorm_eps}, but HF's BART LayerNorms use "
                          f"{HF_LAYERNORM_EPS}; train with model.layernorm_eps={HF_LAYERNORM_EPS} to export")
@@ -58,6 +63,8 @@ def export_hf(state: StateDict, architecture: BartArchitecture, out_dir: str | P
 
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `BartForConditionalGeneration` directory."""
+    from transformers import BartForConditionalGeneration
+
     model = load_checked(BartForConditionalGeneration, hf_dir)
     if model.final_logits_bias.any():
         raise ValueError(f"{hf_dir} has a nonzero final_logits_bias; scaletrain's BART keeps it at zero (as BART's "
@@ -69,6 +76,8 @@ def import_hf(hf_dir: str | Path) -> StateDict:
 
 def read_bart_architecture(hf_dir: str | Path) -> BartArchitecture:
     """The `BartArchitecture` of a Hugging Face BART config.json."""
+    from transformers import BartConfig
+
     config = BartConfig.from_pretrained(hf_dir)
     ffn_sizes = (config.encoder_ffn_dim, config.decoder_ffn_dim)
     if config.scale_embedding or config.activation_function != "gelu" or ffn_sizes[0] != ffn_sizes[1]:
@@ -87,6 +96,8 @@ def read_bart_architecture(hf_dir: str | Path) -> BartArchitecture:
 
 def hf_config(architecture: BartArchitecture) -> BartConfig:
     """BartConfig of `architecture` with our tokenizer's ids (data/tokenizer.py SPECIAL_IDS)."""
+    from transformers import BartConfig
+
     return BartConfig(
         vocab_size=architecture.vocab_size, d_model=architecture.hidden_size,
         encoder_layers=architecture.num_encoder_layers, decoder_layers=architecture.num_decoder_layers,

@@ -11,9 +11,9 @@ one (conversion.py explains why).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 from scaletrain.checkpoint.hf.conversion import (
     StateDict,
@@ -27,9 +27,12 @@ from scaletrain.checkpoint.hf.conversion import (
 from scaletrain.checkpoint.hf.reading import load_checked
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import SPECIAL_IDS
-from scaletrain.model.electra import ElectraConfig as OurElectraConfig
-from scaletrain.model.electra import EncoderShape
+from scaletrain.families.electra.model import ElectraConfig as OurElectraConfig
+from scaletrain.families.electra.model import EncoderShape
 from scaletrain.model.family import HFAdapter
+
+if TYPE_CHECKING:  # transformers is imported by the functions that convert (1.6 s)
+    from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
 
 FAMILY = "electra"
 GENERATOR_DIR, DISCRIMINATOR_DIR = "generator", "discriminator"
@@ -54,6 +57,8 @@ BLOCK = (
 
 def hf_config(model: OurElectraConfig, shape: EncoderShape, vocab_size: int, type_vocab_size: int) -> ElectraConfig:
     """HF's config of one of the two encoders (`shape`: model.generator or model.discriminator)."""
+    from transformers import ElectraConfig
+
     return ElectraConfig(
         vocab_size=vocab_size, embedding_size=model.embedding_width, hidden_size=shape.hidden_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads, intermediate_size=shape.ffn_size,
@@ -77,6 +82,8 @@ def export_hf(state: StateDict, config: OurElectraConfig, vocab_size: int, out_d
 def to_hf(weights: StateDict, config: OurElectraConfig, vocab_size: int
           ) -> tuple[ElectraForMaskedLM, ElectraForPreTraining]:
     """HF's generator and discriminator holding `weights`, every one of which must have its place."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
     weights = dict(weights)
     type_vocab_size = take(weights, "embedding.token_type.weight", FAMILY, keep=True).shape[0]
     embeddings = {f"electra.embeddings.{hf_name}": take(weights, ours, FAMILY) for ours, hf_name in EMBEDDINGS}
@@ -103,6 +110,8 @@ def to_hf(weights: StateDict, config: OurElectraConfig, vocab_size: int
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a directory holding generator/ (ElectraForMaskedLM) and
     discriminator/ (ElectraForPreTraining), as `export_hf` writes it."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
     hf_dir = Path(hf_dir)
     for name, model_class in ((GENERATOR_DIR, "ElectraForMaskedLM"), (DISCRIMINATOR_DIR, "ElectraForPreTraining")):
         if not (hf_dir / name / "config.json").is_file():

@@ -2,7 +2,7 @@
 rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied output layer.
 
 Numerics follow Hugging Face's `LlamaForCausalLM` (rotate-half RoPE, fp32 RMS statistics), so
-checkpoint/hf/llama.py maps weights one to one; with model.sliding_window the model is Mistral's
+families/llama/hf.py maps weights one to one; with model.sliding_window the model is Mistral's
 (Jiang et al. 2023), exported as `MistralForCausalLM`.
 """
 
@@ -17,19 +17,17 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.config import Config, ConfigError, bounded
-from scaletrain.model.chunked_cross_entropy import defer_lm_logits
-from scaletrain.model.counts import ModelCounts, mlp_counts
-from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
-from scaletrain.model.gpt import (
+from scaletrain.families.gpt.model import (
     DecoderConfig,
     DecoderLM,
-    decoder_batch,
     decoder_block_runner,
-    lm_loss,
     run_final_norm,
     sequence_parallel_region,
     validate_decoder,
 )
+from scaletrain.model.chunked_cross_entropy import defer_lm_logits
+from scaletrain.model.counts import ModelCounts, mlp_counts
+from scaletrain.model.family import PipelineLayer
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     ParallelAttention,
@@ -196,21 +194,3 @@ def validate(config: Config) -> None:
     if model.attention_head_dim % 2:
         raise ConfigError(f"head dimension {model.attention_head_dim} must be even for rotary embeddings")
     validate_decoder(config)
-
-
-FAMILY = ModelFamily(
-    name="llama",
-    config_class=LlamaConfig,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=lm_loss,
-    objectives=("causal_lm", "prefix_lm"),
-    pipeline_objectives=("causal_lm", "prefix_lm"),
-    sequence_parallel=True,
-    context_parallel=True,
-    batch_schema=decoder_batch,
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.llama:ADAPTER"),
-    generation="causal",
-)

@@ -21,9 +21,9 @@ from scaletrain.checkpoint.hf.conversion import StateDict, fp32, weights_only
 from scaletrain.checkpoint.hf.reading import REFETCH, load_checked, read_hf_config
 from scaletrain.config import Config
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
+from scaletrain.families.t5.model import T5Architecture
+from scaletrain.families.t5.model import architecture as model_architecture
 from scaletrain.model.family import HFAdapter
-from scaletrain.model.t5 import T5Architecture
-from scaletrain.model.t5 import architecture as model_architecture
 
 # The sizes read_t5_architecture takes from config.json. transformers would fill one that is absent with
 # t5-small's (T5Config's defaults) and build another model than the weights'; the other keys it reads

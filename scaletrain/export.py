@@ -18,12 +18,12 @@ from scaletrain.checkpoint.consolidate import consolidated_state_dict
 from scaletrain.checkpoint.errors import CheckpointError
 from scaletrain.checkpoint.format import CheckpointMeta, read_meta
 from scaletrain.checkpoint.hf.tokenizer import write_hf_tokenizer
-from scaletrain.checkpoint.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 from scaletrain.config import Config
 from scaletrain.data.storage import dataset_location
 from scaletrain.data.tokenizer import SPECIAL_IDS
+from scaletrain.families import FAMILIES, get_family
 from scaletrain.model.family import ModelFamily
-from scaletrain.model.registry import FAMILY_MODULES, get_family
+from scaletrain.run_config import announce_checkpoint, chosen_checkpoint, load_chosen, run_config
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # --dtype: the weights' type in the export (training keeps fp32 master weights), and its name in config.json
@@ -98,9 +98,9 @@ def _meta_and_weights(checkpoint: Path) -> tuple[CheckpointMeta, dict[str, torch
 
 def _write_model_dirs(state: dict[str, torch.Tensor], config: Config, staging: Path, dtype: str) -> None:
     family = get_family(config.model.family)
-    family.hf().export(state, config, staging)
+    family.hf.export(state, config, staging)
     tokenizer_files = dataset_location(config.data).tokenizer_files()
-    for model_dir in (staging / name for name in family.hf().model_dirs):
+    for model_dir in (staging / name for name in family.hf.model_dirs):
         for tokenizer_file in tokenizer_files:
             shutil.copy(tokenizer_file, model_dir / tokenizer_file.name)
         write_hf_tokenizer(model_dir / tokenizer_files[0].name, family, config.model.seq_length, model_dir)
@@ -165,8 +165,8 @@ def _give_ordinary_permissions(directory: Path) -> None:
 def import_to_file(hf_dir: Path, family: str, out_file: Path) -> Path:
     """A transformers checkpoint as a TP=1 scaletrain state dict file, for `train.init_from`; the
     adapter reads it checked (hf/reading.py), and out_file appears whole or not at all."""
-    if family not in FAMILY_MODULES:
-        raise CheckpointError(f"--family {family!r}; use one of {', '.join(FAMILY_MODULES)}")
+    if family not in FAMILIES:
+        raise CheckpointError(f"--family {family!r}; use one of {', '.join(FAMILIES)}")
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory; give a Hugging Face model directory (config.json "
                               "and its weights, as save_pretrained writes them)")
@@ -175,7 +175,7 @@ def import_to_file(hf_dir: Path, family: str, out_file: Path) -> Path:
         raise CheckpointError(f"{out_file} {where}; give a file path in an existing directory, e.g. "
                               f"{hf_dir.name}.pt")
     try:
-        state = get_family(family).hf().import_(hf_dir)
+        state = get_family(family).hf.import_(hf_dir)
     except (pickle.UnpicklingError, OSError) as error:
         # transformers reads pytorch_model.bin with torch's restricted unpickler (weights_only=True)
         raise CheckpointError(

@@ -25,17 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    PreTrainedModel,
-)
 
 from scaletrain.checkpoint.hf.conversion import StateDict, check_all_taken, fp32, take, weights_only
 from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
@@ -43,9 +35,12 @@ from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
 
+if TYPE_CHECKING:  # transformers is imported by the functions that convert (1.6 s)
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig
+
 FAMILY = "llama"
-MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
-    "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "mixtral": MixtralForCausalLM,
+MODEL_CLASSES = {  # transformers' class per config.json model_type, imported on use (1.6 s)
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -87,11 +82,13 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
     """Write `out_dir` (config.json + safetensors) from our TP=1 weights, each checked for name and shape first.
     The HF model is built on the meta device and handed our tensors (assign=True), so a 70B export holds its
     weights once and skips a random init; its rotary tables stay on meta, as save_pretrained never writes them."""
+    import transformers
+
     shape = LlamaShape.from_model_config(config, vocab_size)
     hf_state = _hf_state(weights_only(state), shape)
     hf_config = _hf_config(config, vocab_size, shape)
     with torch.device("meta"):
-        model = MODEL_CLASSES[hf_config.model_type](hf_config)
+        model = getattr(transformers, MODEL_CLASSES[hf_config.model_type])(hf_config)
     model.load_state_dict(hf_state, strict=True, assign=True)
     model.save_pretrained(out_dir)
     return Path(out_dir)
@@ -101,8 +98,10 @@ def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `LlamaForCausalLM`, `MistralForCausalLM` or `MixtralForCausalLM`
     directory; tied HF
     embeddings become two equal weights."""
+    import transformers
+
     hf_dir = Path(hf_dir)
-    model_class = MODEL_CLASSES[_check_supported(hf_dir)]
+    model_class = getattr(transformers, MODEL_CLASSES[_check_supported(hf_dir)])
     hf_model = load_checked(model_class, hf_dir)
     hf_state = hf_model.state_dict()
     shape = LlamaShape.from_hf_config(hf_model.config)
@@ -190,6 +189,8 @@ def _expert_layout(shape: LlamaShape) -> dict[str, tuple[list[str], tuple[int, .
 def _hf_config(config: ModelConfig, vocab_size: int, shape: LlamaShape) -> LlamaConfig | MistralConfig | MixtralConfig:
     """Mixtral's config for a mixture of experts (with its window, if any), else Mistral's (no bias switches:
     it has none) when the model has a sliding window, else Llama's."""
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig
+
     shared = dict(
         vocab_size=vocab_size, hidden_size=config.hidden_size, intermediate_size=shape.ffn_hidden_size,
         num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,

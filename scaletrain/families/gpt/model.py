@@ -24,7 +24,7 @@ from scaletrain.model.attention_masks import (
 )
 from scaletrain.model.chunked_cross_entropy import DeferredLogits, as_logits, defer_lm_logits
 from scaletrain.model.counts import MLPCounts, ModelCounts, mlp_counts
-from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
+from scaletrain.model.family import LayeredModel, PipelineLayer
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     KVCache,
@@ -375,21 +375,3 @@ def _validate_attention_backend(config: Config) -> None:
 
 def validate(config: Config) -> None:
     validate_decoder(config)
-
-
-FAMILY = ModelFamily(
-    name="gpt",
-    config_class=GPTConfig,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=lm_loss,
-    objectives=("causal_lm", "prefix_lm"),
-    pipeline_objectives=("causal_lm", "prefix_lm"),
-    sequence_parallel=True,
-    context_parallel=True,
-    batch_schema=decoder_batch,
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.gpt:ADAPTER"),
-    generation="causal",
-)

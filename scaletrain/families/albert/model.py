@@ -30,7 +30,7 @@ from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
-from scaletrain.model.bert import (
+from scaletrain.families.bert.model import (
     BERT,
     BertEmbedding,
     DecoderBias,
@@ -38,15 +38,12 @@ from scaletrain.model.bert import (
     _decoder,
     _decoder_bias,
     _embed,
-    evaluation_counts,
     labelled_positions,
-    mlm_loss,
-    pipeline_evaluation_counts,
     replicated_linear,
 )
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
-from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
+from scaletrain.model.family import PipelineLayer
 from scaletrain.model.init import normal_init
 from scaletrain.model.layers import ParallelAttention, ParallelMLP, TransformerBlock, gelu_tanh
 from scaletrain.model.parallel_config import model_parallel_config
@@ -148,7 +145,7 @@ class AlbertHeads(nn.Module):
         return head.classifier(torch.tanh(head.pooler(hidden[0])))  # [CLS] position -> [batch, 2]
 
 
-# Activations as BERT's (model/bert.py); the projection maps the E-wide embedding to H, the shared
+# Activations as BERT's (families/bert/model.py); the projection maps the E-wide embedding to H, the shared
 # block's owner passes them on unchanged (its blocks run it).
 
 
@@ -262,26 +259,6 @@ def validate(config: Config) -> None:
         )
 
 
-def _schema(config: Config) -> BatchSchema:
+def batch_schema(config: Config) -> BatchSchema:
     return BatchSchema(inputs=("tokens", "token_types", "padding_mask"), labels=("labels",),
                        optional_labels=("sentence_order_labels",))
-
-
-FAMILY = ModelFamily(
-    name="albert",
-    config_class=AlbertConfig,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=mlm_loss,
-    objectives=("mlm",),
-    pipeline_objectives=("mlm",),
-    batch_schema=_schema,
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.albert:ADAPTER"),
-    evaluation_counts=evaluation_counts,
-    pipeline_evaluation_counts=pipeline_evaluation_counts,
-    generation=None,
-    not_generating_reason="ALBERT is a masked LM, not a left-to-right generator; fill masks with the exported "
-                          "AlbertForMaskedLM (`scaletrain export`) or train a gpt, llama or t5 run to generate",
-)

@@ -7,8 +7,7 @@ fused [Q; K; V] as is. The HF vocabulary is our padded one (conversion.py explai
 from __future__ import annotations
 
 from pathlib import Path
-
-from transformers import GPT2Config, GPT2LMHeadModel
+from typing import TYPE_CHECKING
 
 from scaletrain.checkpoint.hf.conversion import (
     StateDict,
@@ -23,6 +22,9 @@ from scaletrain.checkpoint.hf.reading import load_checked
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import EOS, SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
+
+if TYPE_CHECKING:  # transformers is imported by the functions that convert (1.6 s)
+    from transformers import GPT2LMHeadModel
 
 FAMILY = "gpt"
 
@@ -45,6 +47,8 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
 
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `GPT2LMHeadModel` directory."""
+    from transformers import GPT2LMHeadModel
+
     model = load_checked(GPT2LMHeadModel, hf_dir)
     hf_state = model.state_dict()
     return {
@@ -55,6 +59,8 @@ def import_hf(hf_dir: str | Path) -> StateDict:
 
 def to_hf(weights: StateDict, config: ModelConfig, vocab_size: int) -> GPT2LMHeadModel:
     """The `GPT2LMHeadModel` holding `weights`, every one of which must have its place in it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     weights = dict(weights)
     hf_config = GPT2Config(
         vocab_size=vocab_size, n_positions=config.seq_length, n_embd=config.hidden_size,

@@ -11,9 +11,9 @@ as in our ALBERT. The HF vocabulary is our padded one (conversion.py explains wh
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
 
 from scaletrain.checkpoint.hf.conversion import (
     StateDict,
@@ -27,8 +27,11 @@ from scaletrain.checkpoint.hf.conversion import (
 from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import SPECIAL_IDS
-from scaletrain.model.albert import SHARED
+from scaletrain.families.albert.model import SHARED
 from scaletrain.model.family import HFAdapter
+
+if TYPE_CHECKING:  # transformers is imported by the functions that convert (1.6 s)
+    from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
 
 FAMILY = "albert"
 EXPORTED_SHARING = ("all", "none")
@@ -48,6 +51,8 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from an `AlbertForMaskedLM` or `AlbertForPreTraining` directory whose
     layers are shared all in one group (model.sharing=all) or not at all (sharing=none)."""
+    from transformers import AlbertForMaskedLM, AlbertForPreTraining
+
     architectures = read_hf_config(Path(hf_dir)).get("architectures") or []
     if not {"AlbertForMaskedLM", "AlbertForPreTraining"} & set(architectures):
         raise ValueError(
@@ -91,6 +96,8 @@ def _sharing_of(hf_config: AlbertConfig) -> str:
 
 def to_hf(weights: StateDict, config: ModelConfig, vocab_size: int) -> AlbertForMaskedLM | AlbertForPreTraining:
     """The HF ALBERT holding `weights`, every one of which must have its place in it."""
+    from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
+
     check_exportable(config)
     weights = dict(weights)
     with_sentence_order = "sentence_order_head.pooler.weight" in weights

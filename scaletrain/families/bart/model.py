@@ -1,6 +1,6 @@
 """BART (Lewis et al. 2020): a denoising encoder-decoder with learned positions and post-norm blocks.
 
-As Hugging Face's `BartForConditionalGeneration` (checkpoint/hf/bart.py maps the names): one
+As Hugging Face's `BartForConditionalGeneration` (families/bart/hf.py maps the names): one
 vocab-parallel token embedding shared by the encoder, the decoder and the tied output layer;
 learned positions per stack (HF's table has 2 rows more, its position offset, kept here so the
 tables match row for row); LayerNorm over each stack's embedded input (`layernorm_embedding`);
@@ -8,7 +8,7 @@ post-norm blocks with biases and exact GELU (the Transformer's, Vaswani et al. 2
 BART's base follows, sec. 2.1); no final norm; a zero logits bias (HF's `final_logits_bias`, a
 buffer, not a parameter). One `model.dropout` is BART's dropout, attention and activation dropout.
 
-Pipeline layers, with T5's activations (model/t5.py) between them, so `EncoderDecoderLM` runs,
+Pipeline layers, with T5's activations (families/t5/model.py) between them, so `EncoderDecoderLM` runs,
 encodes, decodes with a KV cache and generates it as it does T5:
 
     embedding ........................ (encoder_tokens, decoder_tokens, encoder_mask, decoder_mask)
@@ -31,13 +31,18 @@ from megatron.core import tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.bart_noising import DenoisingNoise
 from scaletrain.data.errors import DataError
+from scaletrain.families.t5.model import (
+    DECODER_EMBEDDING,
+    EncoderDecoderLM,
+    check_split_evenly,
+    encoder_decoder_flops_per_token,
+)
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
-from scaletrain.model.family import ModelFamily, PipelineLayer, lazy
+from scaletrain.model.family import PipelineLayer
 from scaletrain.model.init import normal_init
 from scaletrain.model.layers import (
     KVCache,
@@ -46,11 +51,9 @@ from scaletrain.model.layers import (
     TransformerBlock,
     gelu_erf,
     key_padding_attention_mask,
-    masked_vocab_parallel_loss,
     parallel_lm_logits,
 )
 from scaletrain.model.parallel_config import model_parallel_config
-from scaletrain.model.t5 import DECODER_EMBEDDING, EncoderDecoderLM, check_split_evenly, encoder_decoder_flops_per_token
 
 POSITION_OFFSET = 2  # HF's BartLearnedPositionalEmbedding looks up position + 2 (fairseq's padding_idx legacy)
 
@@ -270,22 +273,3 @@ def validate(config: Config) -> None:
                        objective.mask_prob, objective.deletion_ratio)
     except DataError as error:
         raise ConfigError(f"objective.noising: {error}") from None
-
-
-FAMILY = ModelFamily(
-    name="bart",
-    config_class=BartConfig,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=lambda outputs, labels: masked_vocab_parallel_loss(outputs[0], labels[0]),
-    objectives=("denoising",),
-    pipeline_objectives=("denoising",),
-    batch_schema=lambda config: BatchSchema(
-        inputs=("encoder_tokens", "decoder_tokens", "encoder_padding_mask", "decoder_padding_mask"), labels=("labels",)
-    ),
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.bart:ADAPTER"),
-    encoder_decoder=True,
-    generation="seq2seq_eos_start",
-)

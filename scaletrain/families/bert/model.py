@@ -17,7 +17,7 @@ from scaletrain.config import Config, ConfigError, ModelConfig
 from scaletrain.data.masking import SPAN_BOUNDARY_KEYS, masking_budget
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
-from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
+from scaletrain.model.family import LayeredModel, PipelineLayer
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (
     ParallelAttention,
@@ -468,27 +468,7 @@ def validate(config: Config) -> None:
         )
 
 
-def _schema(config: Config) -> BatchSchema:
+def batch_schema(config: Config) -> BatchSchema:
     span_boundaries = SPAN_BOUNDARY_KEYS if config.objective.span_boundary else ()
     return BatchSchema(inputs=("tokens", "token_types", "padding_mask", *span_boundaries), labels=("labels",),
                        optional_labels=("sentence_order_labels",))
-
-
-FAMILY = ModelFamily(
-    name="bert",
-    config_class=BertConfig,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=mlm_loss,
-    objectives=("mlm",),
-    pipeline_objectives=("mlm",),
-    batch_schema=_schema,
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.bert:ADAPTER"),
-    evaluation_counts=evaluation_counts,
-    pipeline_evaluation_counts=pipeline_evaluation_counts,
-    generation=None,
-    not_generating_reason="BERT is a masked LM, not a left-to-right generator; fill masks with the exported "
-                          "BertForMaskedLM (`scaletrain export`) or train a gpt, llama or t5 run to generate",
-)

@@ -1,7 +1,7 @@
 """T5 encoder-decoder (Raffel et al. 2020) with heads, FFN columns and vocabulary split across TP ranks.
 
 Covers original T5 (ReLU FFN, output layer tied to the embedding) and T5 v1.1 (gated-GELU FFN,
-untied output layer). Activations are [sequence, batch, hidden] as in layers.py; checkpoint/hf/t5.py
+untied output layer). Activations are [sequence, batch, hidden] as in layers.py; families/t5/hf.py
 maps the parameter names onto Hugging Face's `T5ForConditionalGeneration`.
 
 The model is a list of pipeline layers (model/family.py) that `T5` runs on one device and
@@ -40,12 +40,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from scaletrain.batch import BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.span_corruption import random_spans_helper
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
-from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
+from scaletrain.model.family import LayeredModel, PipelineLayer
 from scaletrain.model.init import InitMethod, normal_init
 from scaletrain.model.layers import (
     KVCache,
@@ -326,7 +325,7 @@ DECODER_EMBEDDING = "decoder.embedding"
 
 
 class EncoderDecoderLM(LayeredModel):
-    """An encoder-decoder LM's pipeline layers on one device (T5 here, BART in model/bart.py): the
+    """An encoder-decoder LM's pipeline layers on one device (T5 here, BART in families/bart/model.py): the
     shared embedding, the encoder's layers, then the decoder's (named `decoder.*`, the first being
     DECODER_EMBEDDING) and the output layers after them, with the activations of t5_layers.
 
@@ -534,22 +533,3 @@ def validate(config: Config) -> None:
         )
     if model.num_heads * model.attention_head_dim % tensor:
         raise ConfigError(f"parallel.tensor={tensor} must divide the T5 attention size num_heads x head_dim")
-
-
-FAMILY = ModelFamily(
-    name="t5",
-    config_class=T5Config,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=lambda outputs, labels: masked_vocab_parallel_loss(outputs[0], labels[0]),
-    objectives=("span_corruption", "prefix_lm"),
-    pipeline_objectives=("span_corruption", "prefix_lm"),
-    batch_schema=lambda config: BatchSchema(
-        inputs=("encoder_tokens", "decoder_tokens", "encoder_padding_mask", "decoder_padding_mask"), labels=("labels",)
-    ),
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.t5:ADAPTER"),
-    encoder_decoder=True,
-    generation="seq2seq",
-)

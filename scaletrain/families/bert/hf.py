@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
 
 from scaletrain.checkpoint.hf.conversion import (
     StateDict,
@@ -31,6 +31,9 @@ from scaletrain.checkpoint.hf.reading import load_checked, read_hf_config
 from scaletrain.config import Config, ModelConfig
 from scaletrain.data.tokenizer import SPECIAL_IDS
 from scaletrain.model.family import HFAdapter
+
+if TYPE_CHECKING:  # transformers is imported by the functions that convert (1.6 s)
+    from transformers import BertForMaskedLM, BertForPreTraining
 
 FAMILY = "bert"
 SPAN_BOUNDARY_PREFIX = "span_boundary_head."  # training-only: not exported
@@ -52,6 +55,8 @@ def export_hf(state: StateDict, config: ModelConfig, vocab_size: int, out_dir: s
 
 def import_hf(hf_dir: str | Path) -> StateDict:
     """Our TP=1 state dict from a `BertForMaskedLM` or `BertForPreTraining` directory."""
+    from transformers import BertForMaskedLM, BertForPreTraining
+
     architectures = read_hf_config(Path(hf_dir)).get("architectures") or []
     if not {"BertForMaskedLM", "BertForPreTraining"} & set(architectures):
         raise ValueError(
@@ -73,6 +78,8 @@ def import_hf(hf_dir: str | Path) -> StateDict:
 
 def to_hf(weights: StateDict, config: ModelConfig, vocab_size: int) -> BertForMaskedLM | BertForPreTraining:
     """The HF BERT holding `weights`, every one of which must have its place in it."""
+    from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
+
     weights = dict(weights)
     if "final_norm.weight" in weights:
         raise ValueError("this BERT is pre-LN (it has final_norm); HF's BertModel is post-LN, so it cannot be exported")

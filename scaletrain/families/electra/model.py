@@ -45,10 +45,10 @@ from torch import nn
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.replaced_tokens import REPLACEMENT_UNIFORMS
-from scaletrain.model.bert import BertEmbedding, DecoderBias, labelled_positions, replicated_linear
+from scaletrain.families.bert.model import BertEmbedding, DecoderBias, labelled_positions, replicated_linear
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
-from scaletrain.model.family import LayeredModel, ModelFamily, PipelineLayer, lazy
+from scaletrain.model.family import LayeredModel, PipelineLayer
 from scaletrain.model.init import normal_init
 from scaletrain.model.layers import (
     ParallelAttention,
@@ -475,25 +475,5 @@ def validate(config: Config) -> None:
                               f"use a tensor-parallel size that divides it")
 
 
-def _schema(config: Config) -> BatchSchema:
+def batch_schema(config: Config) -> BatchSchema:
     return BatchSchema(inputs=("tokens", "token_types", "padding_mask"), labels=("labels", REPLACEMENT_UNIFORMS))
-
-
-FAMILY = ModelFamily(
-    name="electra",
-    config_class=ElectraConfig,
-    build=build,
-    pipeline_layers=pipeline_layers,
-    loss=electra_loss,
-    objectives=(OBJECTIVE,),
-    batch_schema=_schema,
-    counts=counts,
-    validate=validate,
-    hf=lazy("scaletrain.checkpoint.hf.electra:ADAPTER"),
-    evaluation_counts=evaluation_counts,
-    evaluation_values=evaluation_values,
-    generation=None,
-    not_generating_reason="ELECTRA is a discriminator with a masked-LM generator, not a left-to-right generator; "
-                          "fill masks with the exported generator (ElectraForMaskedLM, `scaletrain export`) or "
-                          "train a gpt, llama or t5 run to generate",
-)

@@ -1,0 +1,39 @@
+"""BERT encoders: masked LM, optional NSP/SOP sentence pairs and SpanBERT's span boundary objective.
+
+The family's spec: model.py builds and counts the model, hf.py converts it to and from
+Hugging Face `transformers`; families/__init__.py finds this folder by the family's name."""
+
+from __future__ import annotations
+
+from scaletrain.families.bert.hf import ADAPTER
+from scaletrain.families.bert.model import (
+    BertConfig,
+    batch_schema,
+    build,
+    counts,
+    evaluation_counts,
+    mlm_loss,
+    pipeline_evaluation_counts,
+    pipeline_layers,
+    validate,
+)
+from scaletrain.model.family import ModelFamily
+
+FAMILY = ModelFamily(
+    name="bert",
+    config_class=BertConfig,
+    build=build,
+    pipeline_layers=pipeline_layers,
+    loss=mlm_loss,
+    objectives=("mlm",),
+    pipeline_objectives=("mlm",),
+    batch_schema=batch_schema,
+    counts=counts,
+    validate=validate,
+    hf=ADAPTER,
+    evaluation_counts=evaluation_counts,
+    pipeline_evaluation_counts=pipeline_evaluation_counts,
+    generation=None,
+    not_generating_reason="BERT is a masked LM, not a left-to-right generator; fill masks with the exported "
+                          "BertForMaskedLM (`scaletrain export`) or train a gpt, llama or t5 run to generate",
+)

@@ -1,0 +1,40 @@
+"""ELECTRA: a small masked-LM generator and a discriminator trained to spot its replacements.
+
+The family's spec: model.py builds and counts the model, hf.py converts it to and from
+Hugging Face `transformers`; families/__init__.py finds this folder by the family's name."""
+
+from __future__ import annotations
+
+from scaletrain.families.electra.hf import ADAPTER
+from scaletrain.families.electra.model import (
+    OBJECTIVE,
+    ElectraConfig,
+    batch_schema,
+    build,
+    counts,
+    electra_loss,
+    evaluation_counts,
+    evaluation_values,
+    pipeline_layers,
+    validate,
+)
+from scaletrain.model.family import ModelFamily
+
+FAMILY = ModelFamily(
+    name="electra",
+    config_class=ElectraConfig,
+    build=build,
+    pipeline_layers=pipeline_layers,
+    loss=electra_loss,
+    objectives=(OBJECTIVE,),
+    batch_schema=batch_schema,
+    counts=counts,
+    validate=validate,
+    hf=ADAPTER,
+    evaluation_counts=evaluation_counts,
+    evaluation_values=evaluation_values,
+    generation=None,
+    not_generating_reason="ELECTRA is a discriminator with a masked-LM generator, not a left-to-right generator; "
+                          "fill masks with the exported generator (ElectraForMaskedLM, `scaletrain export`) or "
+                          "train a gpt, llama or t5 run to generate",
+)

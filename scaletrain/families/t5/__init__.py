@@ -1,0 +1,30 @@
+"""T5 (v1.0 and v1.1) encoder-decoders: relative position buckets, span corruption or prefix LM.
+
+The family's spec: model.py builds and counts the model, hf.py converts it to and from
+Hugging Face `transformers`; families/__init__.py finds this folder by the family's name."""
+
+from __future__ import annotations
+
+from scaletrain.batch import BatchSchema
+from scaletrain.families.t5.hf import ADAPTER
+from scaletrain.families.t5.model import T5Config, build, counts, pipeline_layers, validate
+from scaletrain.model.family import ModelFamily
+from scaletrain.model.layers import masked_vocab_parallel_loss
+
+FAMILY = ModelFamily(
+    name="t5",
+    config_class=T5Config,
+    build=build,
+    pipeline_layers=pipeline_layers,
+    loss=lambda outputs, labels: masked_vocab_parallel_loss(outputs[0], labels[0]),
+    objectives=("span_corruption", "prefix_lm"),
+    pipeline_objectives=("span_corruption", "prefix_lm"),
+    batch_schema=lambda config: BatchSchema(
+        inputs=("encoder_tokens", "decoder_tokens", "encoder_padding_mask", "decoder_padding_mask"), labels=("labels",)
+    ),
+    counts=counts,
+    validate=validate,
+    hf=ADAPTER,
+    encoder_decoder=True,
+    generation="seq2seq",
+)

@@ -31,7 +31,7 @@ from scaletrain.config import Config  # noqa: E402
 from scaletrain.config_loader import load_config  # noqa: E402
 from scaletrain.data.objectives import document_ids  # noqa: E402
 from scaletrain.data.tokenizer import SPECIAL_IDS  # noqa: E402
-from scaletrain.families.gpt.model import attention_backend  # noqa: E402
+from scaletrain.model.decoder import attention_backend  # noqa: E402
 from scaletrain.parallel.groups import Topology, destroy_distributed, init_distributed  # noqa: E402
 from scaletrain.parallel.layout import resolve_for_world  # noqa: E402
 from scaletrain.planner.recompute import device_memory, resolve_recompute  # noqa: E402

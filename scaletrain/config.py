@@ -80,7 +80,7 @@ def bounded(default: Any, allowed: str, note: str = "") -> Any:
 @dataclass
 class ModelConfig:
     """What every family's `model:` section has; each family's file extends it with its own keys
-    (families/gpt/model.py GPTConfig, bert.py BertConfig, t5.py T5Config, llama.py LlamaConfig)."""
+    (each family's model.py, families/<name>/: GPTConfig, BertConfig, T5Config, LlamaConfig, ...)."""
 
     family: str = "gpt"
     num_layers: int = bounded(2, ">= 1")  # transformer blocks (T5: encoder blocks)
@@ -171,7 +171,7 @@ class ObjectiveConfig:
     whole_word_masking: bool = False  # BERT: mask all pieces of a word together
     span_masking: bool = False  # SpanBERT geometric spans
     # SpanBERT's span boundary objective (Joshi et al. 2020, sec. 3.2): also predict each masked token from
-    # the two tokens around its span and its place in it (families/bert/model.py SpanBoundaryHead); needs span_masking
+    # the two tokens around its span and its place in it (model/encoder.py SpanBoundaryHead); needs span_masking
     span_boundary: bool = False
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = bounded(0.15, "(0, 1)", "T5: 0.15")  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)

@@ -23,7 +23,7 @@ Two forms of the same limits: SDPA's boolean mask, which costs O(s²) memory and
 documents or the window leave, and FlexAttention's block mask (`decoder_block_mask`; Dong et al. 2024,
 "Flex Attention"), whose kernel skips the 128 x 128 tiles in which no query sees a key and evaluates the
 rule only on tiles that are partly visible. `model.attention_backend` picks one for training forwards
-(families/gpt/model.py `attention_backend`).
+(model/decoder.py `attention_backend`).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class ParallelAttention(nn.Module):
         ring: RingMask | None,
     ) -> torch.Tensor:
         """softmax(QK^T·scale + mask)V over this rank's heads, [batch, local heads, seq, head_dim]: SDPA,
-        FlexAttention with a BlockMask (which has no dropout: families/gpt/model.py refuses the two together), or ring
+        FlexAttention with a BlockMask (which has no dropout: model/decoder.py refuses the two together), or ring
         attention round the context-parallel ranks."""
         dropout = self.dropout if self.training else 0.0
         if ring is not None:

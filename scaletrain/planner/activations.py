@@ -26,7 +26,7 @@ backward, [b, 1, s, s] for documents (one per sequence) or [s, s] for a window a
 replicated over TP ranks (measured on CPU; CUDA's memory-efficient kernel, the one that takes a mask,
 keeps its attention bias the same way). The math kernel adds the mask to the scores and keeps nothing.
 FlexAttention (model.attention_backend flex, or auto on a GPU without attention dropout or context
-parallelism: families/gpt/model.py) replaces that mask by a block mask built once per micro-batch and shared by the
+parallelism: model/decoder.py) replaces that mask by a block mask built once per micro-batch and shared by the
 blocks, int32 tile indices of [b, 1, s/128, s/128] (kilobytes: counted as none), and keeps a logsumexp as
 the fused kernels do; the planner plans GPUs, so `auto` counts as flex where those conditions hold.
 The attention output needs no copy of its own: SDPA returns it in the query's [s, b, heads, d]
@@ -158,7 +158,7 @@ def block_activations(
 
 def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: ActivationSettings) -> float:
     """The additive mask a fused kernel keeps per block (module docstring). The keys are the causal
-    decoders' (families/gpt/model.py DecoderConfig), so other families' sections have none."""
+    decoders' (model/decoder.py DecoderConfig), so other families' sections have none."""
     if settings.attention != "flash" or settings.block_mask:
         return 0.0
     seq = model.seq_length
@@ -169,7 +169,7 @@ def attention_mask_bytes(model: ModelConfig, micro_batch: int, settings: Activat
 
 
 def flex_attention_planned(model: ModelConfig, context: int = 1) -> bool:
-    """Whether a decoder's training forwards attend through FlexAttention block masks on a GPU: families/gpt/model.py's
+    """Whether a decoder's training forwards attend through FlexAttention block masks on a GPU: model/decoder.py's
     attention_backend as it resolves on CUDA (flex; auto without attention dropout or context parallelism)."""
     backend = getattr(model, "attention_backend", "sdpa")
     return backend == "flex" or (backend == "auto" and model.dropout == 0 and context == 1)

@@ -15,7 +15,6 @@ from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.data.objectives import document_ids
 from scaletrain.data.tokenizer import SPECIAL_IDS
 from scaletrain.families import build_model
-from scaletrain.families.gpt.model import attention_backend
 from scaletrain.model import attention_masks
 from scaletrain.model.attention_masks import (
     causal_mask,
@@ -25,6 +24,7 @@ from scaletrain.model.attention_masks import (
     visible_keys,
     visible_keys_mask_mod,
 )
+from scaletrain.model.decoder import attention_backend
 from scaletrain.model.layers import KVCache
 from tests.distributed.harness import run_on_ranks
 

@@ -9,7 +9,7 @@ from megatron.core import parallel_state
 
 from scaletrain.config_loader import config_from_dict, validate
 from scaletrain.families import build_model
-from scaletrain.families.bert.model import BERT
+from scaletrain.model.encoder import BERT
 from tests.distributed.harness import gather_full_parameters, gather_vocab_shards, run_on_ranks
 
 TINY = {

@@ -30,6 +30,7 @@ from scaletrain.families import build_model, model_counts
 from scaletrain.families.bert import model as bert
 from scaletrain.families.gpt.model import model_flops_per_token
 from scaletrain.families.t5 import model as t5
+from scaletrain.model.encoder import labelled_positions
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs
 from tests.distributed.harness import run_on_ranks
@@ -140,7 +141,7 @@ def test_bert_head_positions_are_the_collators_budget(measured: dict, small_data
     """The planning count, round(mask_prob · n) per sample, is what a sample without a document
     boundary or padding gets; those (or a whole word over the budget) can only lower it."""
     labelled = measured[name]["labelled_per_sample"]
-    budget = bert.labelled_positions(tiny_config(name, small_dataset))
+    budget = labelled_positions(tiny_config(name, small_dataset))
     assert max(labelled) == budget
 
 

@@ -18,7 +18,7 @@ from scaletrain.config_loader import load_config
 from scaletrain.data.masking import SPAN_BOUNDARY_KEYS
 from scaletrain.families import build_model
 from scaletrain.families.bert import hf as hf_bert
-from scaletrain.families.bert.model import labelled_positions, mlm_loss
+from scaletrain.model.encoder import labelled_positions, mlm_loss
 from scaletrain.train.objective import build_objective
 from scaletrain.train.step import model_inputs
 from tests.distributed.harness import gather_full_parameters, run_on_ranks

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from scaletrain.families.albert.hf import ADAPTER
 from scaletrain.families.albert.model import AlbertConfig, batch_schema, build, counts, pipeline_layers, validate
-from scaletrain.families.bert.model import evaluation_counts, mlm_loss, pipeline_evaluation_counts
+from scaletrain.model.encoder import evaluation_counts, mlm_loss, pipeline_evaluation_counts
 from scaletrain.model.family import ModelFamily
 
 FAMILY = ModelFamily(

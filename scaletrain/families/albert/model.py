@@ -30,19 +30,19 @@ from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
-from scaletrain.families.bert.model import (
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
+from scaletrain.model.counts import ModelCounts, transformer_block_flops
+from scaletrain.model.encoder import (
     BERT,
     BertEmbedding,
     DecoderBias,
-    _block,
-    _decoder,
-    _decoder_bias,
-    _embed,
     labelled_positions,
     replicated_linear,
+    run_block,
+    run_decoder_bias,
+    run_embedding,
+    run_tied_decoder,
 )
-from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
-from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.family import PipelineLayer
 from scaletrain.model.init import normal_init
 from scaletrain.model.layers import ParallelAttention, ParallelMLP, TransformerBlock, gelu_tanh
@@ -145,7 +145,7 @@ class AlbertHeads(nn.Module):
         return head.classifier(torch.tanh(head.pooler(hidden[0])))  # [CLS] position -> [batch, 2]
 
 
-# Activations as BERT's (families/bert/model.py); the projection maps the E-wide embedding to H, the shared
+# Activations as BERT's (model/encoder.py); the projection maps the E-wide embedding to H, the shared
 # block's owner passes them on unchanged (its blocks run it).
 
 
@@ -173,24 +173,24 @@ def pipeline_layers(config: Config) -> list[PipelineLayer]:
     shared = functools.cache(lambda: build_shared(config))  # one instance per model the layers build
     owner = [] if model.sharing == "none" else [PipelineLayer(SHARED, shared, _hold_shared)]
     if model.sharing == "all":
-        blocks = [PipelineLayer(f"blocks.{layer}", shared, _block, is_block=True, tied_to=SHARED,
+        blocks = [PipelineLayer(f"blocks.{layer}", shared, run_block, is_block=True, tied_to=SHARED,
                                 tied_weight=BLOCK_WEIGHTS) for layer in range(model.num_layers)]
     else:
         shared_part = (lambda: None) if model.sharing == "none" else shared
-        blocks = [PipelineLayer(name, lambda name=name: build_block(config, name, shared_part()), _block, is_block=True)
-                  for name in (f"blocks.{layer}" for layer in range(model.num_layers))]
+        blocks = [PipelineLayer(name, lambda name=name: build_block(config, name, shared_part()), run_block,
+                                is_block=True) for name in (f"blocks.{layer}" for layer in range(model.num_layers))]
     projection = lambda: replicated_linear(embedding_size, model.hidden_size, std, seed, "projection")  # noqa: E731
     return [
-        PipelineLayer("embedding", lambda: BertEmbedding(config, embedding_size), _embed),
+        PipelineLayer("embedding", lambda: BertEmbedding(config, embedding_size), run_embedding),
         PipelineLayer("projection", projection, _project),
         *owner,
         *blocks,
         PipelineLayer("", lambda: AlbertHeads(config), _heads),
         PipelineLayer("decoder", lambda: BertEmbedding(config, embedding_size),
-                      functools.partial(_decoder, sentence_order=config.objective.sentence_pairs != "none"),
+                      functools.partial(run_tied_decoder, sentence_order=config.objective.sentence_pairs != "none"),
                       tied_to="embedding",
                       tied_weight="word.weight"),
-        PipelineLayer("lm_head", lambda: DecoderBias(config), _decoder_bias),
+        PipelineLayer("lm_head", lambda: DecoderBias(config), run_decoder_bias),
     ]
 
 

@@ -34,14 +34,14 @@ from torch import nn
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
 from scaletrain.data.bart_noising import DenoisingNoise
 from scaletrain.data.errors import DataError
-from scaletrain.families.t5.model import (
+from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
+from scaletrain.model.counts import ModelCounts
+from scaletrain.model.encoder_decoder import (
     DECODER_EMBEDDING,
     EncoderDecoderLM,
     check_split_evenly,
     encoder_decoder_flops_per_token,
 )
-from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
-from scaletrain.model.counts import ModelCounts
 from scaletrain.model.family import PipelineLayer
 from scaletrain.model.init import normal_init
 from scaletrain.model.layers import (

@@ -6,17 +6,8 @@ Hugging Face `transformers`; families/__init__.py finds this folder by the famil
 from __future__ import annotations
 
 from scaletrain.families.bert.hf import ADAPTER
-from scaletrain.families.bert.model import (
-    BertConfig,
-    batch_schema,
-    build,
-    counts,
-    evaluation_counts,
-    mlm_loss,
-    pipeline_evaluation_counts,
-    pipeline_layers,
-    validate,
-)
+from scaletrain.families.bert.model import BertConfig, batch_schema, build, counts, pipeline_layers, validate
+from scaletrain.model.encoder import evaluation_counts, mlm_loss, pipeline_evaluation_counts
 from scaletrain.model.family import ModelFamily
 
 FAMILY = ModelFamily(

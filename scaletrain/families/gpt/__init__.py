@@ -6,7 +6,8 @@ Hugging Face `transformers`; families/__init__.py finds this folder by the famil
 from __future__ import annotations
 
 from scaletrain.families.gpt.hf import ADAPTER
-from scaletrain.families.gpt.model import GPTConfig, build, counts, decoder_batch, lm_loss, pipeline_layers, validate
+from scaletrain.families.gpt.model import GPTConfig, build, counts, pipeline_layers, validate
+from scaletrain.model.decoder import decoder_batch, lm_loss
 from scaletrain.model.family import ModelFamily
 
 FAMILY = ModelFamily(

@@ -5,9 +5,9 @@ Hugging Face `transformers`; families/__init__.py finds this folder by the famil
 
 from __future__ import annotations
 
-from scaletrain.families.gpt.model import decoder_batch, lm_loss
 from scaletrain.families.llama.hf import ADAPTER
 from scaletrain.families.llama.model import LlamaConfig, build, counts, pipeline_layers, validate
+from scaletrain.model.decoder import decoder_batch, lm_loss
 from scaletrain.model.family import ModelFamily
 
 FAMILY = ModelFamily(

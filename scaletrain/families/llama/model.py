@@ -17,7 +17,9 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.config import Config, ConfigError, bounded
-from scaletrain.families.gpt.model import (
+from scaletrain.model.chunked_cross_entropy import defer_lm_logits
+from scaletrain.model.counts import ModelCounts, mlp_counts
+from scaletrain.model.decoder import (
     DecoderConfig,
     DecoderLM,
     decoder_block_runner,
@@ -25,8 +27,6 @@ from scaletrain.families.gpt.model import (
     sequence_parallel_region,
     validate_decoder,
 )
-from scaletrain.model.chunked_cross_entropy import defer_lm_logits
-from scaletrain.model.counts import ModelCounts, mlp_counts
 from scaletrain.model.family import PipelineLayer
 from scaletrain.model.init import normal_init, residual_std
 from scaletrain.model.layers import (

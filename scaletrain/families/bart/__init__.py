@@ -1,7 +1,5 @@
 """BART encoder-decoders: learned positions, denoising (text infilling, sentence permutation).
-
-The family's spec: model.py builds and counts the model, hf.py converts it to and from
-Hugging Face `transformers`; families/__init__.py finds this folder by the family's name."""
+Its spec, naming model.py's model and hf.py's adapter."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """ELECTRA: a small masked-LM generator and a discriminator trained to spot its replacements.
-
-The family's spec: model.py builds and counts the model, hf.py converts it to and from
-Hugging Face `transformers`; families/__init__.py finds this folder by the family's name."""
+Its spec, naming model.py's model and hf.py's adapter."""
 
 from __future__ import annotations
 

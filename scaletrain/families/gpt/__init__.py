@@ -1,7 +1,5 @@
 """GPT-2/GPT-3 decoders: causal or prefix LM, learned positions, tied output layer, optional MoE.
-
-The family's spec: model.py builds and counts the model, hf.py converts it to and from
-Hugging Face `transformers`; families/__init__.py finds this folder by the family's name."""
+Its spec, naming model.py's model and hf.py's adapter."""
 
 from __future__ import annotations
 

@@ -105,9 +105,11 @@ def test_seed_means_and_sigma_are_taken_in_ln_loss() -> None:
     assert seed_sigma(synthetic_grid([1e6], [0.5, 1.0, 2.0], 0.05, 0.0)) == (None, 0)
 
 
-def test_an_optimum_at_the_edge_of_the_grid_is_refused() -> None:
-    results = synthetic_grid([1e6, 8e6], [0.03, 0.06, 0.125], 0.05, 0.0)  # all far below eta*
-    with pytest.raises(ConfigError, match="widen lr_multipliers"):
+@pytest.mark.parametrize(("multipliers", "edge", "side"), [([0.03, 0.06, 0.125], "highest", "above"),
+                                                           ([30.0, 60.0, 120.0], "lowest", "below")])
+def test_an_optimum_at_the_edge_of_the_grid_is_refused(multipliers: list[float], edge: str, side: str) -> None:
+    results = synthetic_grid([1e6, 8e6], multipliers, 0.05, 0.0)  # all far below (above) eta*
+    with pytest.raises(ConfigError, match=f"at the {edge} grid point .*widen lr_multipliers .*{side}$"):
         fit_tuning(results, tune_batch=False)
 
 

@@ -95,8 +95,8 @@ def parabola_vertex(xs: list[float], losses: list[float], what: str) -> tuple[fl
     may lie outside it, and a neighbour that diverged."""
     best = int(np.argmin(losses))
     if best in (0, len(xs) - 1):
-        side = "below" if best == 0 else "above"
-        raise ConfigError(f"{what}: the lowest loss is at the {side}most grid point ({math.exp(xs[best]):.3g}); "
+        edge, side = ("lowest", "below") if best == 0 else ("highest", "above")
+        raise ConfigError(f"{what}: the lowest loss is at the {edge} grid point ({math.exp(xs[best]):.3g}); "
                           f"the optimum may lie {side} the grid: widen lr_multipliers (or batch_multipliers) {side}")
     window = slice(best - 1, best + 2)
     if not all(math.isfinite(loss) for loss in losses[window]):

@@ -176,7 +176,7 @@ class ObjectiveConfig:
     sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
     noise_density: float = bounded(0.15, "(0, 1)", "T5: 0.15")  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
     mean_noise_span_length: float = bounded(3.0, ">= 1", "T5: 3")  # T5 span corruption: mean corrupted span, in tokens
-    # BART denoising (Lewis et al. 2020, sec. 2.2), applied in data/bart_noising.py's order; the default is
+    # BART denoising (Lewis et al. 2020, sec. 2.2), applied in families/bart/noising.py's order; the default is
     # the paper's best (sec. 5.1): text_infilling + sentence_permutation. Also token_masking (at mask_prob),
     # token_deletion and document_rotation.
     noising: list[str] = field(default_factory=lambda: ["text_infilling", "sentence_permutation"])

@@ -65,7 +65,7 @@ class Generation:
 
     name: str
     # An encoder-decoder's first decoder token, by its Tokenizer name: pad for T5 (data/seq2seq.py shifts
-    # targets right behind it), eos for BART (data/bart_noising.py); None: a decoder-only LM.
+    # targets right behind it), eos for BART (families/bart/noising.py); None: a decoder-only LM.
     decoder_start: str | None = None
 
     def frame(self, tokenizer: Tokenizer, ids: list[int]) -> list[int]:

@@ -5,8 +5,9 @@ their own noise (BERT masking, T5 span corruption) can seed it from
 (seed, global_index) and stay exactly resumable.
 
 Here: causal LM and prefix LM, plus what every objective's collator shares
-(`sequence_rng`, `TokenizerInfo`). BERT's lives in `masking`, T5's in
-`span_corruption`, NSP/SOP pairs in `sentence_pairs`. Collators are top-level
+(`sequence_rng`, `TokenizerInfo`). BERT's lives in `masking`, NSP/SOP pairs in
+`sentence_pairs`; a collator only one family uses lives in its folder (T5's span
+corruption, ELECTRA's replaced tokens, BART's noising). Collators are top-level
 classes, so DataLoader workers can pickle them; each one exposes
 `packed_seq_length`, the seq_length to build the loader with.
 """
@@ -79,7 +80,7 @@ class NoiseTag(enum.IntEnum):
     SPAN_CORRUPTION = 3
     PREFIX_LM = 4
     DENOISING = 5
-    REPLACED_TOKEN_SAMPLING = 6  # ELECTRA's generator samples (data/replaced_tokens.py)
+    REPLACED_TOKEN_SAMPLING = 6  # ELECTRA's generator samples (families/electra/replaced_tokens.py)
 
 
 def sequence_rng(seed: int, global_index: int, tag: NoiseTag) -> np.random.Generator:

@@ -16,20 +16,20 @@ from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.batch import DOCUMENT_IDS
 from scaletrain.config import Config, ConfigError
-from scaletrain.data.bart_noising import DenoisingCollator, DenoisingNoise
 from scaletrain.data.blend import BlendedDataset, check_same_tokenizer
 from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.loader import batch_loader
 from scaletrain.data.masking import SPAN_BOUNDARY_KEYS, mlm_collator
 from scaletrain.data.objectives import CausalLMCollator, Collator, TokenizerInfo, prefix_lm_collator
-from scaletrain.data.replaced_tokens import replaced_token_detection_collator
 from scaletrain.data.sampler import DistributedPretrainingSampler, GlobalSampleOrder
 from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
-from scaletrain.data.span_corruption import t5_span_corruption_collator
 from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.families import get_family, objective_kind
+from scaletrain.families.bart.noising import DenoisingCollator, DenoisingNoise
+from scaletrain.families.electra.replaced_tokens import replaced_token_detection_collator
+from scaletrain.families.t5.span_corruption import t5_span_corruption_collator
 from scaletrain.model.family import ModelFamily
 
 

@@ -12,7 +12,10 @@ from scipy import stats
 
 from scaletrain.config import ConfigError
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.data.bart_noising import (
+from scaletrain.data.errors import DataError
+from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
+from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.families.bart.noising import (
     NOISING_FUNCTIONS,
     DenoisingCollator,
     DenoisingNoise,
@@ -23,9 +26,6 @@ from scaletrain.data.bart_noising import (
     replace_spans,
     rotate_document,
 )
-from scaletrain.data.errors import DataError
-from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
-from scaletrain.data.tokenizer import Tokenizer
 from tests.data.test_span_corruption import packed_items
 
 SEQ_LENGTH = 128

@@ -15,13 +15,13 @@ from scaletrain.data.dataset import GlobalIndexDataset, PackedSequenceDataset
 from scaletrain.data.errors import DataError
 from scaletrain.data.objectives import TokenizerInfo, prefix_lm_collator
 from scaletrain.data.sampler import GlobalSampleOrder
-from scaletrain.data.span_corruption import (
+from scaletrain.data.tokenizer import Tokenizer
+from scaletrain.families.t5.span_corruption import (
     noise_span_counts,
     random_spans_helper,
     random_spans_noise_mask,
     t5_span_corruption_collator,
 )
-from scaletrain.data.tokenizer import Tokenizer
 
 ENCODER_LENGTH = 128
 

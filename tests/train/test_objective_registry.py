@@ -11,9 +11,9 @@ from scaletrain.config_loader import config_from_dict
 from scaletrain.data.masking import MaskedLMCollator
 from scaletrain.data.objectives import CausalLMCollator, PrefixLMCollator, TokenizerInfo
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
-from scaletrain.data.span_corruption import SpanCorruptionCollator
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.families import FAMILIES, get_family
+from scaletrain.families.t5.span_corruption import SpanCorruptionCollator
 from scaletrain.train.objective import OBJECTIVES, build_objective, training_objective
 
 

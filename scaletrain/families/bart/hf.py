@@ -3,7 +3,7 @@
 HF splits our fused [Q; K; V] (and the cross-attention's [K; V]) in parts and names the blocks'
 norms after what precedes them; the shared table is `model.shared`, which HF ties to both stacks'
 `embed_tokens` and to `lm_head`. The vocabulary is our padded one (conversion.py explains why)
-and the ids are our tokenizer's: the decoder starts from eos (data/bart_noising.py), written as
+and the ids are our tokenizer's: the decoder starts from eos (families/bart/noising.py), written as
 `decoder_start_token_id`, and generation forces no bos or eos, as `scaletrain generate` does not.
 HF's `final_logits_bias` is our zero buffer: exported as zeros, and an import refuses a checkpoint
 whose bias is not zero, since this BART never trains one.
@@ -147,6 +147,6 @@ ADAPTER = HFAdapter(
     model_class="BartForConditionalGeneration",
     export=_export,
     import_=import_hf,
-    # data/bart_noising.py ends the encoder's text with an eos.
+    # families/bart/noising.py ends the encoder's text with an eos.
     text_framing=(f"$A {EOS}", f"$A {EOS} $B {EOS}"),
 )

@@ -32,8 +32,8 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
-from scaletrain.data.bart_noising import DenoisingNoise
 from scaletrain.data.errors import DataError
+from scaletrain.families.bart.noising import DenoisingNoise
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
 from scaletrain.model.encoder_decoder import (
@@ -60,7 +60,7 @@ POSITION_OFFSET = 2  # HF's BartLearnedPositionalEmbedding looks up position + 2
 
 @dataclass
 class BartConfig(ModelConfig):
-    """model.seq_length is the encoder's and the decoder's length (data/bart_noising.py)."""
+    """model.seq_length is the encoder's and the decoder's length (families/bart/noising.py)."""
 
     num_decoder_layers: int | None = bounded(None, ">= 1", "or null: model.num_layers")  # None: model.num_layers
     max_position_embeddings: int | None = None  # learned positions per stack; None: model.seq_length
@@ -242,7 +242,7 @@ def counts(config: Config) -> ModelCounts:
     layer 4h² + 4h attention, 2h·f + f + h FFN and 2 LayerNorms, per decoder layer self- and
     cross-attention and 3 LayerNorms; the tied output layer and the logits-bias buffer add none.
     FLOPs: T5's formula (encoder_decoder_flops_per_token) with attention width i = h, a 2h·f FFN,
-    and encoder and decoder both over s = model.seq_length positions (data/bart_noising.py)."""
+    and encoder and decoder both over s = model.seq_length positions (families/bart/noising.py)."""
     model, vocab = config.model, config.padded_vocab_size
     hidden, ffn, seq = model.hidden_size, model.ffn_size, model.seq_length
     encoder_layers, decoder_layers = model.num_layers, model.num_decoder_layers or model.num_layers

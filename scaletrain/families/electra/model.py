@@ -44,7 +44,7 @@ from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
-from scaletrain.data.replaced_tokens import REPLACEMENT_UNIFORMS
+from scaletrain.families.electra.replaced_tokens import REPLACEMENT_UNIFORMS
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
 from scaletrain.model.encoder import BertEmbedding, DecoderBias, labelled_positions, replicated_linear

@@ -173,6 +173,6 @@ ADAPTER = HFAdapter(
     model_class="T5ForConditionalGeneration",
     export=_export,
     import_=import_hf,
-    # data/seq2seq.py and data/span_corruption.py end the encoder's text with an eos.
+    # data/seq2seq.py and families/t5/span_corruption.py end the encoder's text with an eos.
     text_framing=(f"$A {EOS}", f"$A {EOS} $B {EOS}"),
 )

@@ -41,7 +41,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
-from scaletrain.data.span_corruption import random_spans_helper
+from scaletrain.families.t5.span_corruption import random_spans_helper
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
 from scaletrain.model.encoder_decoder import (

@@ -50,20 +50,13 @@ from scaletrain.parallel.placement import (
 from scaletrain.planner.recompute import RecomputeDecision, device_memory, resolve_recompute
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.engine import build_engine
-from scaletrain.train.hooks import Hooks
-from scaletrain.train.hooks.checkpointing import Checkpointing, set_aside_blown_up
-from scaletrain.train.hooks.console import LogLines, ProgressBar
-from scaletrain.train.hooks.divergence import DivergenceStop
-from scaletrain.train.hooks.downstream import DownstreamTasks
-from scaletrain.train.hooks.evaluation import PeriodicEvaluation
-from scaletrain.train.hooks.metrics import StepMetrics
-from scaletrain.train.hooks.moe import ExpertStatistics
-from scaletrain.train.hooks.speed import SpeedMonitor, TimedBatches
+from scaletrain.train.hooks import Hooks, build_hooks
+from scaletrain.train.hooks.checkpointing import set_aside_blown_up
+from scaletrain.train.hooks.speed import TimedBatches
 from scaletrain.train.hooks.summary import RUN_SUMMARY_FILE as RUN_SUMMARY_FILE  # noqa: F401 (sweeps read it here)
-from scaletrain.train.hooks.summary import RunSummary
 from scaletrain.train.jit_ops import clear_stale_build_locks
 from scaletrain.train.nonfinite import NonFiniteGuard, TrainingDiverged
-from scaletrain.train.objective import Objective, build_objective
+from scaletrain.train.objective import build_objective
 from scaletrain.train.parallelize import build_training_model
 from scaletrain.train.preflight import check_checkpoints_writable, check_data_matches, describe_resume
 from scaletrain.train.run_lock import RunDirectoryBusy, RunDirectoryLock, RunDirectoryStart
@@ -191,7 +184,7 @@ def _run(
         return _device_batches(loader, topology.device, stop_signals)
 
     batches = TimedBatches(batches_from(state.consumed_samples))
-    hooks = _hooks(engine, objective, config, topology, logger, batches, provenance)
+    hooks = build_hooks(engine, objective, config, topology, logger, batches, provenance)
     stop = StopConditions(config.train, stop_signals)
     try:
         hooks.on_train_start(state)
@@ -281,23 +274,6 @@ def _give_up_the_step(stop: StoppedWaitingForData, state: TrainState, hooks: Hoo
     state.stopped_by = stop.reason
     if state.steps_this_run:
         hooks.after_stop_check(state)
-
-
-def _hooks(engine: Any, objective: Objective, config: Config, topology: Topology, logger: MetricsLogger,
-           batches: TimedBatches, provenance: dict[str, str]) -> Hooks:
-    """In the order each point calls them: a step's record gets its speed fields before it is logged
-    and printed; a diverged run stops before anything is pruned; the summary follows the last checkpoint."""
-    speed, progress = SpeedMonitor(config, topology, batches), ProgressBar(config, topology)
-    evaluation = PeriodicEvaluation(engine, objective, config, topology, logger, progress)
-    routing = ExpertStatistics.for_model(engine.module, topology.device)  # None without MoE layers
-    # None without eval.tasks; scores the model the checkpoint of its step holds (Checkpointing comes first)
-    downstream = DownstreamTasks.for_run(engine.module, config, topology, logger, progress)
-    # each checkpoint holds the state of all the hooks, the Checkpointing hook's own among them
-    checkpointing = Checkpointing(engine, config, topology, provenance, hook_states=lambda: hooks.state_dict())
-    hooks = Hooks([speed, *([routing] if routing else []), StepMetrics(logger), LogLines(config, topology),
-                   DivergenceStop(config, topology), checkpointing, progress, evaluation,
-                   *([downstream] if downstream else []), RunSummary(config, topology, speed, evaluation)])
-    return hooks
 
 
 def _injected_spike(config: Config, topology: Topology, batch: int) -> float:

@@ -2,8 +2,11 @@
 
 The loop (train/loop.py) trains steps and decides whether to stop; everything else a step does
 (speed and MFU, metrics, console and log lines, divergence, evaluation, checkpoints, the run
-summary) is a `Hook` here, each in its own module, called in the order the loop lists them
-(OLMo-core's trainer callbacks, allenai/OLMo-core `olmo_core/train/callbacks/`). A hook that keeps state
+summary) is a `Hook` here, each in its own module (OLMo-core's trainer callbacks, allenai/OLMo-core
+`olmo_core/train/callbacks/`). A hook registers itself: a subclass with an `order` is registered when its
+module is imported, `build_hooks` imports every module of this package and asks each registered hook
+to build itself from the run (`from_run`; None where the config leaves it out), and calls them in
+`order` (OLMo-core's callback `priority`), so adding a hook is adding a module. A hook that keeps state
 across a resume says so in state_dict: each checkpoint's meta.json holds it under `hooks`, by the hook's
 name, and a run resumed (or rewound) from that checkpoint hands it back before its first step, as
 OLMo-core's callbacks carry theirs.
@@ -11,10 +14,22 @@ OLMo-core's callbacks carry theirs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
+    from scaletrain.config import Config
+    from scaletrain.parallel.groups import Topology
+    from scaletrain.tracking.metrics import MetricsLogger
+    from scaletrain.train.hooks.speed import TimedBatches
+    from scaletrain.train.objective import Objective
     from scaletrain.train.state import TrainState
+
+HookType = TypeVar("HookType", bound="Hook")
+_REGISTERED: list[type[Hook]] = []
 
 
 class Hook:
@@ -23,7 +38,22 @@ class Hook:
     Per invocation: on_train_start, then per step on_step_start, on_step_end (the step's record is
     complete) and after_stop_check (the loop has set state.stopped_by: whether the run stops after
     this step), then on_train_end if the loop ended normally; close always, an exception too.
+
+    A concrete hook sets `order`, its place at every point (lower first; the orders below say why each
+    comes where it does), and `from_run`.
     """
+
+    order: ClassVar[int | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.order is not None:
+            _REGISTERED.append(cls)
+
+    @classmethod
+    def from_run(cls: type[HookType], run: TrainingRun) -> HookType | None:
+        """This hook for `run`, or None where its config leaves it out."""
+        raise NotImplementedError(f"{cls.__name__} sets an order but not from_run")
 
     def on_train_start(self, state: TrainState) -> None:
         """Before the first step of this invocation (a resumed run's too)."""
@@ -57,11 +87,13 @@ class Hook:
 
 
 class Hooks(Hook):
-    """Several hooks as one: each point calls them in the order given (the loop's `_hooks` says why
-    that order)."""
+    """Several hooks as one: each point calls them in the order given (their `order`)."""
 
     def __init__(self, hooks: list[Hook]) -> None:
         self._hooks = hooks
+
+    def append(self, hook: Hook) -> None:
+        self._hooks.append(hook)
 
     def on_train_start(self, state: TrainState) -> None:
         self.load_state_dict(state.hook_states)
@@ -102,3 +134,41 @@ class Hooks(Hook):
         for hook in self._hooks:
             if type(hook).__name__ in states:
                 hook.load_state_dict(states[type(hook).__name__])
+
+
+@dataclass
+class TrainingRun:
+    """What a hook builds itself from: the run's engine, objective, config, topology, metrics logger, timed
+    batches, the provenance its checkpoints record, and the hooks' state at a save (for Checkpointing)."""
+
+    engine: Any
+    objective: Objective
+    config: Config
+    topology: Topology
+    logger: MetricsLogger
+    batches: TimedBatches
+    provenance: dict[str, str]
+    hook_states: Callable[[], dict[str, Any]]
+    _built: dict[type[Hook], Hook | None] = field(default_factory=dict)
+
+    def hook(self, kind: type[HookType]) -> HookType | None:
+        """The run's hook of this class, built on first ask: a hook another one reads (the progress bar,
+        the speed monitor) is built once, whichever asks first."""
+        if kind not in self._built:
+            self._built[kind] = kind.from_run(self)
+        return self._built[kind]
+
+
+def build_hooks(engine: Any, objective: Objective, config: Config, topology: Topology, logger: MetricsLogger,
+                batches: TimedBatches, provenance: dict[str, str]) -> Hooks:
+    """Every registered hook this run has, in order; built in that order too, so every rank makes the
+    collectives some constructors make (the MoE statistics' all-gather, the checkpoint group) alike."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    hooks = Hooks([])
+    run = TrainingRun(engine, objective, config, topology, logger, batches, provenance, hooks.state_dict)
+    for kind in sorted(_REGISTERED, key=lambda kind: kind.order):
+        hook = run.hook(kind)
+        if hook is not None:
+            hooks.append(hook)
+    return hooks

@@ -18,7 +18,7 @@ from scaletrain.checkpoint.manager import save_checkpoint
 from scaletrain.checkpoint.publishing import checkpoint_group, finish_pending_save, prune_checkpoints
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.nonfinite import TrainingDiverged, weights_are_finite
 from scaletrain.train.state import TrainState
 
@@ -26,6 +26,12 @@ from scaletrain.train.state import TrainState
 class Checkpointing(Hook):
     """Saves at the steps the config asks for, after the stop check (an early stop saves too), and
     prunes older checkpoints after the first finite step since the newest (a resumed run's first)."""
+
+    order = 60  # saves after the stop check; before the evaluations, whose scores are of the model its checkpoint holds
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> Checkpointing:
+        return cls(run.engine, run.config, run.topology, run.provenance, run.hook_states)
 
     def __init__(self, engine: Any, config: Config, topology: Topology, provenance: dict[str, str],
                  hook_states: Callable[[], dict[str, Any]]) -> None:

@@ -10,13 +10,19 @@ from tqdm import tqdm
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.durations import format_duration
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.state import TrainState
 
 
 class ProgressBar(Hook):
     """tqdm's bar with the loss and tokens/s, on the logging rank when stderr is a terminal;
     `write` prints a line above it (evaluation results)."""
+
+    order = 70  # draws the step after it is saved and logged
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> ProgressBar:
+        return cls(run.config, run.topology)
 
     def __init__(self, config: Config, topology: Topology) -> None:
         self._config, self._topology = config, topology
@@ -48,6 +54,12 @@ class ProgressBar(Hook):
 class LogLines(Hook):
     """SLURM and CI logs: on the logging rank, when stderr is not a terminal, a plain line every
     train.log_every steps, no carriage returns."""
+
+    order = 40  # prints the logged record
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> LogLines:
+        return cls(run.config, run.topology)
 
     def __init__(self, config: Config, topology: Topology) -> None:
         self._config = config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.hooks.checkpointing import set_aside_blown_up
 from scaletrain.train.nonfinite import TrainingDiverged
 from scaletrain.train.spikes import Rewind
@@ -16,6 +16,12 @@ from scaletrain.train.state import TrainState
 class DivergenceStop(Hook):
     """Raises TrainingDiverged (or Rewind) at the end of the streak's last step, before anything is pruned
     or saved. Every rank counts the same skips, so every rank stops at the same step."""
+
+    order = 50  # a diverged run stops before Checkpointing prunes anything
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> DivergenceStop:
+        return cls(run.config, run.topology)
 
     def __init__(self, config: Config, topology: Topology) -> None:
         self._config, self._topology = config, topology

@@ -33,7 +33,7 @@ from scaletrain.evaluation.scoring import Scorer
 from scaletrain.families import get_family
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.metrics import MetricsLogger
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.hooks.console import ProgressBar
 from scaletrain.train.state import TrainState
 
@@ -44,6 +44,12 @@ TIME_KEY = PREFIX + "time_s"
 class DownstreamTasks(Hook):
     """Built only when eval.tasks lists tasks (`for_run`); the tasks are found, and lm-eval imported, before the
     first step, so a missing extra or an unknown task stops the run in one line before it trains."""
+
+    order = 90  # after validation: the record's metrics reach RunSummary
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> DownstreamTasks | None:
+        return cls.for_run(run.engine.module, run.config, run.topology, run.logger, run.hook(ProgressBar))
 
     def __init__(self, model: Any, config: Config, topology: Topology, logger: MetricsLogger,
                  progress: ProgressBar) -> None:

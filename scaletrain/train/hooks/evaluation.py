@@ -9,7 +9,7 @@ from scaletrain.families import get_family
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.metrics import MetricsLogger
 from scaletrain.train.evaluation import metrics_text, validation_metrics
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.hooks.console import ProgressBar
 from scaletrain.train.objective import Objective
 from scaletrain.train.state import TrainState
@@ -20,6 +20,12 @@ class PeriodicEvaluation(Hook):
     """Every run ends with an evaluation, so its final validation loss is always measured on the same
     fixed set (scaling-law fits read it); `final_metrics` holds it for the summary. A run starting at
     step 0 is evaluated before its first step too. Nothing with train.eval_every=0."""
+
+    order = 80  # after the progress bar has drawn the step
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> PeriodicEvaluation:
+        return cls(run.engine, run.objective, run.config, run.topology, run.logger, run.hook(ProgressBar))
 
     def __init__(self, engine: Any, objective: Objective, config: Config, topology: Topology,
                  logger: MetricsLogger, progress: ProgressBar) -> None:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from scaletrain.tracking.metrics import MetricsLogger
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.state import TrainState
 
 
 class StepMetrics(Hook):
     """Logs the record as the hooks listed before it left it (the speed monitor's fields included)."""
+
+    order = 30  # logs the record the hooks before it completed
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> StepMetrics:
+        return cls(run.logger)
 
     def __init__(self, logger: MetricsLogger) -> None:
         self._logger = logger

@@ -11,7 +11,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from scaletrain.model.moe import MoELayer, moe_layers_of
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.state import TrainState
 
 
@@ -27,6 +27,12 @@ class ExpertStatistics(Hook):
     parallel ranks (which route alike): tensor-parallel rank 0 of every stage and data-parallel
     replica contributes its layers' sums, and one all-reduce over the world adds them up.
     """
+
+    order = 20  # the routing fields join the record before it is logged
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> ExpertStatistics | None:
+        return cls.for_model(run.engine.module, run.topology.device)  # None without MoE layers
 
     def __init__(self, local: dict[int, MoELayer], layers: list[int], num_experts: int, device: torch.device) -> None:
         self._local, self._layers, self._num_experts, self._device = local, layers, num_experts, device

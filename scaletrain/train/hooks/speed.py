@@ -11,7 +11,7 @@ from scaletrain.config import Config
 from scaletrain.families import model_counts
 from scaletrain.parallel.groups import Topology
 from scaletrain.tracking.flops import device_peak_flops
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.state import TrainState
 
 
@@ -52,6 +52,12 @@ class SpeedMonitor(Hook):
     time and the cluster's peak; and train_time_s, the step times summed over the steps the run has
     trained to this one, across its resumes (kept in each checkpoint: the steps an interrupted
     invocation trained after its last checkpoint are trained again and counted once)."""
+
+    order = 10  # first: a step's record gets its speed fields before it is logged and printed
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> SpeedMonitor:
+        return cls(run.config, run.topology, run.batches)
 
     def __init__(self, config: Config, topology: Topology, batches: TimedBatches) -> None:
         self.tokens_per_step = topology.layout.global_batch * config.model.seq_length

@@ -12,7 +12,7 @@ from scaletrain.checkpoint.format import latest_checkpoint
 from scaletrain.config import Config
 from scaletrain.parallel.groups import Topology
 from scaletrain.train.evaluation import metrics_text
-from scaletrain.train.hooks import Hook
+from scaletrain.train.hooks import Hook, TrainingRun
 from scaletrain.train.hooks.downstream import PREFIX as DOWNSTREAM_PREFIX
 from scaletrain.train.hooks.evaluation import PeriodicEvaluation
 from scaletrain.train.hooks.speed import SpeedMonitor
@@ -28,6 +28,12 @@ class RunSummary(Hook):
     The summary holds the final validation metrics and, listed after DownstreamTasks, the last step's
     downstream ones, which that hook adds to the step's record (eval/downstream/<task>/<metric>, as metrics.jsonl
     names them and scaling/sweep/results.py reads them)."""
+
+    order = 100  # last: it follows the last checkpoint and reads the others' figures
+
+    @classmethod
+    def from_run(cls, run: TrainingRun) -> RunSummary:
+        return cls(run.config, run.topology, run.hook(SpeedMonitor), run.hook(PeriodicEvaluation))
 
     def __init__(self, config: Config, topology: Topology, speed: SpeedMonitor, evaluation: PeriodicEvaluation) -> None:
         self._config, self._speed, self._evaluation = config, speed, evaluation

@@ -5,21 +5,35 @@ megatron-core already."""
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from scaletrain.train.jit_ops import pin_build_root
 from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
 from tests.warm import SCRIPT
+
+
+def benchmark_environment() -> dict[str, str]:
+    """scaletrain_environment() with DeepSpeed's CPU comm op built in this environment's own root, with its
+    ninja, as a training run pins them (scaletrain/train/jit_ops.py; `make install` built it there): a
+    benchmark builds its engine without the training loop, so it used torch's shared default root, which is
+    rebuilt (~20-80 s) whenever another environment or ninja built it last. Pinned in the benchmark's
+    environment only, not in this process."""
+    with mock.patch.dict(os.environ):
+        pin_build_root()
+        return scaletrain_environment()
 
 
 def run_benchmark(script: str, *args: str, environment: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python benchmarks/SCRIPT ARGS` from the repository, in a warm fork: the script runs as __main__."""
     return subprocess.run([sys.executable, str(WARM_CLIENT), SCRIPT, f"benchmarks/{script}", *args], cwd=REPO,
-                          env=environment or scaletrain_environment(), capture_output=True, text=True, timeout=600)
+                          env=environment or benchmark_environment(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -74,7 +88,7 @@ def test_loader_throughput_reports_every_configuration():
     result = run_benchmark(
         "loader_throughput.py", "--tokens", "200000", "--tokens-per-shard", "50000", "--seq-length", "128",
         "--micro-batch", "2", "--batches", "3", "--workers", "1", "2",
-        environment={**scaletrain_environment(), "PYTHONPATH": str(REPO)},
+        environment={**benchmark_environment(), "PYTHONPATH": str(REPO)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for label, workers in itertools.product(("local", "http warm", "http cold"), (1, 2)):

@@ -22,12 +22,14 @@ from tests.distributed.harness import run_on_ranks
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
+    WARM_CLIENT,
     TrainedAhead,
     launcher,
     run_scaletrain,
     scaletrain_environment,
     tiny_overrides,
 )
+from tests.warm import SCRIPT
 
 # family -> (config, its overrides, the TP size its run trains with)
 FAMILIES = {
@@ -305,12 +307,19 @@ sys.meta_path.insert(0, HideLMEval())
 """
 
 
+def without_lm_eval(directory: Path) -> list[str]:
+    """`python -m scaletrain` whose `import lm_eval` fails, as where the extra is not installed: a script that
+    hides it, then runs the CLI, in a warm fork (tests/warm.py), whose server has not imported lm-eval. A
+    fresh interpreter with the finder in a sitecustomize imported torch & co. (~5 s) for each of these."""
+    script = directory / "without_lm_eval.py"
+    script.write_text(f"{HIDE_LM_EVAL}\nimport runpy\n\nrunpy.run_module('scaletrain', run_name='__main__')\n")
+    return [sys.executable, str(WARM_CLIENT), SCRIPT, str(script)]
+
+
 def test_without_lm_eval_eval_tasks_says_how_to_install_it(tmp_path: Path) -> None:
-    """A fresh interpreter whose `import lm_eval` fails, as where the extra is not installed (sitecustomize)."""
-    (tmp_path / "sitecustomize.py").write_text(HIDE_LM_EVAL)
-    result = subprocess.run([sys.executable, "-m", "scaletrain", "eval", str(tmp_path / "run"), "--tasks", TAG],
-                            cwd=REPO, env={**scaletrain_environment(), "PYTHONPATH": str(tmp_path)},
-                            capture_output=True, text=True, timeout=120)
+    """Where the extra is not installed (without_lm_eval)."""
+    result = subprocess.run([*without_lm_eval(tmp_path), "eval", str(tmp_path / "run"), "--tasks", TAG],
+                            cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (2, "scaletrain eval: error: lm-evaluation-harness is not "
                                                      "installed: pip install 'scaletrain[eval]'\n")
 

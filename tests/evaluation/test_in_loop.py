@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from scaletrain.config import ConfigError
 from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep import results as sweep_results
 from scaletrain.train.hooks.downstream import downstream_metrics, lm_eval_limit
-from tests.evaluation.test_downstream import HIDE_LM_EVAL, TASKS, write_task_yamls
+from tests.evaluation.test_downstream import TASKS, without_lm_eval, write_task_yamls
 from tests.train.runs import DEMO_CONFIG, REPO, TrainedAhead, run_scaletrain, scaletrain_environment, tiny_overrides
 
 TAG = "scaletrain_shakespeare"
@@ -107,13 +106,10 @@ def test_in_loop_logs_what_the_offline_command_logs_at_that_step_and_trains_the_
 
 def test_without_lm_eval_a_run_with_eval_tasks_is_refused_in_one_line_before_step_1(small_dataset: Path,
                                                                                       tmp_path: Path) -> None:
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text(HIDE_LM_EVAL)
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "train", str(DEMO_CONFIG), *_train_overrides(small_dataset, run_dir),
-         f"eval.tasks=[{TAG}]"], cwd=REPO, env={**scaletrain_environment(), "PYTHONPATH": str(tmp_path / "hide")},
-        capture_output=True, text=True, timeout=300)
+        [*without_lm_eval(tmp_path), "train", str(DEMO_CONFIG), *_train_overrides(small_dataset, run_dir),
+         f"eval.tasks=[{TAG}]"], cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 2 and errors == [
         f"scaletrain train: error: eval.tasks=['{TAG}'] needs lm-evaluation-harness, which is not installed: pip "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.train.stopping import EXIT_STOPPED_EARLY
-from tests.warm import SOCKET_VARIABLE, TORCHRUN, warm_socket
+from tests.warm import SCALETRAIN_TORCHRUN, SOCKET_VARIABLE, TORCHRUN, warm_socket
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "configs" / "gpt_tiny.yaml"
@@ -86,10 +86,14 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
     return training, validation
 
 
-def scaletrain_torchrun(nproc: int) -> list[str]:
-    """`scaletrain-torchrun` (scaletrain/torchrun.py), given the arguments launcher(nproc) gives torchrun."""
-    return [sys.executable, "-m", "scaletrain.torchrun", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "scaletrain"]
+def scaletrain_torchrun(nproc: int, fresh: bool = False) -> list[str]:
+    """`scaletrain-torchrun` (scaletrain/torchrun.py), given the arguments launcher(nproc) gives torchrun. It
+    and its ranks are warm forks, as in launcher(), unless `fresh`: a test of the launcher's process tree
+    (its children, the loader workers of its ranks) needs fresh ones."""
+    options = ["--standalone", f"--nproc_per_node={nproc}"]
+    if fresh:
+        return [sys.executable, "-m", "scaletrain.torchrun", *options, "-m", "scaletrain"]
+    return [sys.executable, str(WARM_CLIENT), SCALETRAIN_TORCHRUN, *options, str(WARM_CLIENT)]
 
 
 def start_training(args: list[str], nproc: int = 1, log: Path | None = None, launch: list[str] | None = None,

@@ -49,8 +49,7 @@ def test_sigterm_stops_a_run_whose_shard_server_stalled(small_dataset: Path, tmp
     run_dir, log_file = tmp_path / "run", tmp_path / "train.log"
     shards = shard_names(small_dataset)
     with serve(small_dataset, always=dict.fromkeys(shards, "stall")) as (url, requests):
-        process = start_training([*endless(url, run_dir), f"data.cache_dir={tmp_path / 'cache'}"], log=log_file,
-                                 fresh=True)
+        process = start_training([*endless(url, run_dir), f"data.cache_dir={tmp_path / 'cache'}"], log=log_file)
         with killed_if_left(process):
             deadline = time.monotonic() + 300
             while not any(requests[name] for name in shards):

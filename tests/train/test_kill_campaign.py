@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -154,7 +155,6 @@ def survivors(run_dir: Path) -> list[int]:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_kill_9_campaign_ends_with_the_uninterrupted_trajectory(nproc: int, small_dataset: Path, tmp_path: Path):
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    run_scaletrain("train", overrides(small_dataset, reference_dir), nproc=nproc)
     rng = random.Random(9 + nproc)
     plan = ["checkpoint_write"] * WRITE_KILLS + ["training"] * (KILLS - WRITE_KILLS)
     rng.shuffle(plan)
@@ -170,7 +170,11 @@ def test_kill_9_campaign_ends_with_the_uninterrupted_trajectory(nproc: int, smal
             kills += 1
             if kills == len(plan) and write_kills == 0 and len(plan) < KILLS + 3:
                 plan.append("checkpoint_write")  # the rename beat every write kill: try again
-        run_scaletrain("train", args, nproc=nproc)
+        # the uninterrupted reference trains beside the last resume, once no kill's moment is waited for
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            reference_run = pool.submit(run_scaletrain, "train", overrides(small_dataset, reference_dir), nproc=nproc)
+            run_scaletrain("train", args, nproc=nproc)
+            reference_run.result()
     finally:
         if process is not None and process.poll() is None:
             kill_9(process)

@@ -69,10 +69,12 @@ def test_preemption_signal_checkpoints_at_the_step_and_resume_is_exact(
     nproc: int, small_dataset: Path, straight_run: Path, straight_run_two_ranks: Path, tmp_path: Path
 ):
     """SIGTERM (1 rank) or SIGUSR1 (to every rank, as SLURM's --signal does): the run stops after a
-    complete step, checkpoints there and exits 75; resuming trains the remaining steps exactly."""
+    complete step, checkpoints there and exits 75; resuming trains the remaining steps exactly. One rank is a
+    warm fork (tests/warm.py), to which its client passes the SIGTERM on; two are fresh, found by command line."""
     run_dir = tmp_path / "run"
     extra = ["parallel.zero_stage=1"] if nproc == 2 else []
-    process = start_training(overrides(small_dataset, run_dir, *extra), nproc, log=tmp_path / "train.log", fresh=True)
+    process = start_training(overrides(small_dataset, run_dir, *extra), nproc, log=tmp_path / "train.log",
+                             fresh=nproc == 2)
     wait_for_step(run_dir, 4, process)
     signalled = time.monotonic()
     if nproc == 1:

@@ -20,6 +20,7 @@ from scaletrain.train.stopping import EXIT_STOPPED_EARLY
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
+    WARM_CLIENT,
     checkpoint_steps,
     logged_steps,
     scaletrain_environment,
@@ -28,6 +29,7 @@ from tests.train.runs import (
     tiny_overrides,
     wait_for_step,
 )
+from tests.warm import SCALETRAIN_TORCHRUN, SCRIPT
 
 
 def endless(data_dir: Path, run_dir: Path) -> list[str]:
@@ -137,9 +139,14 @@ def test_scaletrain_torchrun_exits_75_when_its_ranks_stopped_at_a_checkpoint(
     stop_signal: signal.Signals, receivers: str, small_dataset: Path, tmp_path: Path
 ):
     """scaletrain-torchrun passes the signal to its ranks; SIGTERM to every process (the launcher,
-    the ranks, their loader workers) is what SLURM sends a job step."""
+    the ranks, their loader workers) is what SLURM sends a job step. The launcher is a fresh process, whose
+    children are the ranks; they are fresh too where the test signals their loader workers, else warm
+    clients (tests/warm.py), which pass the launcher's signal on to their forks."""
     run_dir, log_file = tmp_path / "run", tmp_path / "train.log"
-    process = start_training(endless(small_dataset, run_dir), log=log_file, launch=scaletrain_torchrun(2))
+    launch = scaletrain_torchrun(2, fresh=True)
+    if receivers == "the launcher":  # `-m scaletrain` replaced by the client
+        launch = [*launch[:-2], str(WARM_CLIENT)]
+    process = start_training(endless(small_dataset, run_dir), log=log_file, launch=launch)
     with killed_if_left(process):
         wait_for_step(run_dir, 3, process)
         launcher = psutil.Process(process.pid)
@@ -165,9 +172,10 @@ def test_scaletrain_torchrun_exits_75_when_its_ranks_stopped_at_a_checkpoint(
 ], ids=["every rank 75", "a rank 3", "a rank 2 that is not scaletrain's user error"])
 def test_scaletrain_torchrun_exit_code_follows_its_ranks(rank_exit: int, launcher_exit: int, output: str):
     """Ranks that all stopped early make exit 75 and one line; scaletrain's user error exit 2 and its
-    line (tests/test_cli.py); any other failure torchrun's report and 1."""
-    result = subprocess.run([sys.executable, "-m", "scaletrain.torchrun", "--standalone", "--nproc_per_node=2",
-                             "--no-python", "sh", "-c", f"exit {rank_exit}"],
+    line (tests/test_cli.py); any other failure torchrun's report and 1. The launcher is a warm fork (tests/warm.py):
+    its ranks are `sh`, and what it reports of them is the same."""
+    result = subprocess.run([sys.executable, str(WARM_CLIENT), SCALETRAIN_TORCHRUN, "--standalone",
+                             "--nproc_per_node=2", "--no-python", "sh", "-c", f"exit {rank_exit}"],
                             cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=120)
     assert result.returncode == launcher_exit, result.stderr[-3000:]
     assert output in result.stderr
@@ -201,11 +209,13 @@ print("own:", state.step, state.stopped_by, signal.getsignal(signal.SIGTERM) is 
 @pytest.mark.slow
 def test_train_keeps_a_signal_from_start_up_and_restores_handlers_it_installed(small_dataset: Path, tmp_path: Path):
     """train(config, stop_signals) stops after its first step on a signal that came before it
-    started and leaves the caller's handlers in place; train(config) restores those it replaced."""
-    run_dir = tmp_path / "run"
+    started and leaves the caller's handlers in place; train(config) restores those it replaced. The script
+    runs in a warm fork (tests/warm.py): the signal comes after the imports, while train() starts."""
+    run_dir, script = tmp_path / "run", tmp_path / "library_run.py"
+    script.write_text(LIBRARY_RUN)
     result = subprocess.run(
-        [sys.executable, "-c", LIBRARY_RUN, str(DEMO_CONFIG), *endless(small_dataset, run_dir), "train.exit_after=1"],
-        cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
+        [sys.executable, str(WARM_CLIENT), SCRIPT, str(script), str(DEMO_CONFIG), *endless(small_dataset, run_dir),
+         "train.exit_after=1"], cwd=REPO, env=scaletrain_environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kept: 1 signal SIGUSR1 True" in result.stdout and "own: 2 exit_after True" in result.stdout, result.stdout
 

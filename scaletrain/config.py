@@ -79,8 +79,8 @@ def bounded(default: Any, allowed: str, note: str = "") -> Any:
 
 @dataclass
 class ModelConfig:
-    """What every family's `model:` section has; each family's file extends it with its own keys
-    (each family's model.py, families/<name>/: GPTConfig, BertConfig, T5Config, LlamaConfig, ...)."""
+    """What every family's `model:` section has; each family's model.py extends it with its own keys
+    (families/<name>/model.py: GPTConfig, BertConfig, T5Config, LlamaConfig, ...)."""
 
     family: str = "gpt"
     num_layers: int = bounded(2, ">= 1")  # transformer blocks (T5: encoder blocks)

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.warm import fork_of
+
 SUBNET = "10.77.0"
 # A cut-off peer is given up after ~25 s of TCP retransmissions instead of ~15 minutes (tcp(7)).
 TCP_RETRIES2 = 5
@@ -84,12 +86,17 @@ class Hosts:
         _ip("-n", host.namespace, "link", "set", "eth0", "up" if up else "down")
 
     def kill(self, host: Host, matches: Callable[[list[bytes]], bool]) -> list[int]:
-        """SIGKILL every process of `host` whose argv `matches`; their pids."""
+        """SIGKILL every process of `host` whose argv `matches`, and the warm fork a matching warm client
+        stands for (tests/warm.py fork_of: the fork would end only when a thread of it noticed, and a loaded
+        box let a killed rank's fork answer a peer's roll call meanwhile); the matching pids."""
         killed = []
         for pid in _namespace_pids(host.namespace):
             with contextlib.suppress(OSError):
                 if matches(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
+                    fork = fork_of(pid)
                     os.kill(pid, signal.SIGKILL)
+                    if fork is not None:
+                        os.kill(fork, signal.SIGKILL)
                     killed.append(pid)
         return killed
 

@@ -124,6 +124,21 @@ def warm_environment(environment: dict[str, str]) -> dict[str, str]:
             SOCKET_VARIABLE: str(warm_socket()), PYTHON_VARIABLE: sys.executable}
 
 
+def fork_of(client_pid: int) -> int | None:
+    """The pid of the process this session's server forked for the client `client_pid`, while it runs. A
+    client's fork ends when a thread of it sees the client's connection close, so a test that SIGKILLs a
+    client (a rank, say) and needs the process itself gone at once kills this one too."""
+    if _socket_path is None:
+        return None
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        return int((_forks_directory(_socket_path) / str(client_pid)).read_text())
+    return None
+
+
+def _forks_directory(socket_path: Path) -> Path:
+    return socket_path.parent / "forks"
+
+
 def _stop_server(server: subprocess.Popen) -> None:
     server.terminate()
     server.wait(timeout=30)
@@ -144,6 +159,9 @@ class WarmServer:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         self.clients: dict[int, socket.socket] = {}
+        self.forks = _forks_directory(socket_path)  # client pid -> its fork's pid, for fork_of()
+        self.forks.mkdir()
+        self.fork_clients: dict[int, int] = {}
         os.rename(str(socket_path) + ".tmp", socket_path)  # clients see the socket once it listens
 
     def serve(self) -> None:
@@ -169,6 +187,8 @@ class WarmServer:
         for fd in fds:
             os.close(fd)
         self.clients[pid] = connection
+        self.fork_clients[pid] = client_pid
+        (self.forks / str(client_pid)).write_text(str(pid))
         connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
     def _report_exits(self) -> None:
@@ -177,6 +197,8 @@ class WarmServer:
             if pid == 0:
                 return
             connection = self.clients.pop(pid, None)
+            with contextlib.suppress(KeyError, FileNotFoundError):
+                (self.forks / str(self.fork_clients.pop(pid))).unlink()
             if connection is not None:
                 ended = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
                          else {"exit": os.waitstatus_to_exitcode(status)})

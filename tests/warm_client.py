@@ -41,7 +41,8 @@ def main() -> None:
             sys.exit(f"warm test server ended before process {pid} did")
     ended = json.loads(line)
     if "signal" in ended:
-        signal.signal(ended["signal"], signal.SIG_DFL)
+        if ended["signal"] not in (signal.SIGKILL, signal.SIGSTOP):  # these two take no handler to undo
+            signal.signal(ended["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), ended["signal"])
     sys.exit(ended["exit"])
 

@@ -1,0 +1,33 @@
+"""The warm test server (tests/warm.py) says which fork stands for a client, while the fork runs: what a
+test that SIGKILLs a rank uses to kill the rank itself (tests/hosts.py Hosts.kill)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
+from tests.warm import SCRIPT, fork_of
+
+
+def test_fork_of_names_a_clients_running_fork_and_forgets_it_when_it_ends(tmp_path: Path):
+    script = tmp_path / "wait.py"
+    script.write_text("import os, sys, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    client = subprocess.Popen([sys.executable, str(WARM_CLIENT), SCRIPT, str(script)], cwd=REPO,
+                              env=scaletrain_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        printed = int(client.stdout.readline())  # the fork's own pid, as the script sees it
+        assert fork_of(client.pid) == printed != client.pid
+        os.kill(printed, signal.SIGKILL)
+        assert client.wait(timeout=30) == -signal.SIGKILL, client.stderr.read()  # the client ends as its fork did
+        deadline = time.monotonic() + 30
+        while fork_of(client.pid) is not None:
+            assert time.monotonic() < deadline, "the server still names the fork after it ended"
+            time.sleep(0.05)
+    finally:
+        client.kill()
+        client.wait(timeout=30)

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "scaletrain"
 
 
 def _node(module: str) -> str:
-    """`scaletrain.families.gpt.model` -> `model`; `scaletrain` and names defined in its __init__ -> `scaletrain`."""
+    """`scaletrain.families.gpt.model` -> `families`; `scaletrain` and names defined in its __init__ -> `scaletrain`."""
     parts = module.split(".")
     if len(parts) > 1 and ((PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").is_file()):
         return parts[1]

@@ -136,7 +136,7 @@ def test_an_explicit_attention_mask_adds_its_additive_copy_per_block(gpt3_175b):
 
 @pytest.mark.parametrize(("backend", "dropout", "context", "flex"), [
     ("sdpa", 0.0, 1, False), ("flex", 0.0, 1, True), ("auto", 0.0, 1, True),
-    ("auto", 0.1, 1, False),  # attention dropout: SDPA (families/gpt/model.py attention_backend)
+    ("auto", 0.1, 1, False),  # attention dropout: SDPA (model/decoder.py attention_backend)
     ("auto", 0.0, 2, False),  # context parallelism: SDPA's ring attention
 ])
 def test_flex_attention_keeps_no_dense_mask_where_it_runs(gpt3_175b, backend, dropout, context, flex):

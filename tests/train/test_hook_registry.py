@@ -10,13 +10,11 @@ import pkgutil
 import pytest
 
 import scaletrain.train.hooks as hooks_package
-from scaletrain.train.hooks import _REGISTERED, Hook, Hooks
+from scaletrain.train.hooks import _REGISTERED, Hook, Hooks, registered_hooks
 
 
 def _registered() -> list[str]:
-    for module in pkgutil.iter_modules(hooks_package.__path__):
-        importlib.import_module(f"{hooks_package.__name__}.{module.name}")
-    return [kind.__name__ for kind in sorted(_REGISTERED, key=lambda kind: kind.order)]
+    return [kind.__name__ for kind in registered_hooks()]
 
 
 def test_every_hook_of_the_package_registers_itself_with_its_own_place():
@@ -26,7 +24,7 @@ def test_every_hook_of_the_package_registers_itself_with_its_own_place():
                                                      inspect.isclass)
                if issubclass(value, Hook) and value not in (Hook, Hooks)}
     assert set(order) == defined and len(order) == len(defined)
-    assert len({kind.order for kind in _REGISTERED}) == len(_REGISTERED)
+    assert len({kind.order for kind in registered_hooks()}) == len(order)
 
 
 @pytest.mark.parametrize(("first", "then", "why"), [

@@ -159,15 +159,20 @@ class TrainingRun:
         return self._built[kind]
 
 
+def registered_hooks() -> list[type[Hook]]:
+    """Every hook of this package, in order: each module is imported, which registers the hooks it defines."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    return sorted(_REGISTERED, key=lambda kind: kind.order)
+
+
 def build_hooks(engine: Any, objective: Objective, config: Config, topology: Topology, logger: MetricsLogger,
                 batches: TimedBatches, provenance: dict[str, str]) -> Hooks:
     """Every registered hook this run has, in order; built in that order too, so every rank makes the
     collectives some constructors make (the MoE statistics' all-gather, the checkpoint group) alike."""
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
     hooks = Hooks([])
     run = TrainingRun(engine, objective, config, topology, logger, batches, provenance, hooks.state_dict)
-    for kind in sorted(_REGISTERED, key=lambda kind: kind.order):
+    for kind in registered_hooks():
         hook = run.hook(kind)
         if hook is not None:
             hooks.append(hook)

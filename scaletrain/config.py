@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -78,9 +78,44 @@ def bounded(default: Any, allowed: str, note: str = "") -> Any:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What the model learns: the `objective:` section every family has. A family whose objectives take
+    settings extends it, as its `model:` section extends ModelConfig, and names the class as its model
+    section's `objective_section` (model/encoder.py MaskedLMObjective for BERT and ALBERT, MaskingObjective
+    for ELECTRA; families/t5/model.py SpanCorruptionObjective; families/bart/model.py DenoisingObjective).
+    GPT and Llama have this section as it is."""
+
+    # auto (the family's first) | causal_lm | prefix_lm (GPT, Llama, T5) | mlm (BERT, ALBERT) |
+    # replaced_token_detection (ELECTRA) | span_corruption (T5) | denoising (BART)
+    kind: str = "auto"
+
+    @property
+    def reads_sentence_pairs(self) -> bool:
+        """Whether samples are sentence pairs (NSP/SOP) instead of packed text: only a masked LM's can be."""
+        return False
+
+    def validate(self) -> None:
+        """How the section's keys relate (each number's range is declared with it); nothing to check here."""
+
+
+# The flat `objective:` section of configs saved before each family had its own (2026-11-28): every family's
+# keys side by side (FLAT_OBJECTIVE_KEYS; those of FLAT_SAVED_KEYS in every version since 2026-11-22). A stored
+# run.yaml or checkpoint config.yaml holds them all; reading one keeps the keys its family's section has and
+# drops the others, which its run never read (_objective_keys_read).
+FLAT_OBJECTIVE_KEYS = frozenset({
+    "kind", "mask_prob", "whole_word_masking", "span_masking", "span_boundary", "sentence_pairs", "noise_density",
+    "mean_noise_span_length", "noising", "infilling_ratio", "infilling_poisson_lambda", "deletion_ratio"})
+FLAT_SAVED_KEYS = frozenset({"kind", "mask_prob", "whole_word_masking", "sentence_pairs", "noise_density",
+                             "mean_noise_span_length"})
+
+
+@dataclass
 class ModelConfig:
     """What every family's `model:` section has; each family's model.py extends it with its own keys
     (families/<name>/model.py: GPTConfig, BertConfig, T5Config, LlamaConfig, ...)."""
+
+    # the family's `objective:` section (a subclass of ObjectiveConfig where its objectives take settings)
+    objective_section: ClassVar[type[ObjectiveConfig]] = ObjectiveConfig
 
     family: str = "gpt"
     num_layers: int = bounded(2, ">= 1")  # transformer blocks (T5: encoder blocks)
@@ -159,32 +194,6 @@ class DataConfig:
     def sources(self) -> list[BlendEntry]:
         """The datasets a run trains on: the blend's, or data.dir alone with weight 1."""
         return self.blend or [BlendEntry(self.dir, 1.0)]
-
-
-@dataclass
-class ObjectiveConfig:
-    """What the model learns; `auto` is the family's own: GPT causal LM, BERT masked LM, T5 span corruption."""
-
-    kind: str = "auto"  # auto | causal_lm | prefix_lm (GPT, T5) | mlm (BERT) | span_corruption (T5) | denoising (BART)
-    # BERT: fraction of non-special tokens predicted (Devlin et al. 2019)
-    mask_prob: float = bounded(0.15, "(0, 1)", "BERT: 0.15")
-    whole_word_masking: bool = False  # BERT: mask all pieces of a word together
-    span_masking: bool = False  # SpanBERT geometric spans
-    # SpanBERT's span boundary objective (Joshi et al. 2020, sec. 3.2): also predict each masked token from
-    # the two tokens around its span and its place in it (model/encoder.py SpanBoundaryHead); needs span_masking
-    span_boundary: bool = False
-    sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
-    noise_density: float = bounded(0.15, "(0, 1)", "T5: 0.15")  # T5 span corruption (Raffel et al. 2020, sec. 3.3.4)
-    mean_noise_span_length: float = bounded(3.0, ">= 1", "T5: 3")  # T5 span corruption: mean corrupted span, in tokens
-    # BART denoising (Lewis et al. 2020, sec. 2.2), applied in families/bart/noising.py's order; the default is
-    # the paper's best (sec. 5.1): text_infilling + sentence_permutation. Also token_masking (at mask_prob),
-    # token_deletion and document_rotation.
-    noising: list[str] = field(default_factory=lambda: ["text_infilling", "sentence_permutation"])
-    # share of tokens text infilling covers with spans (sec. 5.1: 30%)
-    infilling_ratio: float = bounded(0.3, "[0, 1)", "BART infills 0.3")
-    # mean span length, spans ~ Poisson(lambda) (sec. 2.2)
-    infilling_poisson_lambda: float = bounded(3.0, "> 0", "BART: 3.0")
-    deletion_ratio: float = bounded(0.15, "[0, 1)")  # share of tokens token_deletion removes
 
 
 @dataclass
@@ -616,12 +625,16 @@ def _build_dataclass(cls: type, raw: Any, prefix: str, reading: _Reading) -> Any
     if unknown:
         raise ConfigError(_unknown_key_message(cls, prefix, unknown[0], names, reading))
     if cls is Config:
-        raw = {"model": {}, **raw}  # the model section is its family's class also when the file has none
+        # the model and objective sections are their family's classes also when the file has none
+        raw = {"model": {}, "objective": {}, **raw}
     values = {}
     for name, value in raw.items():
         hint = hints[name]
         if cls is Config and name == "model":
             hint = _model_section_class(value, reading)
+        if cls is Config and name == "objective":
+            hint = _model_section_class(raw["model"], reading).objective_section
+            value = _objective_keys_read(value, hint)
         nested = _nested_dataclass(hint, value)
         if nested is not None:
             values[name] = _build_dataclass(nested, value, f"{prefix}{name}.", reading)
@@ -630,12 +643,26 @@ def _build_dataclass(cls: type, raw: Any, prefix: str, reading: _Reading) -> Any
     return cls(**values)
 
 
+def _objective_keys_read(raw: Any, section: type[ObjectiveConfig]) -> Any:
+    """The `objective:` mapping as `section` reads it: a stored config's flat section (FLAT_SAVED_KEYS and
+    others of FLAT_OBJECTIVE_KEYS, as configs were saved before each family had its own) less the keys `section` lacks,
+    which that run's family never read; any other mapping as it is, its unknown keys refused by the reader."""
+    if not isinstance(raw, dict) or not FLAT_SAVED_KEYS <= set(raw) <= FLAT_OBJECTIVE_KEYS:
+        return raw
+    kept = {f.name for f in dataclasses.fields(section)}
+    return {key: value for key, value in raw.items() if key in kept}
+
+
 def _unknown_key_message(cls: type, prefix: str, name: str, names: list[str], reading: _Reading) -> str:
     """Names the key and its source, with the closest valid key (difflib), the family that has it, or the list."""
     key, section = f"{prefix}{name}", prefix.rstrip(".") or "the top level"
     message = f"{reading.of(key)}: unknown key {key}"
     close = difflib.get_close_matches(name, names, n=1)
-    families = _families_with_key(name, reading.model_sections) if issubclass(cls, ModelConfig) else []
+    families = []
+    if issubclass(cls, ModelConfig):
+        families = _families_with_key(name, reading.model_sections)
+    elif issubclass(cls, ObjectiveConfig):
+        families = _families_with_key(name, reading.model_sections, objective=True)
     if families:
         return f"{message} (model.family={' or '.join(families)} has it, this config's family does not)"
     elsewhere = _sections_with_key(name) if cls in _section_classes() else []
@@ -656,12 +683,13 @@ def _sections_with_key(name: str) -> list[str]:
     `train.zero_stage` is `parallel.zero_stage`."""
     hints = typing.get_type_hints(Config)
     return [section.name for section in dataclasses.fields(Config)
-            if section.name != "model" and name in {f.name for f in dataclasses.fields(hints[section.name])}]
+            if section.name not in ("model", "objective") and name in {f.name for f in dataclasses.fields(hints[section.name])}]
 
 
-def _families_with_key(name: str, model_sections: ModelSections) -> list[str]:
+def _families_with_key(name: str, model_sections: ModelSections, objective: bool = False) -> list[str]:
+    """The families whose `model:` section (or `objective:` section) has the key."""
     return [family for family, section in model_sections.items()
-            if name in {f.name for f in dataclasses.fields(section)}]
+            if name in {f.name for f in dataclasses.fields(section.objective_section if objective else section)}]
 
 
 def _model_section_class(raw: Any, reading: _Reading) -> type:
@@ -732,7 +760,7 @@ def validate_keys(config: Config) -> None:
     the rules after it compare and divide keys."""
     _validate_numbers(config, prefix="")
     _validate_model(config)
-    _validate_objective(config.objective)
+    config.objective.validate()  # its section's own rules; which kinds a family trains: validate_for_family
     _validate_train(config)
     _validate_schedule(config.train)
     _validate_data(config.data)
@@ -768,17 +796,6 @@ def _validate_model(config: Config) -> None:
             f"model.vocab_divisible_by={model.vocab_divisible_by} is not a multiple of parallel.tensor={tensor}; "
             "use a multiple such as 128"
         )
-
-
-def _validate_objective(objective: ObjectiveConfig) -> None:
-    """The objective's choices; its numbers' ranges are declared with them, and which kinds a family
-    trains is the registry's (validate_for_family)."""
-    if objective.sentence_pairs not in ("none", "nsp", "sop"):
-        raise ConfigError(f"objective.sentence_pairs={objective.sentence_pairs!r}; use none, nsp or sop")
-    if objective.span_boundary and not objective.span_masking:
-        raise ConfigError("objective.span_boundary=true predicts masked spans from their boundaries, but "
-                          "objective.span_masking=false masks single tokens; set objective.span_masking=true "
-                          "(SpanBERT) or objective.span_boundary=false")
 
 
 def _validate_numbers(section: Any, prefix: str) -> None:

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from scaletrain.config import Config, ModelConfig, ModelSections
+from scaletrain.config import Config, ModelConfig, ModelSections, ObjectiveConfig
 
 
 @dataclass(frozen=True)
@@ -41,19 +41,22 @@ class SchemaKey:
 
 
 def schema_text(model_sections: ModelSections) -> str:
-    header = ("# every key of a run config: KEY: TYPE = DEFAULT  # meaning (the model section is the family's:\n"
-              "# the keys every family has, then each family's own, marked with its name)\n")
+    header = ("# every key of a run config: KEY: TYPE = DEFAULT  # meaning (the model and objective sections are the\n"
+              "# family's: the keys every family has, then each family's own, marked with its name)\n")
     return header + "".join(f"{key.line()}\n" for key in schema_keys(model_sections))
 
 
 def schema_keys(model_sections: ModelSections) -> list[SchemaKey]:
-    """Every leaf key, in the order of the dataclasses' fields; the model keys of each family in `model_sections`."""
+    """Every leaf key, in the order of the dataclasses' fields; the model and objective keys of each family in
+    `model_sections`."""
     hints = typing.get_type_hints(Config)
     keys = []
     for section in dataclasses.fields(Config):
         keys.extend(_keys(hints[section.name], f"{section.name}."))
         if section.name == "model":
             keys.extend(_family_keys(model_sections))
+        if section.name == "objective":
+            keys.extend(_objective_keys(model_sections))
     return keys
 
 
@@ -83,6 +86,17 @@ def _family_keys(model_sections: ModelSections) -> list[SchemaKey]:
     shared = frozenset(field.name for field in dataclasses.fields(ModelConfig))
     return [key for family, section in model_sections.items()
             for key in _keys(section, "model.", f"({family})", shared)]
+
+
+def _objective_keys(model_sections: ModelSections) -> list[SchemaKey]:
+    """The keys each family's objective section adds to `kind`, once per section class, marked with the
+    families that share it (`(bert, albert)`)."""
+    shared = frozenset(field.name for field in dataclasses.fields(ObjectiveConfig))
+    families_of: dict[type, list[str]] = {}
+    for family, section in model_sections.items():
+        families_of.setdefault(section.objective_section, []).append(family)
+    return [key for section, families in families_of.items()
+            for key in _keys(section, "objective.", f"({', '.join(families)})", shared)]
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -98,10 +98,12 @@ def test_config_prints_the_resolved_config_that_loads_back_the_same(capsys, tmp_
 
 def _leaf_keys() -> dict[str, object]:
     """Every key of the schema with its default, from the dataclasses: the default (GPT) config's,
-    each family's model keys, and a blend entry's."""
+    each family's model and objective keys, and a blend entry's."""
     keys = dict(_flatten(Config().to_dict()))
     for family in FAMILIES:
-        keys.update(_flatten(dataclasses.asdict(get_family(family).config_class()), "model."))
+        section = get_family(family).config_class
+        keys.update(_flatten(dataclasses.asdict(section()), "model."))
+        keys.update(_flatten(dataclasses.asdict(section.objective_section()), "objective."))
     keys.update({"data.blend[].dir": None, "data.blend[].weight": None, "data.blend[].name": None})
     return keys
 
@@ -128,6 +130,7 @@ def test_config_keys_lists_every_key_with_its_type_default_and_meaning(capsys):
                                                      "warmup as a fraction of train.steps")
     assert lines["model.num_kv_heads"].startswith("model.num_kv_heads: int | None = null  # (llama) ")
     assert lines["model.layernorm_eps"] == "model.layernorm_eps: float > 0 = 1e-05"
+    assert lines["objective.noise_density"].startswith("objective.noise_density: float in (0, 1) = 0.15  # (t5) ")
     assert lines["data.blend[].weight"].startswith("data.blend[].weight: float > 0  # relative")
 
 

@@ -108,14 +108,14 @@ def test_invalid_values_fail_at_load_with_the_key_named(overrides, fragment):
     ("model.dropout=1", "model.dropout=1.0 must be in [0, 1)"),
     ("model.layernorm_eps=0", "model.layernorm_eps=0.0 must be > 0"),
     ("model.vocab_divisible_by=0", "model.vocab_divisible_by=0 must be >= 1"),
-    ("objective.mask_prob=0", "objective.mask_prob=0.0 must be in (0, 1)"),
+    (("model.family=bert", "objective.kind=mlm", "objective.mask_prob=0"), "objective.mask_prob=0.0 must be in (0, 1)"),
     ("data.download_backoff_s=601", "data.download_backoff_s=601.0 must be in [0, 600]"),
     ("tracking.peak_tflops=.inf", "tracking.peak_tflops=inf must be a finite number > 0"),
     ("parallel.zero_stage=4", "parallel.zero_stage=4 must be in [0, 3]"),
 ])
 def test_numeric_keys_out_of_their_declared_range_are_refused_with_it(override, message):
     with pytest.raises(ConfigError) as error:
-        load_config(TINY, [override])
+        load_config(TINY, [override] if isinstance(override, str) else list(override))
     assert str(error.value).startswith(message), str(error.value)
 
 
@@ -125,7 +125,7 @@ def test_every_float_key_of_every_section_and_family_is_refused_when_not_finite(
     float_keys = [key for key in schema_keys(MODEL_SECTIONS) if "float" in key.type]
     assert len(float_keys) > 30
     for key in float_keys:
-        family = key.meaning[1:].split(")")[0] if key.meaning.startswith("(") else "gpt"
+        family = key.meaning[1:].split(")")[0].split(", ")[0] if key.meaning.startswith("(") else "gpt"
         if key.key == "data.blend[].weight":
             override, named = "data.blend=[{dir: data/a, weight: .nan}]", "data.blend[0].weight"
         else:
@@ -323,3 +323,65 @@ def test_a_typo_in_a_file_names_the_file(tmp_path):
     with pytest.raises(ConfigError) as error:
         load_config(child, ["train.lr=1e-3"])
     assert str(error.value) == f"{child}: unknown key train.lrr (did you mean train.lr?)"
+
+
+# The objective: section as every config was saved before each family had its own (2026-11-28): every family's
+# keys at once, here with ALBERT's sentence-order pairs and a T5 noise density set.
+FLAT_OBJECTIVE_AS_SAVED = """objective:
+  kind: auto
+  mask_prob: 0.2
+  whole_word_masking: true
+  span_masking: false
+  span_boundary: false
+  sentence_pairs: sop
+  noise_density: 0.25
+  mean_noise_span_length: 3.0
+  noising:
+  - text_infilling
+  - sentence_permutation
+  infilling_ratio: 0.3
+  infilling_poisson_lambda: 3.0
+  deletion_ratio: 0.15
+"""
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert", "albert", "electra", "t5", "bart"])
+def test_a_stored_config_with_the_flat_objective_section_reads_as_its_familys(family, tmp_path):
+    """A run.yaml or checkpoint config.yaml saved before the per-family sections holds every family's objective
+    keys: it loads into the family's section with the values of the keys that section has, the others (which
+    its run never read) dropped, and saves back as today's config does."""
+    tiny = REPO / "configs" / f"{family}_tiny.yaml"
+    today = load_config(tiny, to_train=False)
+    saved = tmp_path / "config.yaml"
+    save_config(today, saved)
+    text = saved.read_text()
+    start, end = text.index("objective:\n"), text.index("data:\n")
+    saved.write_text(text[:start] + FLAT_OBJECTIVE_AS_SAVED + text[end:])
+    stored = load_config(saved, to_train=False)
+    assert type(stored.objective) is type(today.objective)
+    expected = {"mask_prob": 0.2, "whole_word_masking": True, "sentence_pairs": "sop", "noise_density": 0.25}
+    for key, value in vars(stored.objective).items():
+        assert value == expected.get(key, getattr(type(today.objective)(), key)), (family, key, value)
+    assert stored.model == today.model and stored.train == today.train
+    assert sorted(vars(stored.objective)) == sorted(vars(today.objective))
+
+
+@pytest.mark.parametrize(("family", "override", "owners"), [
+    ("gpt", "objective.noise_density=0.3", "t5"),
+    ("gpt", "objective.mask_prob=0.3", "bert or albert or electra or bart"),
+    ("electra", "objective.sentence_pairs=nsp", "bert or albert"),
+    ("t5", "objective.noising=[token_masking]", "bart"),
+])
+def test_a_key_of_another_familys_objective_is_refused_naming_the_families_that_have_it(family, override, owners):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as error:
+        load_config(REPO / "configs" / f"{family}_tiny.yaml", [override])
+    assert str(error.value) == (f"override {override}: unknown key {key} (model.family={owners} has it, this "
+                                "config's family does not)")
+
+
+def test_a_partial_objective_section_is_not_taken_for_a_stored_flat_one():
+    """Only a section holding the keys every saved flat section had is read as one; a user's GPT config that
+    names BERT's and T5's keys together is refused, not quietly trimmed."""
+    with pytest.raises(ConfigError, match="unknown key objective.mask_prob"):
+        load_config(TINY, ["objective.mask_prob=0.2", "objective.noise_density=0.2"])

@@ -89,11 +89,6 @@ def validate_for_family(config: Config) -> None:
         raise ConfigError(
             f"objective.kind={objective.kind!r} does not train a {name}; use auto or {' / '.join(family.objectives)}"
         )
-    if objective.sentence_pairs != "none" and kind != "mlm":
-        raise ConfigError("objective.sentence_pairs (NSP/SOP) goes with BERT's masked LM; set it to none")
-    if objective.span_boundary and kind != "mlm":
-        raise ConfigError("objective.span_boundary (SpanBERT's span boundary objective) goes with BERT's masked LM; "
-                          "set it to false")
     if config.parallel.pipeline > 1 and kind not in family.pipeline_objectives:
         raise ConfigError(
             f"parallel.pipeline={config.parallel.pipeline}: pipeline stages are not available for {name} ({kind}); "

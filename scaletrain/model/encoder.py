@@ -1,10 +1,13 @@
 """What the masked-LM encoder families share (bert, albert; electra's generator and discriminator use
 its embedding and decoder): word + position + segment embeddings, the MLM head (transform, tied decoder,
 output bias), the sentence-order and span boundary heads, the layer runners, the loss and the `BERT`
-forward with its masked-token accuracy. A family adds its config, its blocks and its counts
+forward with its masked-token accuracy, and the `objective:` sections that mask tokens (MaskingObjective,
+ELECTRA's; MaskedLMObjective, BERT's and ALBERT's). A family adds its config, its blocks and its counts
 (families/bert/model.py, families/albert/model.py, families/electra/model.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +15,7 @@ from megatron.core import tensor_parallel
 from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, Batch
-from scaletrain.config import Config
+from scaletrain.config import Config, ConfigError, ObjectiveConfig, bounded
 from scaletrain.data.masking import SPAN_BOUNDARY_KEYS, masking_budget
 from scaletrain.model.family import LayeredModel
 from scaletrain.model.init import normal_init
@@ -25,6 +28,40 @@ from scaletrain.model.layers import (
     vocab_parallel_argmax,
 )
 from scaletrain.model.parallel_config import model_parallel_config
+
+
+@dataclass
+class MaskingObjective(ObjectiveConfig):
+    """Which tokens an encoder's objective masks (data/masking.py): ELECTRA's `objective:` section, whose
+    generator predicts them (Clark et al. 2020, sec. 2)."""
+
+    # fraction of non-special tokens masked (Devlin et al. 2019, sec. 3.1)
+    mask_prob: float = bounded(0.15, "(0, 1)", "BERT: 0.15")
+    whole_word_masking: bool = False  # mask all pieces of a word together
+    span_masking: bool = False  # SpanBERT's geometric spans (Joshi et al. 2020, sec. 3.1)
+
+
+@dataclass
+class MaskedLMObjective(MaskingObjective):
+    """BERT's and ALBERT's `objective:` section: the masked LM, with sentence pairs and SpanBERT's span boundary
+    objective as options."""
+
+    # SpanBERT's span boundary objective (Joshi et al. 2020, sec. 3.2): also predict each masked token from
+    # the two tokens around its span and its place in it (SpanBoundaryHead, below); needs span_masking
+    span_boundary: bool = False
+    sentence_pairs: str = "none"  # none (RoBERTa-style packing) | nsp (BERT) | sop (ALBERT)
+
+    @property
+    def reads_sentence_pairs(self) -> bool:
+        return self.sentence_pairs != "none"
+
+    def validate(self) -> None:
+        if self.sentence_pairs not in ("none", "nsp", "sop"):
+            raise ConfigError(f"objective.sentence_pairs={self.sentence_pairs!r}; use none, nsp or sop")
+        if self.span_boundary and not self.span_masking:
+            raise ConfigError("objective.span_boundary=true predicts masked spans from their boundaries, but "
+                              "objective.span_masking=false masks single tokens; set objective.span_masking=true "
+                              "(SpanBERT) or objective.span_boundary=false")
 
 
 class BertEmbedding(nn.Module):
@@ -74,7 +111,7 @@ class BertHeads(nn.Module):
         self.lm_head.dense = replicated_linear(hidden, hidden, std, seed, "lm_head.dense")
         self.lm_head.norm = nn.LayerNorm(hidden, eps=model.layernorm_eps)
         self.sentence_order_head = None
-        if config.objective.sentence_pairs != "none":
+        if config.objective.reads_sentence_pairs:
             self.sentence_order_head = nn.Module()
             self.sentence_order_head.pooler = replicated_linear(hidden, hidden, std, seed, "sentence_order_head.pooler")
             self.sentence_order_head.classifier = replicated_linear(
@@ -353,5 +390,5 @@ def labelled_positions(config: Config) -> int:
     n non-special tokens (data/masking.py), n = seq_length - 2 for packed `[CLS] text [SEP]`, - 3 for
     `[CLS] A [SEP] B [SEP]` pairs. Exact for a sample without document boundaries; an eos between
     documents, a padded short pair or a whole word that no longer fits the budget make it fewer."""
-    special = 3 if config.objective.sentence_pairs != "none" else 2
+    special = 3 if config.objective.reads_sentence_pairs else 2
     return masking_budget(config.model.seq_length - special, config.objective.mask_prob)

@@ -27,6 +27,7 @@ from scaletrain.model.layers import recompute_attention_cores, run_in_chunks
 
 if TYPE_CHECKING:
     from scaletrain.config import Config, ModelConfig, TrainConfig
+    from scaletrain.data.objectives import Collator, TokenizerInfo
     from scaletrain.model.counts import ModelCounts
 
 Activations = tuple[torch.Tensor, ...]
@@ -75,6 +76,17 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class TrainingObjective:
+    """One objective a spec names (`ModelFamily.objectives`): how its collator is built from the config. The ones
+    families share are train/objective.py's (causal_lm, prefix_lm, mlm); one that only a family trains lives in
+    its folder, beside its collator, and its spec lists it in `own_objectives`."""
+
+    name: str
+    # (config, tokenizer facts, family) -> the collator; every collator exposes packed_seq_length
+    collator: Callable[[Config, TokenizerInfo, ModelFamily], Collator]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """Everything the rest of the code needs to know about one family."""
 
@@ -83,7 +95,8 @@ class ModelFamily:
     build: Callable[[Config], nn.Module]  # the model on this process's TP rank
     pipeline_layers: Callable[[Config], list[PipelineLayer]]
     loss: Callable[[Activations, tuple[torch.Tensor, ...]], torch.Tensor]  # last layer's output, labels
-    objectives: tuple[str, ...]  # registered objectives (train/objective.py); the first is the default
+    # the objectives it trains, by name (the shared ones of train/objective.py and its own); the first is the default
+    objectives: tuple[str, ...]
     batch_schema: Callable[[Config], BatchSchema]
     counts: Callable[[Config], ModelCounts]  # exact parameters and FLOPs (planner, MFU, sweeps)
     validate: Callable[[Config], None] = lambda config: None
@@ -101,6 +114,7 @@ class ModelFamily:
     generation: str | None = None  # a registered generation (generate.py GENERATIONS); None: cannot generate
     not_generating_reason: str = ""
     pipeline_objectives: tuple[str, ...] = field(default=())  # objectives a pipelined run may train
+    own_objectives: tuple[TrainingObjective, ...] = ()  # the objectives no other family trains (its folder's)
     sequence_parallel: bool = False  # whether its layers implement parallel.sequence_parallel
     context_parallel: bool = False  # whether its layers implement parallel.context (ring attention)
 

@@ -1,15 +1,16 @@
 """The training objective of a run: which collator turns sequences into batches, and the loaders.
 
 GPT learns next tokens (or a prefix LM), BERT masked tokens (optionally with NSP/SOP sentence
-pairs), T5 corrupted spans: each objective is one registered `TrainingObjective` (OBJECTIVES below)
-that a family's spec names and the trainer looks up. Every collator draws its noise from (seed, global index), so the
-loaders below stay resumable from `consumed_samples` alone.
+pairs), T5 corrupted spans: each objective is one registered `TrainingObjective` that a family's spec
+names and the trainer looks up. The ones families share are here (SHARED_OBJECTIVES); one that only a
+family trains is its folder's (T5's span corruption, ELECTRA's replaced token detection, BART's
+denoising), listed in its spec's own_objectives. Every collator draws its noise from (seed, global
+index), so the loaders below stay resumable from `consumed_samples` alone.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, Dataset
@@ -26,11 +27,8 @@ from scaletrain.data.sentence_pairs import SentencePairDataset
 from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.storage import dataset_location, load_manifest
 from scaletrain.data.tokenizer import Tokenizer
-from scaletrain.families import get_family, objective_kind
-from scaletrain.families.bart.noising import DenoisingCollator, DenoisingNoise
-from scaletrain.families.electra.replaced_tokens import replaced_token_detection_collator
-from scaletrain.families.t5.span_corruption import t5_span_corruption_collator
-from scaletrain.model.family import ModelFamily
+from scaletrain.families import FAMILIES, get_family, objective_kind
+from scaletrain.model.family import ModelFamily, TrainingObjective
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class Objective:
         """One prepared dataset's split; `stream` gives each dataset of a blend its own epoch order."""
         config = self.config
         seed = config.train.seed if shuffle else 0
-        if config.objective.sentence_pairs != "none":
+        if config.objective.reads_sentence_pairs:
             documents = PackedSequenceDataset(dataset_location(config.data, location), split, config.model.seq_length)
             return SentencePairDataset(documents, self.tokenizer_info, config.model.seq_length, seed,
                                        config.objective.sentence_pairs, shuffle, stream)
@@ -117,16 +115,6 @@ def build_objective(config: Config) -> Objective:
     return Objective(kind, collate, config, info, collate.packed_seq_length or config.model.seq_length)
 
 
-@dataclass(frozen=True)
-class TrainingObjective:
-    """One objective, as a family's spec names it (`ModelFamily.objectives`): how its collator is
-    built from the config. Adding an objective is a collator in data/ and one entry in OBJECTIVES."""
-
-    name: str
-    # (config, tokenizer facts, family) -> the collator; every collator exposes packed_seq_length
-    collator: Callable[[Config, TokenizerInfo, ModelFamily], Collator]
-
-
 def _document_separator(config: Config, info: TokenizerInfo, family: ModelFamily) -> int | None:
     """The eos id when the family's model reads document ids (model.document_masking / document_positions):
     the collator then marks the packed documents by it."""
@@ -157,41 +145,27 @@ def _masked_lm(config: Config, info: TokenizerInfo, family: ModelFamily) -> Coll
     )
 
 
-def _replaced_token_detection(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
-    objective = config.objective
-    return replaced_token_detection_collator(
-        info, config.train.seed, config.model.seq_length, mask_prob=objective.mask_prob,
-        whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
-    )
-
-
-def _span_corruption(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
-    objective = config.objective
-    return t5_span_corruption_collator(info, config.train.seed, config.model.seq_length, objective.noise_density,
-                                       objective.mean_noise_span_length)
-
-
-def _denoising(config: Config, info: TokenizerInfo, family: ModelFamily) -> Collator:
-    """BART's denoising (Lewis et al. 2020, sec. 2.2): token masking draws at objective.mask_prob."""
-    objective = config.objective
-    noise = DenoisingNoise(tuple(objective.noising), objective.infilling_ratio, objective.infilling_poisson_lambda,
-                           objective.mask_prob, objective.deletion_ratio)
-    return DenoisingCollator(info, config.train.seed, config.model.seq_length, noise)
-
-
-OBJECTIVES = {objective.name: objective for objective in (
+SHARED_OBJECTIVES = (
     TrainingObjective("causal_lm", _causal_lm),
     TrainingObjective("prefix_lm", _prefix_lm),
     TrainingObjective("mlm", _masked_lm),
-    TrainingObjective("span_corruption", _span_corruption),
-    TrainingObjective("replaced_token_detection", _replaced_token_detection),
-    TrainingObjective("denoising", _denoising),
-)}
+)
+
+
+def registered_objectives() -> dict[str, TrainingObjective]:
+    """Every objective by name: the shared ones above, then each family's own (its spec's own_objectives), in
+    the registry's order."""
+    objectives = {objective.name: objective for objective in SHARED_OBJECTIVES}
+    for name in FAMILIES:
+        objectives.update((objective.name, objective) for objective in get_family(name).own_objectives)
+    return objectives
 
 
 def training_objective(name: str) -> TrainingObjective:
     """The registered objective `name`; a family spec naming another is a bug in that spec."""
-    if name not in OBJECTIVES:
+    objectives = registered_objectives()
+    if name not in objectives:
         raise ConfigError(f"objective {name!r} is not a registered training objective; the known ones are "
-                          f"{', '.join(OBJECTIVES)} (train/objective.py OBJECTIVES)")
-    return OBJECTIVES[name]
+                          f"{', '.join(objectives)} (train/objective.py SHARED_OBJECTIVES and the families' "
+                          "own_objectives)")
+    return objectives[name]

@@ -1,5 +1,6 @@
 """Objectives are registered units that family specs name: every name a family lists is registered,
-and one that is not is a single error listing the known ones."""
+and one that is not is a single error listing the known ones. An objective only one family trains is
+that family's own (its folder's, in its spec), and no other family names it."""
 
 from __future__ import annotations
 
@@ -14,13 +15,24 @@ from scaletrain.data.seq2seq import EncoderDecoderPrefixLMCollator
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.families import FAMILIES, get_family
 from scaletrain.families.t5.span_corruption import SpanCorruptionCollator
-from scaletrain.train.objective import OBJECTIVES, build_objective, training_objective
+from scaletrain.train.objective import SHARED_OBJECTIVES, build_objective, registered_objectives, training_objective
 
 
 def test_every_objective_a_family_names_is_registered():
     for name in FAMILIES:
         for objective in get_family(name).objectives + get_family(name).pipeline_objectives:
-            assert training_objective(objective) is OBJECTIVES[objective]
+            assert training_objective(objective) is registered_objectives()[objective]
+
+
+def test_a_familys_own_objective_is_named_by_it_alone_and_a_shared_one_by_several():
+    owners = {objective.name: name for name in FAMILIES for objective in get_family(name).own_objectives}
+    assert owners == {"span_corruption": "t5", "replaced_token_detection": "electra", "denoising": "bart"}
+    for name in FAMILIES:
+        for objective in get_family(name).objectives:
+            assert owners.get(objective, name) == name, (name, objective)
+    for shared in SHARED_OBJECTIVES:
+        assert sum(shared.name in get_family(name).objectives for name in FAMILIES) >= 2, shared.name
+        assert shared.name not in owners
 
 
 def test_an_unregistered_objective_lists_the_known_ones():

@@ -36,6 +36,7 @@ from scaletrain.model.encoder import (
     BERT,
     BertEmbedding,
     DecoderBias,
+    MaskedLMObjective,
     labelled_positions,
     replicated_linear,
     run_block,
@@ -60,6 +61,8 @@ BLOCK_WEIGHTS = tuple(
 
 @dataclass
 class AlbertConfig(ModelConfig):
+    objective_section = MaskedLMObjective
+
     # E of the factorized embedding (sec. 3.1; 128 in every published size)
     embedding_size: int = bounded(128, ">= 1", "ALBERT: 128")
     type_vocab_size: int = 2  # segment embeddings

@@ -22,7 +22,7 @@ encodes, decodes with a KV cache and generates it as it does T5:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -31,7 +31,7 @@ from megatron.core import tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from scaletrain.config import Config, ConfigError, ModelConfig, bounded
+from scaletrain.config import Config, ConfigError, ModelConfig, ObjectiveConfig, bounded
 from scaletrain.data.errors import DataError
 from scaletrain.families.bart.noising import DenoisingNoise
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
@@ -59,8 +59,24 @@ POSITION_OFFSET = 2  # HF's BartLearnedPositionalEmbedding looks up position + 2
 
 
 @dataclass
+class DenoisingObjective(ObjectiveConfig):
+    """BART's `objective:` section: its denoising (Lewis et al. 2020, sec. 2.2). The default is the paper's best
+    (sec. 5.1): text_infilling + sentence_permutation."""
+
+    # the noising functions: any of sentence_permutation, document_rotation, token_masking, token_deletion,
+    # text_infilling, which run in that order (families/bart/noising.py)
+    noising: list[str] = field(default_factory=lambda: ["text_infilling", "sentence_permutation"])
+    infilling_ratio: float = bounded(0.3, "[0, 1)", "BART infills 0.3")  # share of tokens infilled spans cover (sec. 5.1)
+    infilling_poisson_lambda: float = bounded(3.0, "> 0", "BART: 3.0")  # spans ~ Poisson(lambda) (sec. 2.2)
+    mask_prob: float = bounded(0.15, "(0, 1)")  # token_masking's share of tokens
+    deletion_ratio: float = bounded(0.15, "[0, 1)")  # share of tokens token_deletion removes
+
+
+@dataclass
 class BartConfig(ModelConfig):
     """model.seq_length is the encoder's and the decoder's length (families/bart/noising.py)."""
+
+    objective_section = DenoisingObjective
 
     num_decoder_layers: int | None = bounded(None, ">= 1", "or null: model.num_layers")  # None: model.num_layers
     max_position_embeddings: int | None = None  # learned positions per stack; None: model.seq_length

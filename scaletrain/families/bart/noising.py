@@ -19,6 +19,8 @@ default is text_infilling + sentence_permutation.
 
 Example (spans in capitals): "a B C d. e f!" -> permuted "e f! a B C d." -> infilled "e f! a [MASK] d.",
 target "a B C d. e f! </s>", decoder input "</s> a B C d. e f!".
+
+DENOISING is the objective BART's spec owns, noising as the objective: section says.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from scaletrain.config import Config
 from scaletrain.data.errors import DataError
 from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
 from scaletrain.data.seq2seq import encoder_decoder_batch
+from scaletrain.model.family import ModelFamily, TrainingObjective
 
 NOISING_FUNCTIONS = ("sentence_permutation", "document_rotation", "token_masking", "token_deletion", "text_infilling")
 
 
 @dataclass(frozen=True)
 class DenoisingNoise:
-    """Which noising functions run and their rates (ObjectiveConfig's BART keys)."""
+    """Which noising functions run and their rates (the objective: section, families/bart/model.py DenoisingObjective)."""
 
     functions: tuple[str, ...] = ("text_infilling", "sentence_permutation")
     infilling_ratio: float = 0.3
@@ -183,3 +187,14 @@ class DenoisingCollator:
             pairs.append((np.append(noised, info.eos_id), np.append(tokens, info.eos_id)))
         return encoder_decoder_batch(pairs, items, self.encoder_length, self.decoder_length, info.pad_id,
                                      decoder_start_id=info.eos_id)
+
+
+def _denoising(config: Config, info: TokenizerInfo, family: ModelFamily) -> DenoisingCollator:
+    """BART's denoising (Lewis et al. 2020, sec. 2.2): token masking draws at objective.mask_prob."""
+    objective = config.objective
+    noise = DenoisingNoise(tuple(objective.noising), objective.infilling_ratio, objective.infilling_poisson_lambda,
+                           objective.mask_prob, objective.deletion_ratio)
+    return DenoisingCollator(info, config.train.seed, config.model.seq_length, noise)
+
+
+DENOISING = TrainingObjective("denoising", _denoising)

@@ -21,6 +21,7 @@ from scaletrain.model.encoder import (
     BertEmbedding,
     BertHeads,
     DecoderBias,
+    MaskedLMObjective,
     SpanBoundaryDecoderBias,
     labelled_positions,
     run_block,
@@ -41,6 +42,8 @@ LAYERNORM_POSITIONS = ("post", "pre")
 
 @dataclass
 class BertConfig(ModelConfig):
+    objective_section = MaskedLMObjective
+
     layernorm_position: str = "post"  # post (BERT) | pre (GPT-2 style, with a final LayerNorm)
     type_vocab_size: int = 2  # segment embeddings
 

@@ -4,6 +4,7 @@ Its spec, naming model.py's model and hf.py's adapter."""
 from __future__ import annotations
 
 from scaletrain.families.electra.hf import ADAPTER
+from scaletrain.families.electra.replaced_tokens import REPLACED_TOKEN_DETECTION
 from scaletrain.families.electra.model import (
     OBJECTIVE,
     ElectraConfig,
@@ -25,6 +26,7 @@ FAMILY = ModelFamily(
     pipeline_layers=pipeline_layers,
     loss=electra_loss,
     objectives=(OBJECTIVE,),
+    own_objectives=(REPLACED_TOKEN_DETECTION,),
     batch_schema=batch_schema,
     counts=counts,
     validate=validate,

@@ -44,10 +44,16 @@ from torch import nn
 
 from scaletrain.batch import IGNORE_INDEX, Batch, BatchSchema
 from scaletrain.config import Config, ConfigError, ModelConfig, bounded
-from scaletrain.families.electra.replaced_tokens import REPLACEMENT_UNIFORMS
+from scaletrain.families.electra.replaced_tokens import REPLACED_TOKEN_DETECTION, REPLACEMENT_UNIFORMS
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts, transformer_block_flops
-from scaletrain.model.encoder import BertEmbedding, DecoderBias, labelled_positions, replicated_linear
+from scaletrain.model.encoder import (
+    BertEmbedding,
+    DecoderBias,
+    MaskingObjective,
+    labelled_positions,
+    replicated_linear,
+)
 from scaletrain.model.family import LayeredModel, PipelineLayer
 from scaletrain.model.init import normal_init
 from scaletrain.model.layers import (
@@ -61,7 +67,7 @@ from scaletrain.model.layers import (
 )
 from scaletrain.model.parallel_config import model_parallel_config
 
-OBJECTIVE = "replaced_token_detection"
+OBJECTIVE = REPLACED_TOKEN_DETECTION.name
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,8 @@ class EncoderShape:
 class ElectraConfig(ModelConfig):
     """num_layers, hidden_size, num_heads, ffn_hidden_size: the discriminator's. The generator's
     default to the paper's Small ratio (table 6): 1/4 of the width, heads and FFN, the same depth."""
+
+    objective_section = MaskingObjective
 
     embedding_size: int | None = None  # E, shared by both encoders; None: hidden_size (Base, Large)
     generator_hidden_size: int | None = None  # None: hidden_size / 4

@@ -10,6 +10,8 @@ unlabelled noise to the generator's input.
 Sampling noise: one uniform in [0, 1) per position, drawn from (seed, global index) like the
 masking noise, so a resumed run and every layout (TP, DP/ZeRO) sample the same replacement tokens;
 the model uses the uniforms at the masked positions (families/electra/model.py sample_from_vocab_parallel).
+
+REPLACED_TOKEN_DETECTION is the objective ELECTRA's spec owns, masking as the objective: section says.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from scaletrain.config import Config
 from scaletrain.data.masking import MaskedLMCollator, MaskingConfig
 from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
+from scaletrain.model.family import ModelFamily, TrainingObjective
 
 ELECTRA_MASK_TOKEN_PROB = 0.85  # google-research/electra pretrain_helpers.mask
 ELECTRA_RANDOM_TOKEN_PROB = 0.0
@@ -54,3 +58,15 @@ def replaced_token_detection_collator(tokenizer_info: TokenizerInfo, seed: int, 
                             random_token_prob=ELECTRA_RANDOM_TOKEN_PROB, whole_word_masking=whole_word_masking,
                             span_masking=span_masking)
     return ReplacedTokenDetectionCollator(MaskedLMCollator(tokenizer_info, seed, seq_length, masking))
+
+
+def _replaced_token_detection(config: Config, info: TokenizerInfo,
+                              family: ModelFamily) -> ReplacedTokenDetectionCollator:
+    objective = config.objective
+    return replaced_token_detection_collator(
+        info, config.train.seed, config.model.seq_length, mask_prob=objective.mask_prob,
+        whole_word_masking=objective.whole_word_masking, span_masking=objective.span_masking,
+    )
+
+
+REPLACED_TOKEN_DETECTION = TrainingObjective("replaced_token_detection", _replaced_token_detection)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from scaletrain.batch import BatchSchema
 from scaletrain.families.t5.hf import ADAPTER
 from scaletrain.families.t5.model import T5Config, build, counts, pipeline_layers, validate
+from scaletrain.families.t5.span_corruption import SPAN_CORRUPTION
 from scaletrain.model.family import ModelFamily
 from scaletrain.model.layers import masked_vocab_parallel_loss
 
@@ -17,6 +18,7 @@ FAMILY = ModelFamily(
     loss=lambda outputs, labels: masked_vocab_parallel_loss(outputs[0], labels[0]),
     objectives=("span_corruption", "prefix_lm"),
     pipeline_objectives=("span_corruption", "prefix_lm"),
+    own_objectives=(SPAN_CORRUPTION,),
     batch_schema=lambda config: BatchSchema(
         inputs=("encoder_tokens", "decoder_tokens", "encoder_padding_mask", "decoder_padding_mask"), labels=("labels",)
     ),

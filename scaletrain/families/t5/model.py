@@ -40,7 +40,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.model_parallel_config import ModelParallelConfig
 from torch import nn
 
-from scaletrain.config import Config, ConfigError, ModelConfig, bounded
+from scaletrain.config import Config, ConfigError, ModelConfig, ObjectiveConfig, bounded
 from scaletrain.families.t5.span_corruption import random_spans_helper
 from scaletrain.model.chunked_cross_entropy import refuse_loss_chunking
 from scaletrain.model.counts import ModelCounts
@@ -68,8 +68,19 @@ FFN_ACTIVATIONS = ("relu", "gated-gelu")
 
 
 @dataclass
+class SpanCorruptionObjective(ObjectiveConfig):
+    """T5's `objective:` section: span corruption (Raffel et al. 2020, sec. 3.1.4 and 3.3.4, families/t5/
+    span_corruption.py); prefix_lm takes no settings."""
+
+    noise_density: float = bounded(0.15, "(0, 1)", "T5: 0.15")  # share of tokens corrupted
+    mean_noise_span_length: float = bounded(3.0, ">= 1", "T5: 3")  # mean corrupted span, in tokens
+
+
+@dataclass
 class T5Config(ModelConfig):
     """model.seq_length is the encoder length; the decoder length follows from the objective."""
+
+    objective_section = SpanCorruptionObjective
 
     num_decoder_layers: int | None = bounded(None, ">= 1", "or null: model.num_layers")  # None: model.num_layers
     ffn_activation: str = "gated-gelu"  # relu (T5) | gated-gelu (T5 v1.1)

@@ -1,4 +1,5 @@
-"""T5 span corruption (Raffel et al. 2020, sec. 3.1.4 and 3.3.4) and its collator.
+"""T5 span corruption (Raffel et al. 2020, sec. 3.1.4 and 3.3.4), its collator and the objective T5's spec owns
+(SPAN_CORRUPTION, with the objective: section's noise_density and mean_noise_span_length).
 
 `random_spans_noise_mask`, `random_spans_helper` and the sentinel substitution
 (`noise_span_to_unique_sentinel`) are ports of google-research/
@@ -19,9 +20,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from scaletrain.config import Config
 from scaletrain.data.errors import DataError
 from scaletrain.data.objectives import NoiseTag, TokenizerInfo, sequence_rng
 from scaletrain.data.seq2seq import encoder_decoder_batch
+from scaletrain.model.family import ModelFamily, TrainingObjective
 
 
 def noise_span_counts(length: int, noise_density: float, mean_noise_span_length: float) -> tuple[int, int]:
@@ -169,3 +172,12 @@ def t5_span_corruption_collator(tokenizer_info: TokenizerInfo, seed: int, encode
                                 mean_noise_span_length: float = 3.0) -> SpanCorruptionCollator:
     """T5's pretraining collator; read `.raw_length`, `.packed_seq_length` and `.decoder_length` from it."""
     return SpanCorruptionCollator(tokenizer_info, seed, encoder_length, noise_density, mean_noise_span_length)
+
+
+def _span_corruption(config: Config, info: TokenizerInfo, family: ModelFamily) -> SpanCorruptionCollator:
+    objective = config.objective
+    return t5_span_corruption_collator(info, config.train.seed, config.model.seq_length, objective.noise_density,
+                                       objective.mean_noise_span_length)
+
+
+SPAN_CORRUPTION = TrainingObjective("span_corruption", _span_corruption)

@@ -857,9 +857,9 @@ def _validate_train(config: Config) -> None:
 
 def _validate_eval(config: Config) -> None:
     """In-loop downstream evaluation scores requests of every length with the training model as it is laid out:
-    layouts that cut a sequence or a layer's weights across ranks in ways a lone forward cannot follow (pipeline
-    stages, context or sequence parallelism, ZeRO-3's gathered parameters, experts exchanged between ranks that
-    score different documents) are refused; `scaletrain eval RUN --tasks` scores their checkpoints."""
+    layouts that cut a sequence across ranks or run a model in stages (pipeline stages, context or sequence
+    parallelism) are refused; `scaletrain eval RUN --tasks` scores their checkpoints. ZeRO-3 and expert
+    parallelism are scored with every data-parallel rank running every forward (train/hooks/downstream.py)."""
     evaluation = config.eval
     if any(not str(task).strip() for task in evaluation.tasks):
         raise ConfigError(f"eval.tasks={evaluation.tasks} has an empty entry; list lm-eval task names, task YAML "
@@ -870,11 +870,10 @@ def _validate_eval(config: Config) -> None:
     unsupported = [f"{key}={value}" for key, value, supported in (
         ("parallel.pipeline", parallel.pipeline, parallel.pipeline == 1),
         ("parallel.context", parallel.context, parallel.context == 1),
-        ("parallel.sequence_parallel", "true", not parallel.sequence_parallel),
-        ("parallel.zero_stage", parallel.zero_stage, parallel.zero_stage < 3),
-        ("parallel.expert", parallel.expert, parallel.expert == 1)) if not supported]
+        ("parallel.sequence_parallel", "true", not parallel.sequence_parallel)) if not supported]
     if unsupported:
-        raise ConfigError(f"eval.tasks runs in the loop at tensor and data parallelism with ZeRO 0-2, not with "
+        raise ConfigError(f"eval.tasks runs in the loop at tensor, data and expert parallelism with any ZeRO stage, "
+                          f"not with "
                           f"{', '.join(unsupported)}; leave eval.tasks empty and run `scaletrain eval RUN --tasks "
                           f"...` on the run's checkpoints")
 

@@ -1,6 +1,8 @@
 """In-loop downstream evaluation (eval.tasks, train/hooks/downstream.py): the numbers it logs at a step are those of
 `scaletrain eval RUN --tasks ... --checkpoint STEP`, in one process and with two data-parallel or tensor-parallel
-ranks, and the last step's are in the run's summary.json; a run that evaluates trains the same losses, bit for bit,
+ranks, two data-parallel ranks under ZeRO-3 and a mixture of experts split over two ranks (where every forward is
+a collective of the data-parallel ranks, so each scores every document), and the last step's are in the run's
+summary.json; a run that evaluates trains the same losses, bit for bit,
 as one that does not; a missing lm-eval, a layout it cannot score in and an unknown task are each refused in one
 line before the first step."""
 
@@ -24,7 +26,10 @@ TAG = "scaletrain_shakespeare"
 LIMIT = 12
 STEPS, EVERY = 4, 2
 # layout -> (ranks, overrides)
-LAYOUTS = {"tp1": (1, []), "dp2": (2, []), "tp2": (2, ["parallel.tensor=2"])}
+# 4 experts of width 32, top-2 (tests/train/test_moe_layouts.py's)
+MOE = ["model.moe.num_experts=4", "model.moe.ffn_hidden_size=32", "model.moe.capacity_factor=1.0"]
+LAYOUTS = {"tp1": (1, []), "dp2": (2, []), "tp2": (2, ["parallel.tensor=2"]),
+           "dp2_zero3": (2, ["parallel.zero_stage=3"]), "ep2": (2, [*MOE, "parallel.expert=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +124,7 @@ def test_without_lm_eval_a_run_with_eval_tasks_is_refused_in_one_line_before_ste
 
 @pytest.mark.parametrize("override, fragment", [
     ("parallel.pipeline=2", "not with parallel.pipeline=2"),
-    ("parallel.zero_stage=3", "not with parallel.zero_stage=3"),
+    ("parallel.sequence_parallel=true", "not with parallel.sequence_parallel=true"),
     ("parallel.context=2", "not with parallel.context=2"),
 ])
 def test_layouts_the_loop_cannot_score_in_are_refused_at_load(override: str, fragment: str) -> None:

@@ -5,7 +5,10 @@ The model is scored as it trains, with nothing loaded or copied: in eval mode an
 training mode (scoring.py), lm-eval's reseeding of random, numpy and torch undone (harness.run_tasks), so a run
 trains the same steps with or without it. The data-parallel replicas share the documents (lm-eval's rank and world
 size are the data-parallel ones) and the ranks of a tensor-parallel group score theirs together; rank 0 gathers
-and logs. The numbers are those of `scaletrain eval RUN --tasks ... --checkpoint STEP` on the checkpoint of the
+and logs. Under ZeRO-3 (each layer's weights gathered from the data-parallel ranks at its forward) and expert
+parallelism (tokens exchanged with the ranks that hold the experts) every forward is a collective of the
+data-parallel ranks, so they do not share the documents: each scores all of them, every rank the same forwards in
+the same order, and rank 0 logs its numbers. The numbers are those of `scaletrain eval RUN --tasks ... --checkpoint STEP` on the checkpoint of the
 same step (evaluation/downstream.py), the same Scorer and ScaletrainLM over the same weights, in the precision the
 model trains in (fp32 on CPU; a bf16 run's in-loop scores are its bf16 weights').
 
@@ -61,7 +64,8 @@ class DownstreamTasks(Hook):
         info = {"scaletrain": {"run": config.run.dir, "in_loop": True, "family": config.model.family,
                                "tensor_parallel": topology.tensor_parallel_size,
                                "data_parallel": topology.data_parallel_size}}
-        self._lm = self._harness.ScaletrainLM(scorer, parallel_state.get_data_parallel_group(), info)
+        sharing = None if lockstep(config) else parallel_state.get_data_parallel_group()
+        self._lm = self._harness.ScaletrainLM(scorer, sharing, info)
 
     @classmethod
     def for_run(cls, model: Any, config: Config, topology: Topology, logger: MetricsLogger,
@@ -94,6 +98,12 @@ class DownstreamTasks(Hook):
         write_results(results, Path(self._config.run.dir) / EVAL_DIR / f"step_{step:08d}")
         self._progress.write(f"step {step}: downstream {metrics_text(metrics)}")
         return metrics
+
+
+def lockstep(config: Config) -> bool:
+    """Whether every forward is a collective of the data-parallel ranks (ZeRO-3 gathers the weights, expert
+    parallelism exchanges the tokens): then each rank scores every request, in the same order."""
+    return config.parallel.zero_stage == 3 or config.parallel.expert > 1
 
 
 def harness_for_training(config: Config) -> ModuleType:

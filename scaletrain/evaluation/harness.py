@@ -206,6 +206,13 @@ def select_tasks(tasks: Sequence[str], include_paths: Sequence[Path] = ()) -> Ta
     return TaskSelection(manager, selected)
 
 
+def output_types(selection: TaskSelection) -> dict[str, str]:
+    """Each selected task's lm-eval output_type (loglikelihood, multiple_choice, loglikelihood_rolling or
+    generate_until) by task name, a group's or tag's member tasks each: what the model will be asked to do. The
+    tasks are built, their data loaded, as simple_evaluate builds them."""
+    return {name: task.config.output_type for name, task in selection.manager.load(selection.tasks)["tasks"].items()}
+
+
 def _check_named_data_files(manager: TaskManager, name: str) -> None:
     """_check_data_files for a task named (by its name, a tag or a group of its YAML): each member task's YAML."""
     entry = manager.task_index.get(name)

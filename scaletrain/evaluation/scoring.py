@@ -1,6 +1,9 @@
 """Scoring text with a model already loaded on this rank: the log-likelihood of a continuation after a context,
 and the model's own continuation of a prompt, for a decoder-only LM or an encoder-decoder, in any
 tensor-parallel layout (every rank of a TP group scores the same requests and gathers the vocabulary shards).
+Under sequence parallelism a batch is padded to a multiple of the TP size, and its log-likelihoods are those
+without it; the model's own continuation (one new token per forward) cannot run there (train/hooks/downstream.py
+refuses generate_until tasks).
 
 It is what lm-evaluation-harness asks of a model (evaluation/harness.py adapts it), without the harness, so the
 training loop can score its own model in place. The rules are those of lm-eval's `hf` backend
@@ -108,14 +111,24 @@ class Scorer:
         return [_score(log_probs[row, :len(target)], target) for row, target in enumerate(targets)]
 
     def _right_padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[batch, longest] token ids padded on the right with pad, and the mask of real tokens (1)."""
-        longest = max(map(len, sequences))
-        tokens = torch.full((len(sequences), longest), self.tokenizer.pad_id, dtype=torch.long)
+        """[batch, length] token ids padded on the right with pad, and the mask of real tokens (1); the length is
+        the longest sequence's, rounded up under sequence parallelism (`_forward_length`)."""
+        length = self._forward_length(max(map(len, sequences)))
+        tokens = torch.full((len(sequences), length), self.tokenizer.pad_id, dtype=torch.long)
         mask = torch.zeros_like(tokens)
         for row, sequence in enumerate(sequences):
             tokens[row, :len(sequence)] = torch.tensor(sequence)
             mask[row, :len(sequence)] = 1
         return tokens.to(self.device), mask.to(self.device)
+
+    def _forward_length(self, longest: int) -> int:
+        """`longest`, or under sequence parallelism the next multiple of the tensor-parallel size: that forward
+        splits the sequence over the TP ranks. More padding on the right changes no log-probability at a real
+        position (a decoder attends causally; an encoder-decoder masks its encoder's padding), and it stays within
+        model.seq_length, which the TP size divides under SP (parallel/layout_rules.py)."""
+        parallel = self.config.parallel
+        multiple = parallel.tensor if parallel.sequence_parallel else 1
+        return -(-longest // multiple) * multiple
 
 
 def _full_log_probs(local_logits: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,12 @@ size are the data-parallel ones) and the ranks of a tensor-parallel group score 
 and logs. Under ZeRO-3 (each layer's weights gathered from the data-parallel ranks at its forward) and expert
 parallelism (tokens exchanged with the ranks that hold the experts) every forward is a collective of the
 data-parallel ranks, so they do not share the documents: each scores all of them, every rank the same forwards in
-the same order, and rank 0 logs its numbers. The numbers are those of `scaletrain eval RUN --tasks ... --checkpoint STEP` on the checkpoint of the
-same step (evaluation/downstream.py), the same Scorer and ScaletrainLM over the same weights, in the precision the
-model trains in (fp32 on CPU; a bf16 run's in-loop scores are its bf16 weights').
+the same order, and rank 0 logs its numbers. Under sequence parallelism the TP ranks score together as under
+plain TP, each batch padded to a multiple of the TP size (Scorer); generation cannot run there, so a generate_until
+task is refused, in one line, when the tasks are found. Pipeline stages and context parallelism are refused at
+load (config.py's _validate_eval). The numbers are those of `scaletrain eval RUN --tasks ... --checkpoint STEP`
+on the checkpoint of the same step (evaluation/downstream.py), the same Scorer and ScaletrainLM over the same
+weights, in the precision the model trains in (fp32 on CPU; a bf16 run's in-loop scores are its bf16 weights').
 
 metrics.jsonl gets one record per evaluation: eval/downstream/<task>/<metric> (lm-eval's metric name, with
 `/<filter>` after it for a filter other than `none`) and eval/downstream/time_s, the evaluation's wall time on
@@ -46,7 +49,8 @@ TIME_KEY = PREFIX + "time_s"
 
 class DownstreamTasks(Hook):
     """Built only when eval.tasks lists tasks (`for_run`); the tasks are found, and lm-eval imported, before the
-    first step, so a missing extra or an unknown task stops the run in one line before it trains."""
+    first step, so a missing extra, an unknown task or, under sequence parallelism, a generate_until task stops the
+    run in one line before it trains."""
 
     order = 90  # after validation: the record's metrics reach RunSummary
 
@@ -59,6 +63,7 @@ class DownstreamTasks(Hook):
         self._config, self._topology, self._logger, self._progress = config, topology, logger, progress
         self._harness = harness_for_training(config)
         self._selection = selected_tasks(self._harness, config)
+        refuse_generation_under_sequence_parallel(self._harness, self._selection, config)
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
         scorer = Scorer(model, config, tokenizer, topology.device, config.eval.batch_size)
         info = {"scaletrain": {"run": config.run.dir, "in_loop": True, "family": config.model.family,
@@ -127,6 +132,23 @@ def selected_tasks(harness: ModuleType, config: Config) -> Any:
     except ValueError as error:
         message = str(error).replace("--include-path DIR", "eval.include_path").removeprefix("--tasks")
         raise ConfigError(f"eval.tasks{message}") from None
+
+
+def refuse_generation_under_sequence_parallel(harness: ModuleType, selection: Any, config: Config) -> None:
+    """One line naming the generate_until tasks of a run under sequence parallelism: generation decodes one new
+    token per forward behind a KV cache, and SP splits every forward's sequence over the tensor-parallel ranks,
+    so it cannot run there (scoring can: Scorer pads a batch to a multiple of the TP size). The tasks are built to
+    read their output types only under SP, where the answer matters."""
+    if not config.parallel.sequence_parallel:
+        return
+    generating = sorted(task for task, kind in harness.output_types(selection).items() if kind == "generate_until")
+    if generating:
+        names = ", ".join(generating)
+        raise ConfigError(f"eval.tasks: {names} (output_type generate_until) cannot run under "
+                          "parallel.sequence_parallel: generation decodes one token per forward behind a KV cache, "
+                          "and sequence parallelism splits every forward's sequence over the tensor-parallel ranks; "
+                          f"leave {names} out of eval.tasks, or train without parallel.sequence_parallel and score "
+                          "the run's checkpoints with `scaletrain eval RUN --tasks ...`")
 
 
 def lm_eval_limit(limit: float | None) -> float | int | None:

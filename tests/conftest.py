@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,27 @@ SMALL_DATASET_WORKS = ("hamlet_gut.txt", "macbeth_gut.txt", "tempest_gut.txt", "
                        "julius_caesar_gut.txt", "phoenix_and_the_turtle_gut.txt")
 SMALL_DATASET_SETTINGS = {"vocab_size": 1024, "num_sentinels": 16, "val_fraction": 0.3,
                           "max_tokens_per_shard": 60_000, "num_workers": 2, "seed": 0}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A run over whole directories (`make test`) starts the warm test server (tests/warm.py
+    warm_socket) in the background now instead of at its first use: it imports torch, megatron-core,
+    DeepSpeed and transformers (about 6 s of CPU), which then overlaps the single-threaded collection on
+    the other core instead of holding up the first test that runs a scaletrain command. (Its output goes
+    to its own log and each fork takes its client's stdin/stdout/stderr, so starting it outside pytest's
+    capture changes no test's output; the multiprocessing fork server, whose ranks print to the fds it
+    started with, still starts on first use, inside the capture.) A run of chosen files or tests starts
+    it as before, on first use: it may need none."""
+    if session.config.option.collectonly or not any(Path(arg).is_dir() for arg in session.config.args):
+        return
+    threading.Thread(target=_start_warm_server, name="start-warm-server", daemon=True).start()
+
+
+def _start_warm_server() -> None:
+    from tests.warm import warm_socket
+
+    with contextlib.suppress(Exception):  # where it fails to start, the first test needing it says why
+        warm_socket()
 
 
 @pytest.fixture(scope="session")

@@ -50,8 +50,12 @@ import threading
 import time
 from pathlib import Path
 
-PRELOADED = ("torch", "torch.distributed.run", "megatron.core", "deepspeed", "transformers", "scaletrain.cli",
-             "scaletrain.torchrun", "scaletrain.train.loop", "tests.warm", "tests.distributed.harness")
+# transformers.modeling_utils: `transformers` alone is a lazy module, and every fork that exports, imports or
+# compares with a transformers model (a model class's first use) imported modeling_utils and the scipy.optimize
+# it pulls in again, 2-4 s of CPU each (most of a `scaletrain export`); the fits of `sweep run` use scipy too.
+PRELOADED = ("torch", "torch.distributed.run", "megatron.core", "deepspeed", "transformers",
+             "transformers.modeling_utils", "scaletrain.cli", "scaletrain.torchrun", "scaletrain.train.loop",
+             "tests.warm", "tests.distributed.harness")
 SOCKET_VARIABLE = "SCALETRAIN_TEST_WARM_SOCKET"  # where tests/warm_client.py finds the server
 PYTHON_VARIABLE = "SCALETRAIN_TEST_PYTHON"  # the interpreter behind tests/warm_python
 TORCHRUN = "--torchrun"  # a client's first argument when it stands for `python -m torch.distributed.run`
@@ -319,8 +323,10 @@ def _end_with_client(connection: socket.socket) -> None:
 def main(socket_path: str) -> None:
     for name in PRELOADED:
         importlib.import_module(name)
-    # Importing torch starts one native thread (torch's own; its pools are re-made in a fork by torch's
-    # at-fork handlers), and no Python thread: forks see the same as multiprocessing's fork server.
+    # The imports start no Python thread, and native ones only in the OpenBLAS builds of numpy and scipy
+    # (one pool thread each on 2 cores; OpenBLAS shuts its pool down at fork and restarts it on use), and
+    # torch's pools are re-made in a fork by its at-fork handlers: forks see the same as multiprocessing's
+    # fork server.
     threads = len(os.listdir("/proc/self/task"))
     print(f"warm server: {len(PRELOADED)} modules imported, {threads} native thread(s)", flush=True)
     WarmServer(Path(socket_path)).serve()

@@ -5,13 +5,13 @@ of the one before check it."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
 from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
+from tests.warm import fork_of
 
 NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
 COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
@@ -55,22 +56,65 @@ def finish_sweep(data_dir: Path, root: Path) -> tuple[Path, Path, str]:
 
 def interrupt_and_run_again(data_dir: Path, root: Path) -> InterruptedSweep:
     """The tiny sweep killed (SIGKILL to the sweep and its trainer, mid-run, as a preemption would) once
-    its second run has written its first checkpoint, then run again."""
+    its second run has written its first checkpoint, then run again. The sweep and its runs are warm
+    forks (tests/warm.py), killed with kill_warm_tree (fresh processes imported torch and megatron-core
+    for the sweep and each run it started). Its fit keeps one law form and no bootstrap, 6 s of CPU
+    instead of 15: the tests read this sweep's runs and results.csv, never its fit (the finished sweep's
+    tests check that)."""
     sweep_dir = root / "sweep"
-    spec_path = write_spec(root / "spec.yaml", tiny_spec(data_dir, sweep_dir))
+    spec = tiny_spec(data_dir, sweep_dir, fit={"bootstrap": 0, "forms": ["kaplan"]})
+    spec_path = write_spec(root / "spec.yaml", spec)
     planned = [run.name for run in plan_sweep(load_sweep_spec(spec_path)).runs]
     victim = sweep_dir / "runs" / planned[1] / "checkpoints" / "latest"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    sweep = subprocess.Popen([sys.executable, "-m", "scaletrain", "sweep", "run", str(spec_path)], cwd=REPO, env=env,
+    sweep = subprocess.Popen([*launcher(1), "sweep", "run", str(spec_path)], cwd=REPO, env=scaletrain_environment(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 600
     while not victim.exists() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    os.killpg(sweep.pid, signal.SIGKILL)
+    kill_warm_tree(sweep.pid)
     sweep.wait()
     done_before = [name for name in planned if (sweep_dir / "runs" / name / "summary.json").exists()]
     return InterruptedSweep(sweep_dir, planned, done_before,
                             run_scaletrain("sweep", ["run", str(spec_path)], timeout=1500))
+
+
+def kill_warm_tree(client: int) -> None:
+    """SIGKILL a warm client and everything it stands for, at once, as a preemption would: the process
+    tree of the client and of the fork it stands for (tests/warm.py fork_of), and of each warm client in
+    them (a sweep's trainer), with its fork and that fork's children (a loader worker). Every process is
+    stopped before any is killed, so none sees another die (a sweep would record its trainer failed);
+    returns once all are gone."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    tree, frontier = [], [client]
+    while frontier:
+        pid = frontier.pop()
+        tree.append(pid)
+        frontier.extend(children.get(pid, []))
+        fork = fork_of(pid)
+        if fork is not None:
+            frontier.append(fork)
+    for sent in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sent)
+    deadline = time.monotonic() + 60
+    for pid in tree:
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"process {pid} outlived its SIGKILL"
+            time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def sweep_with_torchrun(data_dir: Path, root: Path) -> tuple[Path, subprocess.CompletedProcess]:

@@ -3,6 +3,7 @@ horizon, in N and D at two, seeds averaged in ln L; and the LR check's verdicts 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -111,6 +112,43 @@ def test_an_optimum_at_the_edge_of_the_grid_is_refused(multipliers: list[float],
     results = synthetic_grid([1e6, 8e6], multipliers, 0.05, 0.0)  # all far below (above) eta*
     with pytest.raises(ConfigError, match=f"at the {edge} grid point .*widen lr_multipliers .*{side}$"):
         fit_tuning(results, tune_batch=False)
+
+
+def diverged_above(results: list[GridResult], limit: float, seed: int) -> list[GridResult]:
+    """`results` with one seed's runs above `limit` x eta*(N) diverged (loss inf), as a run past its stability
+    edge is: the grid point just above the optimum fails for that seed."""
+    return [dataclasses.replace(r, loss=math.inf) if r.seed == seed and r.lr > limit * 0.01 * (r.params / 1e7) ** A
+            else r for r in results]
+
+
+def test_a_best_point_whose_upper_neighbour_diverged_is_refused_or_taken_as_the_optimum() -> None:
+    """By default the fit asks for finer multipliers; tune.unstable_neighbour: best_point takes the best grid
+    point (seed means in ln L) as the optimum, marked stability_limited, while the other sizes keep their
+    parabola vertex. A diverged lower neighbour is refused either way."""
+    sizes, multipliers = [1e6, 8e6, 6.4e7], [0.25, 0.5, 1.0, 2.0, 4.0]
+    results = synthetic_grid(sizes, multipliers, 0.05, 0.0, seeds=(1, 2))
+    # the optimum's LR of the largest size sits between two grid points; seed 2 diverges above 1.2 eta* there
+    largest = [r for r in results if r.params == int(6.4e7)]
+    unstable = diverged_above(largest, 1.2, seed=2) + [r for r in results if r.params != int(6.4e7)]
+    with pytest.raises(ConfigError, match="a neighbour of the best grid point failed or diverged; use finer "
+                                          "multipliers .*tune.unstable_neighbour: best_point"):
+        fit_tuning(unstable, tune_batch=False)
+    fit = fit_tuning(unstable, tune_batch=False, unstable_neighbour="best_point")
+    stable = fit_tuning(results, tune_batch=False)
+    means = {(r.params, r.lr): r.loss for r in seed_means(unstable)}
+    for optimum, reference in zip(fit.optima, stable.optima, strict=True):
+        if optimum.params != int(6.4e7):
+            assert not optimum.stability_limited and optimum == reference
+            continue
+        best_lr = min((lr for params, lr in means if params == optimum.params), key=lambda lr: means[optimum.params, lr])
+        assert optimum.stability_limited and optimum.parabola is None
+        assert (optimum.lr, optimum.loss) == pytest.approx((best_lr, means[optimum.params, best_lr]), rel=1e-12)
+        assert math.isfinite(means[optimum.params, best_lr])
+        assert abs(math.log(optimum.lr / reference.lr)) <= math.log(2)  # within the grid's step of the vertex
+    lower_failed = [dataclasses.replace(r, loss=math.inf) if r.params == int(1e6) and r.seed == 2 and
+                    r.lr < 0.01 * (1e6 / 1e7) ** A and r.lr > 0.5 * 0.01 * (1e6 / 1e7) ** A else r for r in results]
+    with pytest.raises(ConfigError, match="a neighbour of the best grid point failed or diverged"):
+        fit_tuning(lower_failed, tune_batch=False, unstable_neighbour="best_point")
 
 
 def test_the_lr_check_says_whether_the_rule_holds_and_by_how_much() -> None:

@@ -20,6 +20,7 @@ from scaletrain.config import ConfigError, build_dataclass, read_yaml
 from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, OBJECTIVES, PARAMS_COLUMNS, parse_exclusion
 from scaletrain.scaling.sweep.hyperparams import HyperparameterRules, validate_rules
 from scaletrain.scaling.sweep.layout import RESULT_COLUMNS
+from scaletrain.scaling.sweep.tune_fit import UNSTABLE_NEIGHBOUR
 
 MODES = ("isoflop", "grid", "ladder")
 BUDGET_MODES = ("isoflop", "ladder")  # modes whose runs belong to FLOPs budgets
@@ -144,6 +145,9 @@ class TuneOptions(Horizons):
     batch_multipliers: list[float] = field(default_factory=list)  # empty: the batch rule is not tuned
     seeds: list[int] = field(default_factory=list)  # empty: the spec's first seed
     check: LearningRateCheck | None = None
+    # where the LR above the best grid point diverged: refuse (ask for finer multipliers) | best_point (the
+    # optimum is the best point, the stability edge; sweep/tune_fit.py)
+    unstable_neighbour: str = "refuse"
 
     def tune_seeds(self, spec_seeds: list[int]) -> list[int]:
         return self.seeds or spec_seeds[:1]
@@ -406,6 +410,9 @@ def _validate_guards_and_tune(spec: SweepSpec, source: str) -> None:
     _validate_horizons(tune, f"{source}: tune")
     if len(set(tune.seeds)) != len(tune.seeds):
         raise ConfigError(f"{source}: tune.seeds={tune.seeds} repeats a seed; list each once")
+    if tune.unstable_neighbour not in UNSTABLE_NEIGHBOUR:
+        raise ConfigError(f"{source}: tune.unstable_neighbour={tune.unstable_neighbour!r}; use "
+                          f"{' or '.join(UNSTABLE_NEIGHBOUR)}")
     if tune.check is not None:
         _validate_check(tune.check, tune.tune_seeds(spec.seeds), f"{source}: tune.check")
 

@@ -161,7 +161,7 @@ def tune_sweep(spec_path: Path, log: callable = print) -> str:
     count = spec.hyperparameters.lr.count if spec.hyperparameters.lr is not None else "total"
     results = grid_results(plan.runs, rows, grid, count)
     try:
-        fit = fit_tuning(results, bool(spec.tune.batch_multipliers))
+        fit = fit_tuning(results, bool(spec.tune.batch_multipliers), spec.tune.unstable_neighbour)
     except ConfigError as error:
         raise ConfigError(f"sweep {spec.name}: tuning: {error} (grid losses in {results_path})") from None
     path = write_tuned(plan.directory, fit, results, grid, count, spec.tune.horizons()[0])
@@ -211,6 +211,7 @@ def _report(spec: SweepSpec, spec_path: Path, outcome: object, fit: TuningFit, p
     lines = [f"sweep {spec.name} tune: trained {len(outcome.trained)} runs, skipped {len(outcome.skipped)} "
              f"already done, {len(outcome.failed)} failed"]
     lines += [f"  N={o.params:,}, D={o.tokens:.4g}: eta*={o.lr:.4g} (loss {o.loss:.4f}), batch {o.batch_size}"
+              + (" (stability-limited: the next LR up diverged)" if o.stability_limited else "")
               for o in fit.optima]
     lines.append(f"lr: {fit.lr.formula('eta*')}" + (f" (seeds {', '.join(map(str, fit.seeds))} averaged in ln L)"
                                                     if len(fit.seeds) > 1 else ""))

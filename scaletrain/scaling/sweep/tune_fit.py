@@ -10,6 +10,12 @@ parabola through the best grid point and its two neighbours, whose vertex is eta
 (Bjorck et al. 2024, "Scaling Optimal LR Across Token Horizons", find it falling as a power of D at fixed N;
 Li et al. 2025, "Predictable Scale: Part I", fit eta* as a power law in both N and D). N0 and D0 are the
 geometric means of the optima's N and D, where value and exponents are least correlated.
+
+A best grid point whose next LR up diverged (with any seed) has no parabola: by default the fit refuses it and
+asks for finer multipliers; with tune.unstable_neighbour: best_point the optimum is the best point itself
+(stability_limited): the grid's best LR that trained with every seed, the next one up being past the LR where
+training becomes unstable (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training
+instabilities", measure this sensitivity of the final loss to the LR). Its error is at most the grid's step.
 """
 
 from __future__ import annotations
@@ -70,14 +76,17 @@ class PowerLaw:
 
 @dataclass(frozen=True)
 class Optimum:
-    """The optimum of one (size, horizon): the parabola's vertex and minimum, at its best batch."""
+    """The optimum of one (size, horizon): the parabola's vertex and minimum, at its best batch; or, where the
+    next LR up diverged and tune.unstable_neighbour is best_point, the best grid point (stability_limited)."""
 
     params: int
     tokens: float
     lr: float  # the parabola's vertex
     loss: float  # the parabola's minimum
     batch_size: int
-    parabola: tuple[float, float, float]  # loss = a ln(lr)^2 + b ln(lr) + c, through the best point's neighbours
+    # loss = a ln(lr)^2 + b ln(lr) + c, through the best point's neighbours; None where stability_limited
+    parabola: tuple[float, float, float] | None
+    stability_limited: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,10 +98,15 @@ class TuningFit:
     seeds: list[int]
 
 
-def parabola_vertex(xs: list[float], losses: list[float], what: str) -> tuple[float, float, tuple]:
+UNSTABLE_NEIGHBOUR = ("refuse", "best_point")  # tune.unstable_neighbour's choices
+
+
+def parabola_vertex(xs: list[float], losses: list[float], what: str,
+                    unstable_neighbour: str = "refuse") -> tuple[float, float, tuple | None]:
     """The vertex (x*, loss*) of the parabola through the lowest loss and its two neighbours on the grid `xs`
     (ascending), and the parabola's coefficients; refuses a best point at the grid's edge, where the optimum
-    may lie outside it, and a neighbour that diverged."""
+    may lie outside it, and a neighbour that diverged, unless it is the upper one and `unstable_neighbour` is
+    best_point: then the best point itself, without a parabola (None)."""
     best = int(np.argmin(losses))
     if best in (0, len(xs) - 1):
         edge, side = ("lowest", "below") if best == 0 else ("highest", "above")
@@ -100,8 +114,11 @@ def parabola_vertex(xs: list[float], losses: list[float], what: str) -> tuple[fl
                           f"the optimum may lie {side} the grid: widen lr_multipliers (or batch_multipliers) {side}")
     window = slice(best - 1, best + 2)
     if not all(math.isfinite(loss) for loss in losses[window]):
+        if unstable_neighbour == "best_point" and math.isfinite(losses[best - 1]):
+            return float(xs[best]), float(losses[best]), None
         raise ConfigError(f"{what}: a neighbour of the best grid point failed or diverged; use finer multipliers "
-                          "around the best one")
+                          "around the best one (or, where the LR above it diverged, tune.unstable_neighbour: "
+                          "best_point takes the best point as the optimum)")
     a, b, c = np.polyfit(xs[window], losses[window], 2)
     vertex = -b / (2 * a)
     return float(vertex), float(c - b * b / (4 * a)), (float(a), float(b), float(c))
@@ -152,12 +169,14 @@ def seed_sigma(results: list[GridResult]) -> tuple[float | None, int]:
     return (math.sqrt(squares / freedom), freedom) if freedom else (None, 0)
 
 
-def fit_tuning(results: list[GridResult], tune_batch: bool) -> TuningFit:
+def fit_tuning(results: list[GridResult], tune_batch: bool, unstable_neighbour: str = "refuse") -> TuningFit:
     """Per (size, horizon) the LR optimum (at each batch, then the batch optimum in ln B over those minima)
-    of the seed means, and the power laws through them: in N, or in N and D with two horizons or more."""
+    of the seed means, and the power laws through them: in N, or in N and D with two horizons or more.
+    `unstable_neighbour`: tune.unstable_neighbour (parabola_vertex)."""
     means = seed_means(results)
     keys = sorted({(r.params, r.horizon_key) for r in means})
-    optima = [_optimum([r for r in means if (r.params, r.horizon_key) == key], tune_batch) for key in keys]
+    optima = [_optimum([r for r in means if (r.params, r.horizon_key) == key], tune_batch, unstable_neighbour)
+              for key in keys]
     if len({params for params, _ in keys}) < 2:
         raise ConfigError("a power law in N needs grid results at two sizes at least; add sizes to `tune:`")
     horizons = sorted({horizon for _, horizon in keys})
@@ -168,15 +187,16 @@ def fit_tuning(results: list[GridResult], tune_batch: bool) -> TuningFit:
                      horizons=horizons, seeds=sorted({r.seed for r in results}))
 
 
-def _optimum(results: list[GridResult], tune_batch: bool) -> Optimum:
+def _optimum(results: list[GridResult], tune_batch: bool, unstable_neighbour: str) -> Optimum:
     per_batch = []
     first = results[0]
     where = f"{first.params:,} parameters, {first.tokens:.3g} tokens"
     for batch_size in sorted({r.batch_size for r in results}):
         grid = sorted((r for r in results if r.batch_size == batch_size), key=lambda r: r.lr)
         x, loss, parabola = parabola_vertex([math.log(r.lr) for r in grid], [r.loss for r in grid],
-                                            f"{where}, batch {batch_size}")
-        per_batch.append(Optimum(first.params, first.tokens, math.exp(x), loss, batch_size, parabola))
+                                            f"{where}, batch {batch_size}", unstable_neighbour)
+        per_batch.append(Optimum(first.params, first.tokens, math.exp(x), loss, batch_size, parabola,
+                                 stability_limited=parabola is None))
     if not tune_batch:
         return per_batch[0]
     batch_x, _, _ = parabola_vertex([math.log(o.batch_size) for o in per_batch], [o.loss for o in per_batch],

@@ -29,7 +29,8 @@ def plot_tuning(results: list[GridResult], fit: TuningFit, path: Path) -> Path:
         axes.plot([r.lr for r in grid], [r.loss for r in grid], "o", color=color,
                   label=f"N={optimum.params:.3g}{horizon}: eta*={optimum.lr:.3g}")
         x = np.linspace(math.log(grid[0].lr), math.log(grid[-1].lr), 100)
-        axes.plot(np.exp(x), np.polyval(optimum.parabola, x), "-", color=color, alpha=0.6)
+        if optimum.parabola is not None:  # a stability-limited optimum is its best grid point
+            axes.plot(np.exp(x), np.polyval(optimum.parabola, x), "-", color=color, alpha=0.6)
         axes.axvline(fit.lr(optimum.params, optimum.tokens), color=color, linestyle=":", alpha=0.8)
     axes.set_xscale("log")
     axes.set(xlabel="peak learning rate", ylabel="final validation loss",

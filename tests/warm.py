@@ -139,6 +139,26 @@ def fork_of(client_pid: int) -> int | None:
     return None
 
 
+def process_tree(pid: int, follow_forks: bool = False) -> list[int]:
+    """pid and its descendants, from /proc; with `follow_forks`, also the fork each warm client among them
+    stands for (fork_of) and that fork's descendants, which are no descendants of the client."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    tree, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        tree.append(current)
+        frontier.extend(children.get(current, []))
+        fork = fork_of(current) if follow_forks else None
+        if fork is not None:
+            frontier.append(fork)
+    return tree
+
+
 def _forks_directory(socket_path: Path) -> Path:
     return socket_path.parent / "forks"
 

@@ -31,7 +31,7 @@ from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
 from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
-from tests.warm import fork_of
+from tests.warm import process_tree
 
 NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
 COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
@@ -84,20 +84,7 @@ def kill_warm_tree(client: int) -> None:
     them (a sweep's trainer), with its fork and that fork's children (a loader worker). Every process is
     stopped before any is killed, so none sees another die (a sweep would record its trainer failed);
     returns once all are gone."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry.name))
-    tree, frontier = [], [client]
-    while frontier:
-        pid = frontier.pop()
-        tree.append(pid)
-        frontier.extend(children.get(pid, []))
-        fork = fork_of(pid)
-        if fork is not None:
-            frontier.append(fork)
+    tree = process_tree(client, follow_forks=True)
     for sent in (signal.SIGSTOP, signal.SIGKILL):
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):

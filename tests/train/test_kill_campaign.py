@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import DEMO_CONFIG, REPO, launcher, run_scaletrain, scaletrain_environment, tiny_overrides
+from tests.warm import process_tree  # torchrun starts each rank in a session of its own: found by parent
 
 STEPS = 30
 KILLS = 5
@@ -60,24 +61,6 @@ def _reject_constant(name: str) -> None:
 def staging_directories(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     return sorted(root.glob(".staging-step_*")) if root.is_dir() else []
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (torchrun starts each rank in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        tree.append(current)
-        frontier.extend(children.get(current, []))
-    return tree
 
 
 def process_groups(process: subprocess.Popen) -> set[int]:

@@ -683,7 +683,8 @@ def _sections_with_key(name: str) -> list[str]:
     `train.zero_stage` is `parallel.zero_stage`."""
     hints = typing.get_type_hints(Config)
     return [section.name for section in dataclasses.fields(Config)
-            if section.name not in ("model", "objective") and name in {f.name for f in dataclasses.fields(hints[section.name])}]
+            if section.name not in ("model", "objective")
+            and name in {f.name for f in dataclasses.fields(hints[section.name])}]
 
 
 def _families_with_key(name: str, model_sections: ModelSections, objective: bool = False) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,3 +185,88 @@ def test_an_interrupted_ladder_resumes(
     for name, row in results.items():
         assert (row["status"], row["val_loss"], row["steps"]) == (
             "done", reference[name]["val_loss"], reference[name]["steps"]), name
+
+
+def archive_cli(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher(1), "sweep", *arguments], cwd=REPO, env=scaletrain_environment(),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_an_archived_ladder_restores_on_a_new_machine_with_the_same_results(
+    ladder_sweep: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    """`sweep archive` keeps the finished runs' records without checkpoints; restored into an empty directory
+    (a new machine: the sweep directory gone), `sweep run` trains nothing and results.csv is the same, number
+    for number. Archiving again writes nothing new."""
+    reference_dir, _ = ladder_sweep
+    archive = tmp_path / "records"
+    spec_path = write_spec(tmp_path / "spec.yaml", ladder_spec(small_dataset, reference_dir, **ONE_SIZE))
+    archived = archive_cli("archive", str(spec_path), str(archive))
+    assert archived.returncode == 0, archived.stderr[-2000:]
+    assert "archived 3 finished runs of sweep tiny-ladder" in archived.stdout
+    assert not list(archive.rglob("checkpoints"))
+    assert sum(path.stat().st_size for path in archive.rglob("*") if path.is_file()) < sum(
+        (reference_dir / "runs" / name / "metrics.jsonl").stat().st_size for name in read_results(reference_dir)) / 3
+    again = archive_cli("archive", str(reference_dir), str(archive))
+    assert "archived 0 finished runs" in again.stdout and "3 already there unchanged" in again.stdout, again.stderr
+
+    new_machine = tmp_path / "sweep"
+    restored = archive_cli("restore", str(archive), "--to", str(new_machine))
+    assert restored.returncode == 0 and f"restored 3 finished runs into {new_machine}" in restored.stdout, \
+        restored.stderr[-2000:]
+    output = run_sweep(write_spec(tmp_path / "moved.yaml", ladder_spec(small_dataset, new_machine, **ONE_SIZE)))
+    assert "trained 0 runs, skipped 3 already done, 0 failed" in output
+    reference, results = read_results(reference_dir), read_results(new_machine)
+    assert set(results) == set(reference)
+    for name, row in results.items():
+        assert {key: value for key, value in row.items()} == reference[name], name
+
+
+def test_archive_keeps_back_a_stable_run_with_a_branch_to_go(ladder_sweep: tuple[Path, str], tmp_path: Path) -> None:
+    """A stable run whose branch has not finished is not archived (its branch needs its checkpoints, which
+    the archive does not keep); its finished branch is. Once the branch is done, the next archive adds it."""
+    from scaletrain.scaling.sweep.archive import archive_sweep, restore_sweep
+
+    reference_dir, _ = ladder_sweep
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(reference_dir, sweep_dir)
+    unfinished = sweep_dir / "runs" / "c2.4e10-l2-h64-a4-s7" / "summary.json"
+    kept = unfinished.read_bytes()
+    unfinished.unlink()
+    outcome = archive_sweep(sweep_dir, tmp_path / "records", "tiny-ladder")
+    assert outcome.archived == ["runs/c1.2e10-l2-h64-a4-s7"] and outcome.unfinished == 1
+    assert list(outcome.kept_back) == ["runs/stable-l2-h64-a4-s7"]
+    assert "1 of its branches (c2.4e10-l2-h64-a4-s7) start from its checkpoints" in \
+        outcome.kept_back["runs/stable-l2-h64-a4-s7"]
+    unfinished.write_bytes(kept)
+    outcome = archive_sweep(sweep_dir, tmp_path / "records", "tiny-ladder")
+    assert sorted(outcome.archived) == ["runs/c2.4e10-l2-h64-a4-s7", "runs/stable-l2-h64-a4-s7"]
+    assert outcome.unchanged == ["runs/c1.2e10-l2-h64-a4-s7"] and not outcome.kept_back
+    # a restore leaves a run that finished where it goes as it is, and puts the others back
+    shutil.rmtree(sweep_dir / "runs" / "stable-l2-h64-a4-s7")
+    _, restored, left = restore_sweep(tmp_path / "records", sweep_dir)
+    assert restored == ["runs/stable-l2-h64-a4-s7"] and len(left) == 2
+
+
+def test_archive_and_restore_refuse_what_is_not_a_sweep_or_an_archive(tmp_path: Path) -> None:
+    not_a_sweep = tmp_path / "empty"
+    not_a_sweep.mkdir()
+    result = archive_cli("archive", str(not_a_sweep), str(tmp_path / "records"))
+    assert result.returncode != 0 and not (tmp_path / "records").exists()
+    assert f"{not_a_sweep} holds no planned sweep" in result.stderr and "give its spec" in result.stderr
+    result = archive_cli("restore", str(not_a_sweep), "--to", str(tmp_path / "sweep"))
+    assert result.returncode != 0 and not (tmp_path / "sweep").exists()
+    assert f"{not_a_sweep} is no sweep archive (archive.json is missing)" in result.stderr
+
+
+def test_a_ladder_trains_each_stable_run_then_its_branches(small_dataset: Path, tmp_path: Path) -> None:
+    """The plan lists the stable runs first (SLURM's waves); the local executor trains one size at a time."""
+    from scaletrain.scaling.sweep.executors import execution_order
+
+    plan = plan_of(tmp_path, ladder_spec(small_dataset, tmp_path / "sweep", models={"shapes": TINY_SHAPES[1:]}))
+    assert [run.role for run in plan.runs] == ["stable", "stable", "branch", "branch", "branch", "branch"]
+    order = execution_order(plan.runs)
+    assert sorted(run.name for run in order) == sorted(run.name for run in plan.runs)
+    assert [run.role for run in order] == ["stable", "branch", "branch"] * 2
+    assert all(branch.stable_run == order[index].name for index in (0, 3) for branch in order[index + 1:index + 3])

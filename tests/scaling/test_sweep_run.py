@@ -289,6 +289,11 @@ def test_a_started_run_resumes_after_an_upgrade_that_added_a_key_but_not_after_a
     run_yaml.write_text(yaml.safe_dump(written_before, sort_keys=False))
     with pytest.raises(ConfigError, match=f"run {plan.runs[0].name} was started with a different config"):
         materialize(plan)
+    # a finished run without checkpoints (`sweep restore` puts runs back so) is refused alike
+    (run_dir / "checkpoints").rmdir()
+    (run_dir / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"run {plan.runs[0].name} was started with a different config"):
+        materialize(plan)
 
 
 def test_status_shows_a_running_runs_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

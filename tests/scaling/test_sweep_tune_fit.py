@@ -140,7 +140,8 @@ def test_a_best_point_whose_upper_neighbour_diverged_is_refused_or_taken_as_the_
         if optimum.params != int(6.4e7):
             assert not optimum.stability_limited and optimum == reference
             continue
-        best_lr = min((lr for params, lr in means if params == optimum.params), key=lambda lr: means[optimum.params, lr])
+        best_lr = min((lr for params, lr in means if params == optimum.params),
+                      key=lambda lr: means[optimum.params, lr])
         assert optimum.stability_limited and optimum.parabola is None
         assert (optimum.lr, optimum.loss) == pytest.approx((best_lr, means[optimum.params, best_lr]), rel=1e-12)
         assert math.isfinite(means[optimum.params, best_lr])

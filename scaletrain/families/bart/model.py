@@ -66,7 +66,8 @@ class DenoisingObjective(ObjectiveConfig):
     # the noising functions: any of sentence_permutation, document_rotation, token_masking, token_deletion,
     # text_infilling, which run in that order (families/bart/noising.py)
     noising: list[str] = field(default_factory=lambda: ["text_infilling", "sentence_permutation"])
-    infilling_ratio: float = bounded(0.3, "[0, 1)", "BART infills 0.3")  # share of tokens infilled spans cover (sec. 5.1)
+    # the share of tokens the infilled spans cover (sec. 5.1)
+    infilling_ratio: float = bounded(0.3, "[0, 1)", "BART infills 0.3")
     infilling_poisson_lambda: float = bounded(3.0, "> 0", "BART: 3.0")  # spans ~ Poisson(lambda) (sec. 2.2)
     mask_prob: float = bounded(0.15, "(0, 1)")  # token_masking's share of tokens
     deletion_ratio: float = bounded(0.15, "[0, 1)")  # share of tokens token_deletion removes

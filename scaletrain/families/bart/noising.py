@@ -42,7 +42,8 @@ NOISING_FUNCTIONS = ("sentence_permutation", "document_rotation", "token_masking
 
 @dataclass(frozen=True)
 class DenoisingNoise:
-    """Which noising functions run and their rates (the objective: section, families/bart/model.py DenoisingObjective)."""
+    """Which noising functions run and their rates (the objective: section, families/bart/model.py
+    DenoisingObjective)."""
 
     functions: tuple[str, ...] = ("text_infilling", "sentence_permutation")
     infilling_ratio: float = 0.3

@@ -4,7 +4,6 @@ Its spec, naming model.py's model and hf.py's adapter."""
 from __future__ import annotations
 
 from scaletrain.families.electra.hf import ADAPTER
-from scaletrain.families.electra.replaced_tokens import REPLACED_TOKEN_DETECTION
 from scaletrain.families.electra.model import (
     OBJECTIVE,
     ElectraConfig,
@@ -17,6 +16,7 @@ from scaletrain.families.electra.model import (
     pipeline_layers,
     validate,
 )
+from scaletrain.families.electra.replaced_tokens import REPLACED_TOKEN_DETECTION
 from scaletrain.model.family import ModelFamily
 
 FAMILY = ModelFamily(

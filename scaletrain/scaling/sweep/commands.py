@@ -1,4 +1,4 @@
-"""`scaletrain sweep plan|run|tune|status|finalize|run-one`: the command line of scaling-law sweeps."""
+"""`scaletrain sweep plan|run|tune|status|finalize|archive|restore|run-one`: the command line of scaling-law sweeps."""
 
 from __future__ import annotations
 
@@ -51,6 +51,20 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     finalize = commands.add_parser("finalize", help="write results.csv, fit and log the W&B summary run")
     finalize.add_argument("source", type=Path, help="the sweep spec or its directory")
     finalize.set_defaults(sweep_handler=_finalize)
+
+    archive = commands.add_parser("archive", help="copy the finished runs' records (no checkpoints) to a directory "
+                                  "that outlasts this machine; `sweep restore` puts them back")
+    archive.add_argument("source", type=Path, help="the sweep spec or its directory")
+    archive.add_argument("archive_dir", type=Path, metavar="ARCHIVE", help="the archive directory (created, or "
+                         "extended with the runs finished since)")
+    archive.set_defaults(sweep_handler=_archive)
+
+    restore = commands.add_parser("restore", help="put an archive's runs back, so `sweep run` and `sweep tune` skip "
+                                  "them and the fit reads them")
+    restore.add_argument("archive_dir", type=Path, metavar="ARCHIVE", help="a directory `sweep archive` wrote")
+    restore.add_argument("--to", type=Path, default=None, dest="sweep_dir",
+                         help="the sweep directory to restore into (default: the one the archive was made from)")
+    restore.set_defaults(sweep_handler=_restore)
 
     run_one_parser = commands.add_parser("run-one", help="train one run directory of a sweep (SLURM array tasks)")
     run_one_parser.add_argument("run_dir", type=Path, help="a run directory the sweep planned (holds config.yaml)")
@@ -127,6 +141,40 @@ def _status(args: argparse.Namespace) -> str:
 
 def _finalize(args: argparse.Namespace) -> str:
     return finalize_sweep(_sweep_dir(args.source))
+
+
+def _archive(args: argparse.Namespace) -> str:
+    from scaletrain.scaling.sweep.archive import archive_sweep
+
+    if args.source.is_dir():
+        sweep_dir, name = args.source, _archived_sweep_name(args.source)
+    else:
+        spec = load_sweep_spec(args.source)
+        sweep_dir, name = Path(spec.dir), spec.name
+    outcome = archive_sweep(sweep_dir, args.archive_dir, name)
+    lines = [f"archived {len(outcome.archived)} finished runs of sweep {name} in {args.archive_dir} "
+             f"({len(outcome.unchanged)} already there unchanged, {outcome.unfinished} not finished)"]
+    lines += [f"  kept back {run}: {why}; it trains again after a restore" for run, why in outcome.kept_back.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _archived_sweep_name(sweep_dir: Path) -> str:
+    """The sweep's name from its stored spec (SWEEP/sweep.json, or its tuning grid's)."""
+    from scaletrain.scaling.sweep.hyperparams import TUNE_DIR
+
+    for stored in (sweep_dir / SWEEP_FILE, sweep_dir / TUNE_DIR / SWEEP_FILE):
+        if stored.is_file():
+            return json.loads(stored.read_text())["spec"]["name"]
+    raise ConfigError(f"{sweep_dir} holds no planned sweep ({SWEEP_FILE} is missing, also in {TUNE_DIR}/): archive "
+                      "a sweep directory that `sweep run` or `sweep tune` has started, or give its spec")
+
+
+def _restore(args: argparse.Namespace) -> str:
+    from scaletrain.scaling.sweep.archive import restore_sweep
+
+    sweep_dir, restored, kept = restore_sweep(args.archive_dir, args.sweep_dir)
+    return (f"restored {len(restored)} finished runs into {sweep_dir} ({len(kept)} were already finished there); "
+            "`sweep run` / `sweep tune` skip them\n")
 
 
 def _run_one(args: argparse.Namespace) -> None:

@@ -35,8 +35,9 @@ class LocalOutcome:
 def materialize(plan: SweepPlan) -> None:
     """Write SWEEP/sweep.json, SWEEP/plan.json and each run's full config, RUN/run.yaml.
 
-    A run that already has checkpoints keeps its config: a changed spec would otherwise resume
-    it under different settings, so that is refused with the run's name. The stored config is read
+    A run that already has checkpoints, or has finished (also one `sweep restore` put back without its
+    checkpoints), keeps its config: a changed spec would otherwise resume it under different settings, or
+    count its result as the new spec's, so that is refused with the run's name. The stored config is read
     as today's code reads it, so a key added to scaletrain since (its default filled in) is no change:
     a sweep started before an upgrade resumes under it.
     """
@@ -46,7 +47,7 @@ def materialize(plan: SweepPlan) -> None:
         config = load_config(plan.spec.base, [*plan.spec.overrides, *run.overrides])
         run_dir = plan.run_dir(run)
         path = run_dir / RUN_CONFIG_FILE
-        if path.is_file() and (run_dir / "checkpoints").is_dir():
+        if path.is_file() and ((run_dir / "checkpoints").is_dir() or run_status(run_dir).state == "done"):
             if _as_read_now(path) != _as_yaml(config):
                 raise ConfigError(
                     f"sweep {plan.spec.name}: run {run.name} was started with a different config "
@@ -133,10 +134,11 @@ def _first_node() -> str:
 
 def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOutcome:
     """Train every unfinished run, one after another; a failed run is recorded and the others go on.
-    A ladder's stable runs come first in the plan; a branch whose stable run did not finish fails."""
+    A ladder trains each stable run and then its branches (execution_order); a branch whose stable run did
+    not finish fails."""
     materialize(plan)
     trained, skipped, failed = [], [], []
-    for index, run in enumerate(plan.runs, start=1):
+    for index, run in enumerate(execution_order(plan.runs), start=1):
         run_dir = plan.run_dir(run)
         state = run_status(run_dir).state
         if state == "done":
@@ -159,6 +161,22 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOu
             failed.append(run.name)
             log(f"    {run.name} failed: see {run_dir / TRAIN_LOG}")
     return LocalOutcome(trained, skipped, failed)
+
+
+def execution_order(runs: list[PlannedRun]) -> list[PlannedRun]:
+    """The plan's runs with each ladder branch moved up behind its stable run (the plan lists every stable run
+    first, as SLURM submits them in waves). One size at a time, a stable run's checkpoints are needed only until
+    its last branch has run: a sweep stopped on a machine that does not last (`sweep archive`) loses at most one
+    stable run's progress, and the checkpoints of the sizes done can be deleted while the sweep goes on."""
+    stables = {run.name for run in runs if run.role == "stable"}
+    ordered = []
+    for run in runs:
+        if run.role == "branch" and run.stable_run in stables:
+            continue  # placed behind its stable run
+        ordered.append(run)
+        if run.role == "stable":
+            ordered.extend(branch for branch in runs if branch.role == "branch" and branch.stable_run == run.name)
+    return ordered
 
 
 def _unfinished_stable_run(plan: SweepPlan, run: PlannedRun) -> str | None:

@@ -270,3 +270,23 @@ def test_a_ladder_trains_each_stable_run_then_its_branches(small_dataset: Path, 
     assert sorted(run.name for run in order) == sorted(run.name for run in plan.runs)
     assert [run.role for run in order] == ["stable", "branch", "branch"] * 2
     assert all(branch.stable_run == order[index].name for index in (0, 3) for branch in order[index + 1:index + 3])
+
+
+@pytest.mark.slow
+def test_a_ladder_two_runs_at_a_time_waits_for_the_stable_run(
+    ladder_sweep: tuple[Path, str], small_dataset: Path, tmp_path: Path
+) -> None:
+    """--jobs 2 on a ladder of one size: its stable run trains alone, its two branches then side by side (they
+    start from its checkpoints), and every result is the one-at-a-time ladder's."""
+    reference_dir, _ = ladder_sweep
+    spec_path = write_spec(tmp_path / "spec.yaml", ladder_spec(small_dataset, tmp_path / "sweep", **ONE_SIZE))
+    result = subprocess.run([*launcher(1), "sweep", "run", str(spec_path), "--jobs", "2"], cwd=REPO,
+                            env=scaletrain_environment(), capture_output=True, text=True, timeout=900)
+    assert "trained 3 runs, skipped 0 already done, 0 failed" in result.stdout, result.stderr[-3000:]
+    events = [line.split()[0] if line.startswith("[") else line.split()[0] + " done"
+              for line in result.stdout.splitlines() if line.startswith("[") or line.endswith(" done")]
+    assert events[:3] == ["[1/3]", "stable-l2-h64-a4-s7 done", "[2/3]"] and events[3] == "[3/3]"
+    reference, results = read_results(reference_dir), read_results(tmp_path / "sweep")
+    for name, row in results.items():
+        assert (row["status"], row["val_loss"], row["train_loss"]) == (
+            "done", reference[name]["val_loss"], reference[name]["train_loss"]), name

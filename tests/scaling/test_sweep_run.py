@@ -114,7 +114,17 @@ def sweep_with_torchrun(data_dir: Path, root: Path) -> tuple[Path, subprocess.Co
         env=scaletrain_environment(), capture_output=True, text=True, timeout=1500)
 
 
-SWEEPS = {"finished": finish_sweep, "interrupted": interrupt_and_run_again, "torchrun": sweep_with_torchrun}
+def sweep_two_at_a_time(data_dir: Path, root: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny sweep's first budget, two runs at a time (`--jobs 2`): (sweep directory, `sweep run`'s result)."""
+    sweep_dir = root / "sweep"
+    spec = in_process_loading(tiny_spec(data_dir, sweep_dir, budgets=[TINY_BUDGETS[0]]))
+    spec_path = write_spec(root / "spec.yaml", spec)
+    return sweep_dir, subprocess.run([*launcher(1), "sweep", "run", str(spec_path), "--jobs", "2"], cwd=REPO,
+                                     env=scaletrain_environment(), capture_output=True, text=True, timeout=1500)
+
+
+SWEEPS = {"finished": finish_sweep, "interrupted": interrupt_and_run_again, "torchrun": sweep_with_torchrun,
+          "two_at_a_time": sweep_two_at_a_time}
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +257,47 @@ def test_torchrun_executor_trains_the_same_runs_on_two_ranks(
         assert row["steps"] == reference[row["name"]]["steps"]
         # data-parallel reductions sum in another order: equal to float32 round-off, grown over the run
         assert float(row["val_loss"]) == pytest.approx(float(reference[row["name"]]["val_loss"]), rel=2e-3)
+
+
+@pytest.mark.slow
+def test_two_runs_at_a_time_train_the_same_runs(finished_sweep: tuple[Path, Path, str], sweeps: TrainedAhead) -> None:
+    """--jobs 2: two runs train side by side, each with half the cores, and every result is the one-at-a-time
+    sweep's, bit for bit (a run does not depend on what trains beside it)."""
+    _, reference_dir, _ = finished_sweep
+    sweep_dir, result = sweeps("two_at_a_time")
+    assert f"trained {len(TINY_SHAPES)} runs" in result.stdout, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    started = [index for index, line in enumerate(lines) if line.startswith("[")]
+    finished = [index for index, line in enumerate(lines) if line.endswith(" done")]
+    assert len(started) == len(finished) == len(TINY_SHAPES)
+    assert "(slot 0)" in lines[started[0]] and "(slot 1)" in lines[started[1]]
+    assert started[1] < finished[0], "the second run starts before the first ends"
+    reference = {row["name"]: row for row in read_results(reference_dir)}
+    for row in read_results(sweep_dir):
+        assert {key: row[key] for key in COMPARED} == {key: reference[row["name"]][key] for key in COMPARED}
+
+
+def test_slot_environment_gives_each_job_its_devices_or_its_cores() -> None:
+    from scaletrain.scaling.sweep.executors import slot_environment
+
+    assert slot_environment(0, 1, 1, gpus=8, environ={}) == {}  # one job: as before
+    assert slot_environment(1, 2, 2, gpus=4, environ={}) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert slot_environment(1, 2, 2, gpus=4, environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == {
+        "CUDA_VISIBLE_DEVICES": "6,7"}
+    with pytest.raises(ConfigError, match="--jobs 3 with --nproc 2 needs 6 GPUs, this machine has 4: use --jobs 2"):
+        slot_environment(0, 3, 2, gpus=4, environ={})
+    assert slot_environment(1, 2, 1, gpus=0, cpus=16, environ={}) == {"OMP_NUM_THREADS": "8"}
+    assert slot_environment(1, 4, 2, gpus=0, cpus=2, environ={}) == {"OMP_NUM_THREADS": "1"}
+    assert slot_environment(1, 2, 1, gpus=0, cpus=16, environ={"OMP_NUM_THREADS": "3"}) == {}
+
+
+def test_jobs_refused_below_one_and_with_slurm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(tmp_path / "unprepared", tmp_path / "sweep"))
+    assert main(["sweep", "run", str(spec_path), "--jobs", "0"]) == 2
+    assert "--jobs 0: give the number of runs to train at once, 1 or more" in capsys.readouterr().err
+    assert main(["sweep", "run", str(spec_path), "--executor", "slurm", "--jobs", "2"]) == 2
+    assert "--jobs 2: SLURM runs the array's tasks side by side itself" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_finalize_exits_non_zero_when_the_fit_fails_entirely(tmp_path: Path) -> None:

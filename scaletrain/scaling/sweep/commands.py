@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 # The executors, planner and results import torch and the model code: loaded when a command runs,
 # so `scaletrain --help` stays fast.
 EXECUTORS = ("local", "torchrun", "slurm")
+JOBS_HELP = ("runs trained at once on this machine (local and torchrun executors), each with its own GPUs "
+             "(--nproc of them) or a share of the cores; the results do not depend on it")
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,12 +35,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--executor", choices=EXECUTORS, default="local",
                      help="local: one process per run; torchrun: --nproc ranks per run; slurm: a job array")
     run.add_argument("--nproc", type=int, default=1, help="ranks per run (torchrun and slurm)")
+    run.add_argument("--jobs", type=int, default=1, help=JOBS_HELP)
     run.set_defaults(sweep_handler=_run)
 
     tune = commands.add_parser("tune", help="train the spec's `tune:` LR grid (idempotent) and fit the optimal "
                                "LR's power law in N (in N and D at several horizons) into SWEEP/tune/tuned.json; "
                                "then, with tune.check, train the rule at 0.5x/1x/2x into SWEEP/tune/check.json")
     tune.add_argument("spec", type=Path, help="a sweep spec with a `tune:` section")
+    tune.add_argument("--jobs", type=int, default=1, help=JOBS_HELP)
     tune.add_argument("--plan", action="store_true", help="print the grid's and the check's runs and their "
                       "predicted time; train nothing")
     tune.set_defaults(sweep_handler=_tune)
@@ -88,6 +92,10 @@ def _plan(args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace) -> str:
     if args.nproc < 1 or (args.executor == "local" and args.nproc != 1):
         raise ConfigError(f"--nproc {args.nproc}: use --nproc 1 with --executor local, or >= 1 with torchrun/slurm")
+    _check_jobs(args.jobs)
+    if args.executor == "slurm" and args.jobs != 1:
+        raise ConfigError(f"--jobs {args.jobs}: SLURM runs the array's tasks side by side itself (the spec's "
+                          "slurm.max_concurrent); --jobs is for the local and torchrun executors")
     from scaletrain.scaling.sweep.executors import run_local, submit_slurm
     from scaletrain.scaling.sweep.plan import plan_sweep
 
@@ -96,7 +104,7 @@ def _run(args: argparse.Namespace) -> str:
         print(f"warning: {warning}")
     if args.executor == "slurm":
         return submit_slurm(plan, args.nproc, args.spec)
-    outcome = run_local(plan, args.nproc)
+    outcome = run_local(plan, args.nproc, jobs=args.jobs)
     lines = [f"sweep {plan.spec.name}: trained {len(outcome.trained)} runs, skipped {len(outcome.skipped)} "
              f"already done, {len(outcome.failed)} failed" + (f" ({', '.join(outcome.failed)})" if outcome.failed
                                                              else "")]
@@ -106,7 +114,13 @@ def _run(args: argparse.Namespace) -> str:
 def _tune(args: argparse.Namespace) -> str:
     from scaletrain.scaling.sweep.tune import tune_sweep
 
-    return _tune_plan(args.spec) if args.plan else tune_sweep(args.spec)
+    _check_jobs(args.jobs)
+    return _tune_plan(args.spec) if args.plan else tune_sweep(args.spec, jobs=args.jobs)
+
+
+def _check_jobs(jobs: int) -> None:
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: give the number of runs to train at once, 1 or more")
 
 
 def _tune_plan(spec_path: Path) -> str:

@@ -12,7 +12,9 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,11 @@ from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep.layout import PLAN_FILE, RUN_CONFIG_FILE, RUNS_DIR, SWEEP_FILE, TRAIN_LOG
 from scaletrain.scaling.sweep.plan import PlannedRun, SweepPlan
 from scaletrain.scaling.sweep.results import read_status_file, run_data_fingerprint, run_status, write_status_file
+
+# The trainer processes this process started and that still run (local jobs run in threads): stopped together
+# when the sweep is interrupted.
+_TRAINERS: set[subprocess.Popen] = set()
+_TRAINERS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -73,11 +80,12 @@ def _as_read_now(path: Path) -> dict:
         return yaml.safe_load(path.read_text())
 
 
-def run_one(run_dir: Path, nproc: int = 1, nodes: int = 1) -> int:
+def run_one(run_dir: Path, nproc: int = 1, nodes: int = 1, environment: dict[str, str] | None = None) -> int:
     """Train (or resume) one run directory; record running/done/failed and the wall time in RUN/status.json.
 
     With nproc > 1 the run goes through torchrun on this node; with nodes > 1 (inside a SLURM job of
-    that many nodes) srun starts nproc ranks on each. Output goes to RUN/train.log.
+    that many nodes) srun starts nproc ranks on each. Output goes to RUN/train.log. `environment`: variables
+    set for the trainer (a local job slot's devices and threads, slot_environment).
     """
     if nodes > 1 and "SLURM_JOB_ID" not in os.environ:
         raise ConfigError(f"--nodes {nodes}: a run spans several nodes only inside a SLURM job of that many "
@@ -90,7 +98,7 @@ def run_one(run_dir: Path, nproc: int = 1, nodes: int = 1) -> int:
     write_status_file(run_dir, {"state": "running", "pid": os.getpid(), "host": socket.gethostname(),
                                 "attempts": attempts, "wall_s": wall_s, "slurm_job": slurm_job})
     started = time.monotonic()
-    returncode = _train_process(run_dir, nproc, nodes)
+    returncode = _train_process(run_dir, nproc, nodes, environment or {})
     wall_s += time.monotonic() - started
     done = returncode == 0 and run_status(run_dir).state == "done"
     # the data as the run ends: a corpus re-prepared later must not relabel this run's loss
@@ -101,13 +109,12 @@ def run_one(run_dir: Path, nproc: int = 1, nodes: int = 1) -> int:
     return 0 if done else (returncode or 1)
 
 
-def _train_process(run_dir: Path, nproc: int, nodes: int = 1) -> int:
-    environment = None
+def _train_process(run_dir: Path, nproc: int, nodes: int, extra_environment: dict[str, str]) -> int:
+    environment = {**os.environ, **extra_environment}
     if nodes > 1:  # as launch/slurm.sbatch: one srun task per rank, node by node, the first node the master
         launcher = ["srun", "--kill-on-bad-exit=0", "--wait=120", f"--nodes={nodes}", f"--ntasks-per-node={nproc}",
                     f"--ntasks={nodes * nproc}", "--distribution=block", sys.executable]
-        environment = {**os.environ, "MASTER_ADDR": _first_node(),
-                       "MASTER_PORT": str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000)}
+        environment.update(MASTER_ADDR=_first_node(), MASTER_PORT=str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000))
     elif nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     else:
@@ -117,12 +124,16 @@ def _train_process(run_dir: Path, nproc: int, nodes: int = 1) -> int:
         log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
         log.flush()
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+        with _TRAINERS_LOCK:
+            _TRAINERS.add(process)
         try:
             return process.wait()
         finally:
             if process.poll() is None:  # we were interrupted: do not leave the trainer behind
                 process.terminate()
                 process.wait()
+            with _TRAINERS_LOCK:
+                _TRAINERS.discard(process)
 
 
 def _first_node() -> str:
@@ -132,35 +143,103 @@ def _first_node() -> str:
     return hosts[0]
 
 
-def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print) -> LocalOutcome:
-    """Train every unfinished run, one after another; a failed run is recorded and the others go on.
-    A ladder trains each stable run and then its branches (execution_order); a branch whose stable run did
-    not finish fails."""
+def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print, jobs: int = 1) -> LocalOutcome:
+    """Train every unfinished run on this machine, `jobs` at a time, each in its slot's devices and threads
+    (slot_environment); a failed run is recorded and the others go on. Runs start in execution_order (a ladder:
+    each stable run, then its branches); a branch waits for its stable run and fails if that did not finish.
+    Every run is the same whatever else trains beside it (data order and initial weights follow from its
+    seed), so `jobs` changes the wall time, not the results."""
     materialize(plan)
     trained, skipped, failed = [], [], []
-    for index, run in enumerate(execution_order(plan.runs), start=1):
-        run_dir = plan.run_dir(run)
-        state = run_status(run_dir).state
+    order = execution_order(plan.runs)
+    position = {run.name: index for index, run in enumerate(order, start=1)}
+    waiting = []
+    for run in order:
+        state = run_status(plan.run_dir(run)).state
         if state == "done":
             skipped.append(run.name)
-            continue
-        if state in ("running", "queued"):
-            raise ConfigError(f"run {run.name} is {state} elsewhere ({run_status(run_dir).detail}); "
+        elif state in ("running", "queued"):
+            raise ConfigError(f"run {run.name} is {state} elsewhere ({run_status(plan.run_dir(run)).detail}); "
                               "wait for it or stop it before running the sweep here")
-        reason = _unfinished_stable_run(plan, run)
-        if reason:
-            write_status_file(run_dir, {**read_status_file(run_dir), "state": "failed", "reason": reason})
-            failed.append(run.name)
-            log(f"[{index}/{len(plan.runs)}] {run.name} failed: {reason}")
-            continue
-        log(f"[{index}/{len(plan.runs)}] {run.name}: {run.steps} steps, {run.tokens:,} tokens, "
-            f"{run.flops:.3g} FLOPs" + (" (resuming)" if (run_dir / "checkpoints").is_dir() else ""))
-        if run_one(run_dir, nproc) == 0:
-            trained.append(run.name)
         else:
-            failed.append(run.name)
-            log(f"    {run.name} failed: see {run_dir / TRAIN_LOG}")
+            waiting.append(run)
+    slots = list(range(jobs))
+    training: dict[Future, tuple[PlannedRun, int]] = {}
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        while waiting or training:
+            unfinished = {run.name for run in waiting} | {run.name for run, _ in training.values()}
+            for run in [run for run in waiting if run.stable_run not in unfinished or run.role != "branch"]:
+                if not slots:
+                    break
+                waiting.remove(run)
+                run_dir = plan.run_dir(run)
+                reason = _unfinished_stable_run(plan, run)
+                if reason:
+                    write_status_file(run_dir, {**read_status_file(run_dir), "state": "failed", "reason": reason})
+                    failed.append(run.name)
+                    log(f"[{position[run.name]}/{len(order)}] {run.name} failed: {reason}")
+                    continue
+                slot = slots.pop(0)
+                log(f"[{position[run.name]}/{len(order)}] {run.name}: {run.steps} steps, {run.tokens:,} tokens, "
+                    f"{run.flops:.3g} FLOPs" + (" (resuming)" if (run_dir / "checkpoints").is_dir() else "") +
+                    (f" (slot {slot})" if jobs > 1 else ""))
+                training[pool.submit(run_one, run_dir, nproc, 1, slot_environment(slot, jobs, nproc))] = (run, slot)
+            if not training:
+                continue
+            finished, _ = wait(training, return_when=FIRST_COMPLETED)
+            for future in sorted(finished, key=lambda future: position[training[future][0].name]):
+                run, slot = training.pop(future)
+                slots.append(slot)
+                if future.result() == 0:
+                    trained.append(run.name)
+                    if jobs > 1:
+                        log(f"    {run.name} done")
+                else:
+                    failed.append(run.name)
+                    log(f"    {run.name} failed: see {plan.run_dir(run) / TRAIN_LOG}")
+    except BaseException:
+        _stop_trainers()  # interrupted: stop the runs in flight (each resumes from its checkpoint next time)
+        raise
+    finally:
+        pool.shutdown(wait=True)
     return LocalOutcome(trained, skipped, failed)
+
+
+def slot_environment(slot: int, jobs: int, nproc: int, gpus: int | None = None, cpus: int | None = None,
+                     environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What a run of local job slot `slot` (of `jobs`) is started with, so that runs side by side do not share
+    devices or oversubscribe the cores: on a machine with GPUs, its `nproc` of them (CUDA_VISIBLE_DEVICES:
+    slot 1 of 4 single-GPU runs gets device 1); without, OMP_NUM_THREADS = the cores over jobs x nproc, unless
+    the environment sets it. One job changes nothing."""
+    if jobs == 1:
+        return {}
+    environ = os.environ if environ is None else environ
+    gpus = _visible_gpus() if gpus is None else gpus
+    if gpus:
+        if jobs * nproc > gpus:
+            raise ConfigError(f"--jobs {jobs} with --nproc {nproc} needs {jobs * nproc} GPUs, this machine has {gpus}: "
+                              f"use --jobs {max(1, gpus // nproc)} or fewer")
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(index) for index in range(gpus)]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(devices[slot * nproc:(slot + 1) * nproc])}
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (cpus or os.cpu_count() or 1) // (jobs * nproc)))}
+
+
+def _visible_gpus() -> int:
+    import torch  # the trainers' own import; here only to count the devices
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _stop_trainers() -> None:
+    with _TRAINERS_LOCK:
+        running = list(_TRAINERS)
+    for process in running:
+        if process.poll() is None:
+            process.terminate()
 
 
 def execution_order(runs: list[PlannedRun]) -> list[PlannedRun]:

@@ -83,7 +83,8 @@ def judge_point(params: int, tokens: float, shape: str, rule_lr: float, losses: 
     return CheckedPoint(params, tokens, shape, rule_lr, means, best, gap, 2 * sigma * math.sqrt(2 / seeds), optimum)
 
 
-def check_rule(spec: SweepSpec, spec_path: str, grid_plan: SweepPlan, grid: list[GridResult], log: callable) -> str:
+def check_rule(spec: SweepSpec, spec_path: str, grid_plan: SweepPlan, grid: list[GridResult], log: callable,
+               jobs: int = 1) -> str:
     """Train the check after the grid (the grid's runs stay in SWEEP/tune's plan and results, done), judge
     it, write SWEEP/tune/check.json; returns the report's lines."""
     from scaletrain.scaling.sweep.executors import run_local  # on use for speed: the training loop
@@ -95,7 +96,7 @@ def check_rule(spec: SweepSpec, spec_path: str, grid_plan: SweepPlan, grid: list
     check_plan, check_grid, points = plan_check(spec, rules, spec_path)
     plan = dataclasses.replace(grid_plan, runs=grid_plan.runs + check_plan.runs,
                                warnings=sorted({*grid_plan.warnings, *check_plan.warnings}))
-    outcome = run_local(plan, log=log)
+    outcome = run_local(plan, log=log, jobs=jobs)
     rows = [result_row(run.to_row(), plan.run_dir(run)) for run in plan.runs]
     write_results_csv(plan.directory, rows)
     count = rules.lr.count if rules.lr is not None else "total"

@@ -141,7 +141,7 @@ def _scaled_rules(spec: SweepSpec, rules: HyperparameterRules, centre: PlannedRu
     return dataclasses.replace(rules, **changes)
 
 
-def tune_sweep(spec_path: Path, log: callable = print) -> str:
+def tune_sweep(spec_path: Path, log: callable = print, jobs: int = 1) -> str:
     """Train the grid's unfinished runs, fit, write SWEEP/tune/tuned.json and the plot, then (with
     `tune.check`) train and judge the LR check; returns the report."""
     # Imported on use for speed: they load the training loop (torch, DeepSpeed), which planning and
@@ -155,7 +155,7 @@ def tune_sweep(spec_path: Path, log: callable = print) -> str:
     plan, grid = tune_plan(spec, str(spec_path))
     for warning in plan.warnings:
         log(f"warning: {warning}")
-    outcome = run_local(plan, log=log)
+    outcome = run_local(plan, log=log, jobs=jobs)
     rows = [result_row(run.to_row(), plan.run_dir(run)) for run in plan.runs]
     results_path = write_results_csv(plan.directory, rows)
     count = spec.hyperparameters.lr.count if spec.hyperparameters.lr is not None else "total"
@@ -168,7 +168,7 @@ def tune_sweep(spec_path: Path, log: callable = print) -> str:
     plot = plot_tuning(results, fit, plan.directory / TUNING_PLOT)
     report = _report(spec, spec_path, outcome, fit, path, plot)
     if spec.tune.check is not None:
-        report += check_rule(spec, str(spec_path), plan, results, log)
+        report += check_rule(spec, str(spec_path), plan, results, log, jobs)
     return report
 
 

@@ -104,7 +104,8 @@ def wait_for_slurm_step(cluster: SlurmCluster, job_id: int, run_dir: Path, log: 
                         timeout: float = 600.0) -> None:
     """Until the job's run has logged training step `step` (or later); fails if the job ends first."""
     deadline = time.monotonic() + timeout
-    while not ((run_dir / "metrics.jsonl").exists() and max(read_metrics(run_dir)[0], default=0) >= step):
+    while not ((run_dir / "metrics.jsonl").exists()
+               and max(read_metrics(run_dir, while_written=True)[0], default=0) >= step):
         assert cluster.job_fields(job_id)["JobState"] not in FINAL_STATES, log.read_text()[-3000:]
         assert time.monotonic() < deadline, f"no step {step} in {timeout:.0f} s:\n{log.read_text()[-3000:]}"
         time.sleep(0.02)

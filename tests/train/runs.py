@@ -74,10 +74,15 @@ def run_scaletrain(
     return result.stdout
 
 
-def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
-    """(training records by step, val_loss by step); a later record of a step replaces an earlier one."""
+def read_metrics(run_dir: Path, while_written: bool = False) -> tuple[dict[int, dict], dict[int, float]]:
+    """(training records by step, val_loss by step); a later record of a step replaces an earlier one.
+    `while_written`: the run is still writing, so a last line without its newline is a record half written
+    (left out; read it next time), not a broken file."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    if while_written:
+        text = text[:text.rfind("\n") + 1]
     training, validation = {}, {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in text.splitlines():
         record = json.loads(line)
         if "val_loss" in record:
             validation[record["step"]] = record["val_loss"]
@@ -111,7 +116,7 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, f"the run ended (exit {process.returncode}) before step {step}"
-        training, _ = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else ({}, {})
+        training, _ = read_metrics(run_dir, while_written=True) if (run_dir / "metrics.jsonl").exists() else ({}, {})
         if training and max(training) >= step:
             return
         time.sleep(0.02)

@@ -26,7 +26,7 @@ from scaletrain.config import ConfigError
 from scaletrain.scaling.fit_plots import PLOT_FILES
 from scaletrain.scaling.sweep.executors import materialize
 from scaletrain.scaling.sweep.plan import plan_sweep
-from scaletrain.scaling.sweep.results import RESULT_COLUMNS, write_status_file
+from scaletrain.scaling.sweep.results import RESULT_COLUMNS, run_status, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
@@ -275,6 +275,34 @@ def test_two_runs_at_a_time_train_the_same_runs(finished_sweep: tuple[Path, Path
     reference = {row["name"]: row for row in read_results(reference_dir)}
     for row in read_results(sweep_dir):
         assert {key: row[key] for key in COMPARED} == {key: reference[row["name"]][key] for key in COMPARED}
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_with_ctrl_c_leaves_its_run_interrupted_not_failed(small_dataset: Path, tmp_path: Path):
+    """SIGINT to `sweep run` mid-run (Ctrl-C, or a scheduler's stop, to the sweep alone): it stops its trainer
+    and ends; the run reads as interrupted, to resume from its checkpoint (`sweep status`: pending), not failed,
+    and no trainer is left running."""
+    sweep_dir = tmp_path / "sweep"
+    spec = tiny_spec(small_dataset, sweep_dir, budgets=[TINY_BUDGETS[1]], models={"shapes": [TINY_SHAPES[2]]})
+    spec_path = write_spec(tmp_path / "spec.yaml", spec)
+    (run,) = plan_sweep(load_sweep_spec(spec_path)).runs
+    run_dir = sweep_dir / "runs" / run.name
+    sweep = subprocess.Popen([*launcher(1), "sweep", "run", str(spec_path)], cwd=REPO, env=scaletrain_environment(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (run_dir / "checkpoints" / "latest").exists() and sweep.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tree = process_tree(sweep.pid, follow_forks=True)
+    assert not (run_dir / "summary.json").exists(), "the stop should land mid-run"
+    sweep.send_signal(signal.SIGINT)
+    assert sweep.wait(timeout=120) != 0
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["state"], run_status(run_dir).state) == ("running", "pending"), status
+    assert run_status(run_dir).detail == "interrupted; resumes from its checkpoint"
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in tree if _alive(pid)], "a trainer outlived the sweep"
 
 
 def test_slot_environment_gives_each_job_its_devices_or_its_cores() -> None:

@@ -176,9 +176,9 @@ def _archived_sweep_name(sweep_dir: Path) -> str:
     """The sweep's name from its stored spec (SWEEP/sweep.json, or its tuning grid's)."""
     from scaletrain.scaling.sweep.hyperparams import TUNE_DIR
 
-    for stored in (sweep_dir / SWEEP_FILE, sweep_dir / TUNE_DIR / SWEEP_FILE):
-        if stored.is_file():
-            return json.loads(stored.read_text())["spec"]["name"]
+    for planned in (sweep_dir, sweep_dir / TUNE_DIR):
+        if (planned / SWEEP_FILE).is_file():
+            return stored_spec(planned).name
     raise ConfigError(f"{sweep_dir} holds no planned sweep ({SWEEP_FILE} is missing, also in {TUNE_DIR}/): archive "
                       "a sweep directory that `sweep run` or `sweep tune` has started, or give its spec")
 

@@ -155,14 +155,15 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print, jobs: int 
     position = {run.name: index for index, run in enumerate(order, start=1)}
     waiting = []
     for run in order:
-        state = run_status(plan.run_dir(run)).state
-        if state == "done":
+        status = run_status(plan.run_dir(run))
+        if status.state == "done":
             skipped.append(run.name)
-        elif state in ("running", "queued"):
-            raise ConfigError(f"run {run.name} is {state} elsewhere ({run_status(plan.run_dir(run)).detail}); "
+        elif status.state in ("running", "queued"):
+            raise ConfigError(f"run {run.name} is {status.state} elsewhere ({status.detail}); "
                               "wait for it or stop it before running the sweep here")
         else:
             waiting.append(run)
+    environments = [slot_environment(slot, jobs, nproc) for slot in range(jobs)]  # refused before any run starts
     slots = list(range(jobs))
     training: dict[Future, tuple[PlannedRun, int]] = {}
     pool = ThreadPoolExecutor(max_workers=jobs)
@@ -184,7 +185,7 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print, jobs: int 
                 log(f"[{position[run.name]}/{len(order)}] {run.name}: {run.steps} steps, {run.tokens:,} tokens, "
                     f"{run.flops:.3g} FLOPs" + (" (resuming)" if (run_dir / "checkpoints").is_dir() else "") +
                     (f" (slot {slot})" if jobs > 1 else ""))
-                training[pool.submit(run_one, run_dir, nproc, 1, slot_environment(slot, jobs, nproc))] = (run, slot)
+                training[pool.submit(run_one, run_dir, nproc, 1, environments[slot])] = (run, slot)
             if not training:
                 continue
             finished, _ = wait(training, return_when=FIRST_COMPLETED)
@@ -199,11 +200,24 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print, jobs: int 
                     failed.append(run.name)
                     log(f"    {run.name} failed: see {plan.run_dir(run) / TRAIN_LOG}")
     except BaseException:
-        _stop_trainers()  # interrupted: stop the runs in flight (each resumes from its checkpoint next time)
+        # interrupted: stop the runs in flight and record them as interrupted, not failed (their threads saw
+        # the trainer end); each resumes from its checkpoint next time
+        _stop_trainers()
+        pool.shutdown(wait=True)
+        for run, _ in training.values():
+            _record_interrupted(plan.run_dir(run))
         raise
     finally:
         pool.shutdown(wait=True)
     return LocalOutcome(trained, skipped, failed)
+
+
+def _record_interrupted(run_dir: Path) -> None:
+    """RUN/status.json as an interrupted run's: `running` under this process, which is ending, so run_status
+    reads it as pending, to resume from its checkpoint, as the one-at-a-time sweep left an interrupted run."""
+    status = read_status_file(run_dir)
+    if status.get("state") == "failed" and run_status(run_dir).state != "done":
+        write_status_file(run_dir, {**status, "state": "running", "pid": os.getpid(), "host": socket.gethostname()})
 
 
 def slot_environment(slot: int, jobs: int, nproc: int, gpus: int | None = None, cpus: int | None = None,

@@ -43,6 +43,14 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing).free
 
 
+def write_atomically(path: Path, payload: bytes) -> None:
+    """Write `path` through a staging file renamed over it, so readers find the old contents or the new,
+    never half a file (the staging name carries the pid: two writers do not share one)."""
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    partial.write_bytes(payload)
+    os.replace(partial, path)
+
+
 def replace_directory(staging: Path, target: Path) -> None:
     """Swap a finished staging directory in for `target`: an old `target` is renamed aside first and
     removed only once the new one is in place, so readers find the old contents or the new, never half."""

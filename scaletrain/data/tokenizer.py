@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import sentencepiece as spm
 from scaletrain.config import ConfigError, DataConfig
 from scaletrain.data.documents import Document, iter_texts, list_documents
 from scaletrain.data.errors import DataError
+from scaletrain.disk import write_atomically
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<s>", "</s>"
 USER_SYMBOLS = ("[MASK]", "[CLS]", "[SEP]")
@@ -182,8 +182,8 @@ def write_tokenizer(prefix: Path, model_bytes: bytes, num_sentinels: int) -> Pat
         "special_ids": SPECIAL_IDS,
     }
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(model_path, model_bytes)
-    _write_atomic(_layout_path(prefix), (json.dumps(layout, indent=1) + "\n").encode())
+    write_atomically(model_path, model_bytes)
+    write_atomically(_layout_path(prefix), (json.dumps(layout, indent=1) + "\n").encode())
     return model_path
 
 
@@ -233,12 +233,6 @@ def _check_reusable_layout(model_file: Path, processor: spm.SentencePieceProcess
             f"data.tokenizer={model_file} lacks scaletrain's id layout (ids 0-6 {expected[:7]}, then the 256 byte "
             f"pieces <0x00>..<0xFF>); it was not made by `scaletrain prepare`: {fix}"
         )
-
-
-def _write_atomic(path: Path, payload: bytes) -> None:
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    partial.write_bytes(payload)
-    os.replace(partial, path)
 
 
 def _prefix_of(path: Path) -> Path:

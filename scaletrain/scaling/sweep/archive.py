@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import Any
 import yaml
 
 from scaletrain.config import ConfigError
+from scaletrain.disk import replace_directory, write_atomically
 from scaletrain.scaling.sweep.hyperparams import TUNE_DIR
 from scaletrain.scaling.sweep.layout import METRIC_PREFIX, PLAN_FILE, RUN_CONFIG_FILE, RUNS_DIR, STATUS_FILE
 from scaletrain.scaling.sweep.results import run_status
@@ -108,7 +108,7 @@ def archive_sweep(sweep_dir: Path, archive_dir: Path, sweep_name: str) -> Archiv
                 archived.append(name)
             runs.add(name)
     archive_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(archive_dir / ARCHIVE_FILE, json.dumps(
+    write_atomically(archive_dir / ARCHIVE_FILE, json.dumps(
         {"format": ARCHIVE_FORMAT, "sweep": sweep_name, "dir": str(sweep_dir), "runs": sorted(runs)},
         indent=2).encode() + b"\n")
     return ArchiveOutcome(archived, unchanged, kept_back, unfinished)
@@ -137,7 +137,7 @@ def restore_sweep(archive_dir: Path, sweep_dir: Path | None = None) -> tuple[Pat
         run_dir.mkdir(parents=True, exist_ok=True)
         # summary.json last: until it is there the run reads as not done, whatever else was written
         for file in (RUN_CONFIG_FILE, STATUS_FILE, METRICS_FILE, RUN_SUMMARY_FILE):
-            _write_atomically(run_dir / file, records[file])
+            write_atomically(run_dir / file, records[file])
         restored.append(name)
     return sweep_dir, restored, kept
 
@@ -209,14 +209,6 @@ def _write_run(run_archive: Path, records: dict[str, bytes]) -> None:
         for file in COPIED_FILES:
             (staging / file).write_bytes(records[file])
         (staging / ARCHIVED_METRICS).write_bytes(gzip.compress(records[METRICS_FILE], compresslevel=9, mtime=0))
-        if run_archive.exists():
-            shutil.rmtree(run_archive)
-        os.replace(staging, run_archive)
+        replace_directory(staging, run_archive)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_bytes(data)
-    os.replace(staging, path)

@@ -31,7 +31,7 @@ from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
 from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
-from tests.warm import process_tree
+from tests.warm import fork_of, process_tree
 
 NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
 COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
@@ -293,8 +293,18 @@ def test_a_sweep_stopped_with_ctrl_c_leaves_its_run_interrupted_not_failed(small
     while not (run_dir / "checkpoints" / "latest").exists() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     tree = process_tree(sweep.pid, follow_forks=True)
-    assert not (run_dir / "summary.json").exists(), "the stop should land mid-run"
+    # the trainer (the sweep's child, and its fork where warm) is frozen while the stop travels, so the tiny
+    # run cannot finish first; it goes on once the sweep has sent it SIGTERM (pending on the frozen process)
+    trainers = [pid for pid in tree if pid not in (sweep.pid, fork_of(sweep.pid))]
+    for pid in trainers:
+        os.kill(pid, signal.SIGSTOP)
+    assert trainers and not (run_dir / "summary.json").exists(), "the stop should land mid-run"
     sweep.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while not any(map(_sigterm_pending, trainers)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in trainers:
+        os.kill(pid, signal.SIGCONT)
     assert sweep.wait(timeout=120) != 0
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["state"], run_status(run_dir).state) == ("running", "pending"), status
@@ -303,6 +313,15 @@ def test_a_sweep_stopped_with_ctrl_c_leaves_its_run_interrupted_not_failed(small
     while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in tree if _alive(pid)], "a trainer outlived the sweep"
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits to be delivered to the (stopped) process: bit 15 of its pending-signal masks."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+                return True
+    return False
 
 
 def test_slot_environment_gives_each_job_its_devices_or_its_cores() -> None:

@@ -857,27 +857,15 @@ def _validate_train(config: Config) -> None:
 
 
 def _validate_eval(config: Config) -> None:
-    """In-loop downstream evaluation scores requests of every length with the training model as it is laid out:
-    layouts that run a model in stages or cut a sequence into chunks across ranks (pipeline stages, context
-    parallelism) are refused; `scaletrain eval RUN --tasks` scores their checkpoints. Sequence parallelism scores
-    (each batch padded to a multiple of the TP size) but cannot generate: its generate_until tasks are refused when
-    the tasks are found, before the first step. ZeRO-3 and expert parallelism are scored with every data-parallel
-    rank running every forward (train/hooks/downstream.py)."""
+    """In-loop downstream evaluation scores requests of every length with the training model as it is laid out, in
+    any layout (evaluation/scoring.py); generation, which decodes one token per forward behind a KV cache, runs on
+    a whole model or its tensor-parallel shard only, so under sequence or context parallelism and pipeline stages
+    a generate_until task is refused when the tasks are found, before the first step (train/hooks/downstream.py).
+    ZeRO-3 and expert parallelism are scored with every data-parallel rank running every forward."""
     evaluation = config.eval
     if any(not str(task).strip() for task in evaluation.tasks):
         raise ConfigError(f"eval.tasks={evaluation.tasks} has an empty entry; list lm-eval task names, task YAML "
                           "files or directories of them")
-    if not evaluation.tasks:
-        return
-    parallel = config.parallel
-    unsupported = [f"{key}={value}" for key, value, supported in (
-        ("parallel.pipeline", parallel.pipeline, parallel.pipeline == 1),
-        ("parallel.context", parallel.context, parallel.context == 1)) if not supported]
-    if unsupported:
-        raise ConfigError(f"eval.tasks runs in the loop at tensor (and sequence), data and expert parallelism with "
-                          f"any ZeRO stage, not with "
-                          f"{', '.join(unsupported)}; leave eval.tasks empty and run `scaletrain eval RUN --tasks "
-                          f"...` on the run's checkpoints")
 
 
 RECOMPUTE_MODES = ("none", "selective", "full", "auto")

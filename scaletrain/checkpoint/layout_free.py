@@ -202,13 +202,14 @@ def load_into_engine(engine: Any, checkpoint: Path, files: CheckedFiles, topolog
 
 
 def load_weights(module: nn.Module, checkpoint: Path, files: CheckedFiles, topology: Topology) -> None:
-    """Set every parameter of `module` (a whole model, not a pipeline stage) to its weight in `checkpoint`, cut
-    for this rank's tensor-parallel layout and checked finite; no optimizer state: a model to evaluate in a
-    layout of its own (evaluation/). No collectives: the caller agrees on a failure over all ranks."""
+    """Set every parameter of `module` (a whole model, or a pipeline stage: its parameters by the model's names) to
+    its weight in `checkpoint`, cut for this rank's tensor-parallel layout and checked finite; no optimizer state:
+    a model to evaluate in a layout of its own (evaluation/). A whole model must use every weight of the checkpoint
+    (a stage holds some). No collectives: the caller agrees on a failure over all ranks."""
     index = read_index(checkpoint)
     reader = _PieceReader(checkpoint, files)
-    parameters = dict(module.named_parameters())
-    extra = sorted(set(index["parameters"]) - set(parameters))
+    parameters = dict(local_parameters(module, topology))
+    extra = sorted(set(index["parameters"]) - set(parameters)) if topology.pipeline_parallel_size == 1 else []
     if extra:
         raise CheckpointError(f"checkpoint {checkpoint} has weights the model has not, e.g. {extra[0]}; it holds a "
                               "different model")

@@ -1,10 +1,13 @@
 """`scaletrain eval RUN --tasks ...`: lm-evaluation-harness tasks on a checkpoint as it is (no export), in one
-process or under torchrun in the tensor-parallel layout that trained it.
+process or under torchrun in the tensor-parallel and pipeline layout that trained it.
 
-Under a launcher every rank builds the model for its place in TP x DP, TP being the run's own, and reads only its
-shards of the weights (checkpoint/layout_free.py); the data-parallel replicas share the requests. Pipeline stages
-are not kept: a rank holds every layer of its TP shard, and the ranks a pipeline would take serve as more
-replicas. In one process the model is whole (TP=1), as `generate` and `eval` build it.
+Under a launcher every rank builds the model for its place in TP x PP x DP, TP and PP being the run's own, and
+reads only its shards of the weights (checkpoint/layout_free.py); the data-parallel replicas share the requests.
+The pipeline stages are kept when the world size is a multiple of TP x PP and no task generates (generation
+decodes one token per forward behind a KV cache, on a whole model or its TP shard: evaluation/scoring.py);
+otherwise a rank holds every layer of its TP shard, the ranks a pipeline would take serve as more replicas, and
+stderr says so. Context parallelism is not kept (its ranks serve as replicas too). In one process the model is
+whole (TP=1), as `generate` and `eval` build it.
 
 The results are lm-eval's own JSON, written to --out (default RUN/eval/step_NNNNNNNN/) as results_<time>.json,
 and one line per task on stdout.
@@ -87,12 +90,18 @@ def evaluate_downstream(run_dir: Path, run: TaskRun, checkpoint: str | None = No
     stored = stored_config(run_dir, chosen)
     check_scores(get_family(stored.model.family), run_dir)
     selection = harness.select_tasks(run.tasks, run.include_paths)
-    config = scoring_config(stored, world_size_from_environment())
+    world_size = world_size_from_environment()
+    generating = (world_size > 1 and stored.parallel.pipeline > 1
+                  and "generate_until" in harness.output_types(selection).values())
+    config = scoring_config(stored, world_size, generating)
     topology = init_distributed(config)
     try:
-        if topology.rank == 0 and stored.parallel.pipeline > 1:
-            print(f"the run trained in {stored.parallel.pipeline} pipeline stages: every rank holds all layers of "
-                  f"its tensor-parallel shard (TP={config.parallel.tensor})", file=sys.stderr)
+        if topology.rank == 0 and config.parallel.pipeline < stored.parallel.pipeline:
+            why = ("a task generates" if generating else
+                   f"the world size {world_size} is not a multiple of TP x PP = {stored.parallel.tensor} x "
+                   f"{stored.parallel.pipeline}")
+            print(f"the run trained in {stored.parallel.pipeline} pipeline stages; {why}, so every rank holds all "
+                  f"layers of its tensor-parallel shard (TP={config.parallel.tensor})", file=sys.stderr)
         path, (meta, model) = load_chosen(run_dir, chosen, partial(_load_in_layout, config, topology))
         if topology.rank == 0:
             announce_checkpoint(path, meta.step)
@@ -100,6 +109,7 @@ def evaluate_downstream(run_dir: Path, run: TaskRun, checkpoint: str | None = No
         scorer = Scorer(model.to(topology.device), config, tokenizer, topology.device, run.batch_size)
         info = {"scaletrain": {"checkpoint": str(path), "step": meta.step, "family": config.model.family,
                                "tensor_parallel": topology.tensor_parallel_size,
+                               "pipeline_parallel": topology.pipeline_parallel_size,
                                "data_parallel": topology.data_parallel_size,
                                "hf_model_args": harness.hf_model_args("EXPORT", scorer.encoder_decoder,
                                                                       scorer.context_length, tokenizer.eos_id)}}
@@ -113,16 +123,21 @@ def evaluate_downstream(run_dir: Path, run: TaskRun, checkpoint: str | None = No
     return DownstreamEvaluation(path, meta.step, results, results_file)
 
 
-def scoring_config(config: Config, world_size: int) -> Config:
-    """The run's model in this command's world: TP=1 in one process; under a launcher the run's own TP, the
-    world's other factor data-parallel replicas (no pipeline stages, no ZeRO, no sequence parallelism). A
-    decoder attends through SDPA: requests come in many lengths, and FlexAttention (model.attention_backend=auto
-    on a GPU) would build a block mask for each; how attention is computed, not what (a resume may change it)."""
+def scoring_config(config: Config, world_size: int, generating: bool = False) -> Config:
+    """The run's model in this command's world: TP=1 in one process; under a launcher the run's own TP, and its
+    pipeline stages where the world size is a multiple of TP x PP and no task generates (`generating`), the
+    world's other factor data-parallel replicas (no ZeRO, no sequence or context parallelism). A decoder attends
+    through SDPA: requests come in many lengths, and FlexAttention (model.attention_backend=auto on a GPU) would
+    build a block mask for each; how attention is computed, not what (a resume may change it)."""
     tensor = config.parallel.tensor if world_size > 1 else 1
     if world_size % tensor:
         raise ConfigError(f"world size {world_size} is not a multiple of the run's parallel.tensor={tensor}; launch "
                           f"a multiple of {tensor} ranks (torchrun --nproc_per_node={tensor}), or one process")
-    parallel = ParallelConfig(tensor=tensor, pipeline=1, data=None, zero_stage=0, timeout_s=config.parallel.timeout_s)
+    pipeline = config.parallel.pipeline
+    if world_size == 1 or generating or world_size % (tensor * pipeline):
+        pipeline = 1
+    parallel = ParallelConfig(tensor=tensor, pipeline=pipeline, pipeline_partition=config.parallel.pipeline_partition,
+                              data=None, zero_stage=0, timeout_s=config.parallel.timeout_s)
     model = config.model
     if hasattr(model, "attention_backend"):
         model = dataclasses.replace(model, attention_backend="sdpa")
@@ -141,9 +156,15 @@ def harness_module() -> ModuleType:
 
 
 def _load_in_layout(config: Config, topology: Topology, checkpoint: Path) -> tuple[CheckpointMeta, torch.nn.Module]:
-    """meta.json and the model on this rank, its weights cut for this rank; a rank's failure fails every rank."""
+    """meta.json and the model on this rank (its pipeline stage under pipeline parallelism), its weights cut for
+    this rank; a rank's failure fails every rank."""
     meta = read_meta(checkpoint)
-    model = build_model(config)
+    if config.parallel.pipeline > 1:
+        from scaletrain.train.pipeline import build_pipeline  # imports DeepSpeed
+
+        model = build_pipeline(config, topology)
+    else:
+        model = build_model(config)
     failure = None
     try:
         translate_load_errors(checkpoint, layout_free.STATE_DIR, lambda: layout_free.load_weights(

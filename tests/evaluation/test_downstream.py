@@ -344,3 +344,19 @@ def test_a_local_task_whose_data_file_is_missing_is_refused_naming_it(tmp_path: 
     data.write_text('{"document": 0, "context": "to be or not to ", "target": "be"}\n')
     for names, include in ways:
         assert select_tasks(names, include).tasks
+
+
+def test_the_offline_command_keeps_the_pipeline_stages_where_the_world_fits_them_and_no_task_generates() -> None:
+    """scoring_config: a TP=2 x PP=2 run scored by 4 or 8 ranks keeps its stages (the rest data-parallel); by 2 or
+    6 ranks (not a multiple of 4), or with a generate_until task, every rank holds all layers of its TP shard; in
+    one process the model is whole."""
+    from scaletrain.config_loader import load_config
+    from scaletrain.evaluation.downstream import scoring_config
+
+    run = load_config(DEMO_CONFIG, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.zero_stage=1",
+                                    "tracking.wandb=disabled"])
+    layouts = {(world, generating): (config.parallel.tensor, config.parallel.pipeline, config.parallel.data)
+               for world, generating in [(1, False), (2, False), (4, False), (4, True), (6, False), (8, False)]
+               for config in [scoring_config(run, world, generating)]}
+    assert layouts == {(1, False): (1, 1, 1), (2, False): (2, 1, 1), (4, False): (2, 2, 1), (4, True): (2, 1, 2),
+                       (6, False): (2, 1, 3), (8, False): (2, 2, 2)}

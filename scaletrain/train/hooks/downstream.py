@@ -4,16 +4,18 @@ step 0 of a fresh run, every eval.every steps and at the last step, as PeriodicE
 The model is scored as it trains, with nothing loaded or copied: in eval mode and without gradients, then back in
 training mode (scoring.py), lm-eval's reseeding of random, numpy and torch undone (harness.run_tasks), so a run
 trains the same steps with or without it. The data-parallel replicas share the documents (lm-eval's rank and world
-size are the data-parallel ones) and the ranks of a tensor-parallel group score theirs together; rank 0 gathers
+size are the data-parallel ones) and the ranks of one replica score theirs together, in the layout they train in
+(scoring.py): the tensor-parallel ranks gather the vocabulary shards, the context-parallel ranks each score the
+positions they hold, a pipeline's stages pass each batch on and the last sends the scores back; rank 0 gathers
 and logs. Under ZeRO-3 (each layer's weights gathered from the data-parallel ranks at its forward) and expert
 parallelism (tokens exchanged with the ranks that hold the experts) every forward is a collective of the
 data-parallel ranks, so they do not share the documents: each scores all of them, every rank the same forwards in
-the same order, and rank 0 logs its numbers. Under sequence parallelism the TP ranks score together as under
-plain TP, each batch padded to a multiple of the TP size (Scorer); generation cannot run there, so a generate_until
-task is refused, in one line, when the tasks are found. Pipeline stages and context parallelism are refused at
-load (config.py's _validate_eval). The numbers are those of `scaletrain eval RUN --tasks ... --checkpoint STEP`
-on the checkpoint of the same step (evaluation/downstream.py), the same Scorer and ScaletrainLM over the same
-weights, in the precision the model trains in (fp32 on CPU; a bf16 run's in-loop scores are its bf16 weights').
+the same order, and rank 0 logs its numbers. Generation (one new token per forward behind a KV cache) runs on a
+whole model or its TP shard only: under sequence or context parallelism and pipeline stages a generate_until task
+is refused, in one line, when the tasks are found. The numbers are those of `scaletrain eval RUN --tasks ...
+--checkpoint STEP` on the checkpoint of the same step (evaluation/downstream.py), the same Scorer and ScaletrainLM
+over the same weights, in the precision the model trains in (fp32 on CPU; a bf16 run's in-loop scores are its
+bf16 weights').
 
 metrics.jsonl gets one record per evaluation: eval/downstream/<task>/<metric> (lm-eval's metric name, with
 `/<filter>` after it for a filter other than `none`) and eval/downstream/time_s, the evaluation's wall time on
@@ -49,8 +51,8 @@ TIME_KEY = PREFIX + "time_s"
 
 class DownstreamTasks(Hook):
     """Built only when eval.tasks lists tasks (`for_run`); the tasks are found, and lm-eval imported, before the
-    first step, so a missing extra, an unknown task or, under sequence parallelism, a generate_until task stops the
-    run in one line before it trains."""
+    first step, so a missing extra, an unknown task or a generate_until task in a layout that cannot generate
+    stops the run in one line before it trains."""
 
     order = 90  # after validation: the record's metrics reach RunSummary
 
@@ -63,11 +65,13 @@ class DownstreamTasks(Hook):
         self._config, self._topology, self._logger, self._progress = config, topology, logger, progress
         self._harness = harness_for_training(config)
         self._selection = selected_tasks(self._harness, config)
-        refuse_generation_under_sequence_parallel(self._harness, self._selection, config)
+        refuse_generation_where_it_cannot_run(self._harness, self._selection, config)
         tokenizer = Tokenizer.load(dataset_location(config.data).tokenizer_path())
         scorer = Scorer(model, config, tokenizer, topology.device, config.eval.batch_size)
         info = {"scaletrain": {"run": config.run.dir, "in_loop": True, "family": config.model.family,
                                "tensor_parallel": topology.tensor_parallel_size,
+                               "pipeline_parallel": topology.pipeline_parallel_size,
+                               "context_parallel": topology.context_parallel_size,
                                "data_parallel": topology.data_parallel_size}}
         sharing = None if lockstep(config) else parallel_state.get_data_parallel_group()
         self._lm = self._harness.ScaletrainLM(scorer, sharing, info)
@@ -134,21 +138,35 @@ def selected_tasks(harness: ModuleType, config: Config) -> Any:
         raise ConfigError(f"eval.tasks{message}") from None
 
 
-def refuse_generation_under_sequence_parallel(harness: ModuleType, selection: Any, config: Config) -> None:
-    """One line naming the generate_until tasks of a run under sequence parallelism: generation decodes one new
-    token per forward behind a KV cache, and SP splits every forward's sequence over the tensor-parallel ranks,
-    so it cannot run there (scoring can: Scorer pads a batch to a multiple of the TP size). The tasks are built to
-    read their output types only under SP, where the answer matters."""
-    if not config.parallel.sequence_parallel:
+def refuse_generation_where_it_cannot_run(harness: ModuleType, selection: Any, config: Config) -> None:
+    """One line naming the generate_until tasks of a run whose layout cannot generate: generation decodes one new
+    token per forward behind a KV cache, on a whole model or its tensor-parallel shard (scoring runs in every
+    layout, scoring.py). The tasks are built to read their output types only in those layouts."""
+    reason = generation_blocker(config)
+    if reason is None:
         return
     generating = sorted(task for task, kind in harness.output_types(selection).items() if kind == "generate_until")
     if generating:
         names = ", ".join(generating)
-        raise ConfigError(f"eval.tasks: {names} (output_type generate_until) cannot run under "
-                          "parallel.sequence_parallel: generation decodes one token per forward behind a KV cache, "
-                          "and sequence parallelism splits every forward's sequence over the tensor-parallel ranks; "
-                          f"leave {names} out of eval.tasks, or train without parallel.sequence_parallel and score "
-                          "the run's checkpoints with `scaletrain eval RUN --tasks ...`")
+        setting, why = reason
+        raise ConfigError(f"eval.tasks: {names} (output_type generate_until) cannot run under {setting}: "
+                          f"generation decodes one token per forward behind a KV cache, and {why}; leave {names} "
+                          f"out of eval.tasks and score the run's checkpoints with `scaletrain eval RUN --tasks "
+                          f"{names}`, which generates in a layout without it")
+
+
+def generation_blocker(config: Config) -> tuple[str, str] | None:
+    """(the setting, why it stops generation) for a layout that cannot generate; None where it can."""
+    parallel = config.parallel
+    if parallel.sequence_parallel:
+        return "parallel.sequence_parallel", ("sequence parallelism splits every forward's sequence over the "
+                                              "tensor-parallel ranks")
+    if parallel.context > 1:
+        return f"parallel.context={parallel.context}", ("context parallelism splits every forward's sequence over "
+                                                         "the context-parallel ranks")
+    if parallel.pipeline > 1:
+        return f"parallel.pipeline={parallel.pipeline}", "the model's layers are split over pipeline stages"
+    return None
 
 
 def lm_eval_limit(limit: float | None) -> float | int | None:

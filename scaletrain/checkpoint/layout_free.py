@@ -7,7 +7,7 @@ Under `model/` of a checkpoint:
     index.json      every parameter: full shape, tensor-parallel split (dim, stride, pieces) and the
                     parts (file, offset, length) that tile each piece; Adam's step count
 
-Every parameter is named as in the plain, unpipelined model (train/pipeline.py keeps the names) at
+Every parameter is named as in the plain, unpipelined model (model/pipeline.py keeps the names) at
 its full shape over data parallelism and ZeRO; a tensor-parallel weight is kept as its TP pieces with
 the partition attributes that merge them (parallel/sharding.py), so any layout reads any other's: TP,
 PP, DP, ZeRO-0/1/2/3, fp32 and bf16 (the master weights are fp32 in both). This is the idea of
@@ -77,7 +77,7 @@ class RankPieces:
 def pipeline_to_model_name(name: str) -> str:
     """`3.blocks.2.mlp.fc.bias` or `tied_modules.embedding.embedding.word.weight` (a PipelineModule's
     names: layer index or tied key, then the layer's own names, which are the model's; see
-    train/pipeline.py) as the plain model's name."""
+    model/pipeline.py) as the plain model's name."""
     if name.startswith("tied_modules."):
         return name.removeprefix("tied_modules.").partition(".")[2]
     return name.partition(".")[2]

@@ -160,9 +160,9 @@ def _load_in_layout(config: Config, topology: Topology, checkpoint: Path) -> tup
     this rank; a rank's failure fails every rank."""
     meta = read_meta(checkpoint)
     if config.parallel.pipeline > 1:
-        from scaletrain.train.pipeline import build_pipeline  # imports DeepSpeed
+        from scaletrain.model.pipeline import build_pipeline  # imports DeepSpeed
 
-        model = build_pipeline(config, topology)
+        model = build_pipeline(config, topology, get_family(config.model.family))
     else:
         model = build_model(config)
     failure = None

@@ -5,7 +5,7 @@ DeepSpeed's `PipelineEngine.eval_batch` runs a schedule of micro-batches of one 
 the whole world and needs an engine; scoring sends batches of every length, the data-parallel replicas each score
 their own share of the requests (as many batches as they have), and `scaletrain eval --tasks` has no engine. So
 each stage runs its own layers (`TransformerPipeline.forward`, which packs what crosses a stage boundary into
-tensors, train/pipeline.py) and sends the result to the next stage's rank of the same tensor-parallel rank and
+tensors, model/pipeline.py) and sends the result to the next stage's rank of the same tensor-parallel rank and
 replica: first a description of the tensors (dtype and shape each), then the tensors. The last stage scores the
 logits and broadcasts the scores to its pipeline's other stages, so every rank of the replica returns them.
 """
@@ -22,7 +22,7 @@ from scaletrain.model.chunked_cross_entropy import as_logits
 
 
 def pipeline_forward(pipeline: nn.Module) -> ScoreForward:
-    """The scores of `pipeline` (this rank's stage of a train/pipeline.py TransformerPipeline) on a batch whose
+    """The scores of `pipeline` (this rank's stage of a model/pipeline.py TransformerPipeline) on a batch whose
     keys are the family's batch schema's first-stage inputs."""
     schema = pipeline.batch_schema
     first, last = pipeline.stage_id == 0, pipeline.stage_id == pipeline.num_stages - 1

@@ -125,7 +125,7 @@ def gathered_over_context(local: TokenScores, length: int) -> TokenScores:
 class Scorer:
     """Log-likelihoods and continuations from `model` (the config's family on this rank, on `device`), batch_size
     requests per forward, in eval mode (the model's mode is restored after each call). Under pipeline stages
-    `model` is this rank's stage (train/pipeline.py TransformerPipeline)."""
+    `model` is this rank's stage (model/pipeline.py TransformerPipeline)."""
 
     def __init__(self, model: nn.Module, config: Config, tokenizer: Tokenizer, device: torch.device,
                  batch_size: int = 8) -> None:

@@ -81,7 +81,7 @@ def sequence_parallel_region(config: Config, module: nn.Module) -> nn.Module:
 
 # Activations between layers: (hidden [seq, batch, h], *extras), the extras what the batch carried beside
 # the tokens: a prefix LM's prefix_lengths [batch], the document ids [batch, seq], or both. They travel
-# with the hidden state through every pipeline stage (as integers, train/pipeline.py), so each block
+# with the hidden state through every pipeline stage (as integers, model/pipeline.py), so each block
 # builds its mask and positions from them; their shapes tell them apart.
 
 NO_DOCUMENTS = DocumentAttention()

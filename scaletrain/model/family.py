@@ -7,7 +7,7 @@ of branching on the name (the pattern of torchtitan's `ModelSpec`).
 
 The model itself is an ordered list of `PipelineLayer`s: each builds the modules at one place in
 the model (so its parameters carry the model's names) and maps a tuple of activations to the next.
-`LayeredModel` runs them in order on one device; train/pipeline.py hands the same layers to
+`LayeredModel` runs them in order on one device; model/pipeline.py hands the same layers to
 DeepSpeed's pipeline engine, which builds only a stage's own. There is no second definition of a
 model, and checkpoints from any layout hold the same parameter names.
 """

@@ -9,7 +9,7 @@ tensors as no-ops), and every parameter tensor is counted:
   rank holds elements / TP;
 - every other tensor (norms, row-parallel biases, learned positions) is replicated on every rank.
 
-Stages (train/pipeline.py with parallel.pipeline_partition=blocks): the blocks are split evenly,
+Stages (model/pipeline.py with parallel.pipeline_partition=blocks): the blocks are split evenly,
 num_blocks / PP per stage; the layers before the first block sit on stage 0, those after the last
 block on the last stage. A tied layer (`tied_to`, e.g. GPT's output layer sharing the word table)
 adds nothing at PP=1; with PP>1 DeepSpeed's TiedLayerSpec builds a copy of the tied module on the

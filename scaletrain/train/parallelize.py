@@ -5,7 +5,7 @@ their own weights and all-reduce their own activations. What those layers do not
 after the model is built and before DeepSpeed wraps it (torchtitan's order: build, then
 `parallelize_llama`, torchtitan/models/llama3/infra/parallelize.py):
 
-- pipeline stages: the family's pipeline layers cut into DeepSpeed stages (train/pipeline.py);
+- pipeline stages: the family's pipeline layers cut into DeepSpeed stages (model/pipeline.py);
 - sequence parallelism: norms see one sequence slice per TP rank, so their gradients are summed over
   TP before ZeRO sees them (parallel/sequence_parallel.py);
 - ZeRO-3: a tied weight used outside the module that owns it is announced, or the borrowing module
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import Config, ConfigError
-from scaletrain.families import build_model
+from scaletrain.families import build_model, get_family
 from scaletrain.notices import OP_BUILT, without_stdout_lines
 from scaletrain.parallel.expert_parallel import expert_parallel_group
 from scaletrain.parallel.groups import Topology, resolve_precision
@@ -35,13 +35,13 @@ def build_training_model(config: Config, topology: Topology) -> nn.Module:
     if topology.pipeline_parallel_size > 1:
         import deepspeed
 
-        from scaletrain.train.pipeline import build_pipeline
+        from scaletrain.model.pipeline import build_pipeline
 
         # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
         with without_stdout_lines(OP_BUILT):  # its comm layer loads DeepSpeed's CPU op
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
-        return parallelize(build_pipeline(config, topology), config, topology)
+        return parallelize(build_pipeline(config, topology, get_family(config.model.family)), config, topology)
     return parallelize(build_model(config), config, topology)
 
 

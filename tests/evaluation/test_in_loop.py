@@ -163,10 +163,10 @@ def _scorer_in_layout(family: str, parallel: dict, state: dict | None) -> tuple:
     from scaletrain.checkpoint.layout_free import pipeline_to_model_name
     from scaletrain.config_loader import config_from_dict, validate
     from scaletrain.evaluation.scoring import Scorer
-    from scaletrain.families import build_model
+    from scaletrain.families import build_model, get_family
+    from scaletrain.model.pipeline import build_pipeline
     from scaletrain.parallel.groups import init_distributed
     from scaletrain.parallel.layout import resolve_for_world
-    from scaletrain.train.pipeline import build_pipeline
 
     config = config_from_dict({
         "model": {"family": family, "num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_length": 16,
@@ -177,7 +177,7 @@ def _scorer_in_layout(family: str, parallel: dict, state: dict | None) -> tuple:
     topology = init_distributed(config)
     torch.manual_seed(0)
     if config.parallel.pipeline > 1:
-        model = build_pipeline(config, topology)
+        model = build_pipeline(config, topology, get_family(family))
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 parameter.copy_(state[pipeline_to_model_name(name)])

@@ -18,7 +18,7 @@ from torch import nn
 
 from scaletrain.config import Config
 from scaletrain.config_loader import config_from_dict, validate
-from scaletrain.families import build_model
+from scaletrain.families import build_model, get_family
 from scaletrain.parallel.groups import init_distributed
 from scaletrain.parallel.layout import resolve_for_world
 from scaletrain.train.engine import build_engine
@@ -158,12 +158,12 @@ class _SavedActivations:
 
 
 def _pipeline_stage_parameters(world_size: int) -> dict[str, int]:
-    from scaletrain.train.pipeline import build_pipeline
+    from scaletrain.model.pipeline import build_pipeline
 
     config = case_config(PIPELINE_MODEL, {"pipeline": 2, "pipeline_partition": "blocks"}, {}, world_size)
     _reset_model_parallel()
     topology = init_distributed(config)
-    model = build_pipeline(config, topology)
+    model = build_pipeline(config, topology, get_family(config.model.family))
     return {"stage": parallel_state.get_pipeline_model_parallel_rank(),
             "parameters": sum(p.numel() for p in model.parameters())}
 

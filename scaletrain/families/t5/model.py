@@ -5,7 +5,7 @@ untied output layer). Activations are [sequence, batch, hidden] as in layers.py;
 maps the parameter names onto Hugging Face's `T5ForConditionalGeneration`.
 
 The model is a list of pipeline layers (model/family.py) that `T5` runs on one device and
-train/pipeline.py cuts into DeepSpeed stages. Activations between them, masks [batch, seq]
+model/pipeline.py cuts into DeepSpeed stages. Activations between them, masks [batch, seq]
 (1 = real token) as integers, so DeepSpeed passes them without gradients (None only on one device):
 
     embedding ........................ (encoder_tokens, decoder_tokens, encoder_mask, decoder_mask)

@@ -30,7 +30,6 @@ from torch.utils.checkpoint import checkpoint
 from scaletrain import upstream
 from scaletrain.batch import Batch
 from scaletrain.config import Config
-from scaletrain.families import get_family
 from scaletrain.model.family import ModelFamily, PipelineLayer, apply_recompute, install
 from scaletrain.notices import PIPELINE_LAYOUT, without_stdout_lines
 from scaletrain.parallel.groups import Topology
@@ -116,11 +115,13 @@ class TransformerPipeline(PipelineModule):
         return boundaries + [self._layer_count]
 
 
-def build_pipeline(config: Config, topology: Topology) -> TransformerPipeline:
+def build_pipeline(config: Config, topology: Topology, family: ModelFamily) -> TransformerPipeline:
+    """This rank's stage of `family`'s model (the config's: families.get_family, which the caller looks up, as the
+    model package sits below the family registry)."""
     # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing torch group.
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     with without_stdout_lines(PIPELINE_LAYOUT):  # DeepSpeed prints its partition; the start line says the layout
-        return TransformerPipeline(config, topology, get_family(config.model.family))
+        return TransformerPipeline(config, topology, family)
 
 
 def _layer_specs(layers: list[PipelineLayer]) -> list[LayerSpec]:

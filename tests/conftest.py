@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +81,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+# SCALETRAIN_TEST_TIMES=FILE: each test's wall time and the machine's busy CPU time meanwhile (every process, from
+# /proc/stat: on a quiet machine, what the test and the processes it started used), as JSON at the end. A test whose
+# CPU time is well below its wall time waits (a timeout, a stall, a scheduler) more than it computes.
+_machine_times: dict[str, tuple[float, float]] = {}
+
+
+def _busy_cpu_s() -> float:
+    fields = [int(value) for value in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not os.environ.get("SCALETRAIN_TEST_TIMES"):
+        yield
+        return
+    wall, busy = time.monotonic(), _busy_cpu_s()
+    yield
+    _machine_times[item.nodeid] = (time.monotonic() - wall, _busy_cpu_s() - busy)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("SCALETRAIN_TEST_TIMES")
+    if path and _machine_times:
+        Path(path).write_text(json.dumps(_machine_times, indent=1))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -94,8 +94,11 @@ def warm_socket() -> Path:
             _socket_path = directory / "server.sock"
             log = (directory / "server.log").open("w")
             repo = Path(__file__).resolve().parents[1]
+            # SIGINT at its default, as in a terminal: a shell's background job (CI as `nohup bash .ci/run &`)
+            # starts ignoring it, and the forks would keep that (a client's own ignored signals still reach them)
             _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(_socket_path)], cwd=repo,
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                       preexec_fn=_default_sigint)
             deadline = time.monotonic() + 300
             while not _socket_path.exists():
                 if _server.poll() is not None or time.monotonic() > deadline:
@@ -126,6 +129,10 @@ def warm_environment(environment: dict[str, str]) -> dict[str, str]:
     """`environment` with warm_bin() first on PATH and what tests/warm_python needs to reach the server."""
     return {**environment, "PATH": f"{warm_bin()}{os.pathsep}{environment.get('PATH', '')}",
             SOCKET_VARIABLE: str(warm_socket()), PYTHON_VARIABLE: sys.executable}
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def fork_of(client_pid: int) -> int | None:

@@ -287,8 +287,10 @@ def test_a_sweep_stopped_with_ctrl_c_leaves_its_run_interrupted_not_failed(small
     spec_path = write_spec(tmp_path / "spec.yaml", spec)
     (run,) = plan_sweep(load_sweep_spec(spec_path)).runs
     run_dir = sweep_dir / "runs" / run.name
+    # SIGINT at its default, as in a terminal (a shell's background job, CI as `nohup bash .ci/run &`, ignores it)
     sweep = subprocess.Popen([*launcher(1), "sweep", "run", str(spec_path)], cwd=REPO, env=scaletrain_environment(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "latest").exists() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -41,7 +41,7 @@ from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.families import get_family
 from scaletrain.generate import Generation, continue_text, generation_of
 from scaletrain.model.family import ModelFamily
-from scaletrain.parallel.context_parallel import context_parallel_size, zigzag_positions
+from scaletrain.parallel.context_parallel import context_parallel_size, local_tokens, zigzag_positions
 from scaletrain.parallel.sharding import gather_last_dim
 
 # (context token ids, continuation token ids): score the continuation after the context
@@ -92,18 +92,10 @@ def model_forward(model: nn.Module) -> ScoreForward:
     context-parallel ranks then gather (`gathered_over_context`)."""
 
     def forward(inputs: dict[str, torch.Tensor], targets: torch.Tensor) -> TokenScores:
-        local = token_scores(model(**inputs), _local_positions(targets))
+        local = token_scores(model(**inputs), local_tokens(targets))
         return gathered_over_context(local, targets.shape[1])
 
     return forward
-
-
-def _local_positions(targets: torch.Tensor) -> torch.Tensor:
-    size = context_parallel_size()
-    if size == 1:
-        return targets
-    rank = parallel_state.get_context_parallel_rank()
-    return targets.index_select(1, zigzag_positions(targets.shape[1], size, rank, targets.device))
 
 
 def gathered_over_context(local: TokenScores, length: int) -> TokenScores:

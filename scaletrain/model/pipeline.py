@@ -31,7 +31,7 @@ from scaletrain import upstream
 from scaletrain.batch import Batch
 from scaletrain.config import Config
 from scaletrain.model.family import ModelFamily, PipelineLayer, apply_recompute, install
-from scaletrain.notices import PIPELINE_LAYOUT, without_stdout_lines
+from scaletrain.notices import OP_BUILT, PIPELINE_LAYOUT, without_stdout_lines
 from scaletrain.parallel.groups import Topology
 
 
@@ -119,7 +119,8 @@ def build_pipeline(config: Config, topology: Topology, family: ModelFamily) -> T
     """This rank's stage of `family`'s model (the config's: families.get_family, which the caller looks up, as the
     model package sits below the family registry)."""
     # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing torch group.
-    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    with without_stdout_lines(OP_BUILT):  # its comm layer loads DeepSpeed's CPU op
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     with without_stdout_lines(PIPELINE_LAYOUT):  # DeepSpeed prints its partition; the start line says the layout
         return TransformerPipeline(config, topology, family)
 

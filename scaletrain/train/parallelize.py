@@ -20,12 +20,10 @@ the model this module returns.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from scaletrain.config import Config, ConfigError
 from scaletrain.families import build_model, get_family
-from scaletrain.notices import OP_BUILT, without_stdout_lines
 from scaletrain.parallel.expert_parallel import expert_parallel_group
 from scaletrain.parallel.groups import Topology, resolve_precision
 
@@ -33,13 +31,7 @@ from scaletrain.parallel.groups import Topology, resolve_precision
 def build_training_model(config: Config, topology: Topology) -> nn.Module:
     """The plain model, or its DeepSpeed pipeline form when the layout has pipeline stages, parallelised."""
     if topology.pipeline_parallel_size > 1:
-        import deepspeed
-
-        from scaletrain.model.pipeline import build_pipeline
-
-        # PipelineModule talks through DeepSpeed's comm layer, which adopts the existing group.
-        with without_stdout_lines(OP_BUILT):  # its comm layer loads DeepSpeed's CPU op
-            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+        from scaletrain.model.pipeline import build_pipeline  # starts DeepSpeed's comm layer
 
         return parallelize(build_pipeline(config, topology, get_family(config.model.family)), config, topology)
     return parallelize(build_model(config), config, topology)

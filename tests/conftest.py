@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import threading
@@ -29,7 +30,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     it as before, on first use: it may need none."""
     if session.config.option.collectonly or not any(Path(arg).is_dir() for arg in session.config.args):
         return
+    if _is_xdist_controller(session.config):  # pytest-xdist's controller runs no tests; each worker starts its own
+        return
     threading.Thread(target=_start_warm_server, name="start-warm-server", daemon=True).start()
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
 def _start_warm_server() -> None:
@@ -41,10 +48,14 @@ def _start_warm_server() -> None:
 
 @pytest.fixture(scope="session")
 def shakespeare_corpus() -> list[Path]:
-    """The full deduplicated corpus, one .txt per work; built into .cache/ on first use, then reused."""
+    """The full deduplicated corpus, one .txt per work; built into .cache/ on first use, then reused. Under a
+    lock: the workers of a parallel run (`make test`) would otherwise build it at once into the same place."""
     from data_pipelines.shakespeare import DEFAULT_CACHE_DIR, build_corpus
 
-    return build_corpus(DEFAULT_CACHE_DIR / "shakespeare", DEFAULT_CACHE_DIR)
+    DEFAULT_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with (DEFAULT_CACHE_DIR / "shakespeare.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_corpus(DEFAULT_CACHE_DIR / "shakespeare", DEFAULT_CACHE_DIR)
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +96,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 # SCALETRAIN_TEST_TIMES=FILE: each test's wall time and the machine's busy CPU time meanwhile (every process, from
 # /proc/stat: on a quiet machine, what the test and the processes it started used), as JSON at the end. A test whose
-# CPU time is well below its wall time waits (a timeout, a stall, a scheduler) more than it computes.
+# CPU time is well below its wall time waits (a timeout, a stall, a scheduler) more than it computes. A pytest-xdist
+# worker writes FILE.gw0, FILE.gw1, ...; there the busy CPU includes what the other workers' tests used meanwhile.
 _machine_times: dict[str, tuple[float, float]] = {}
 
 
@@ -108,7 +120,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get("SCALETRAIN_TEST_TIMES")
     if path and _machine_times:
-        Path(path).write_text(json.dumps(_machine_times, indent=1))
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        Path(f"{path}.{worker}" if worker else path).write_text(json.dumps(_machine_times, indent=1))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

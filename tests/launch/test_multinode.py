@@ -32,7 +32,7 @@ from tests.train.runs import (
 from tests.train.test_layouts import STEPS, LayoutRuns, assert_matches_single_rank
 from tests.warm import warm_bin, warm_environment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 RANKS_PER_HOST = 2
 RUN_TIMEOUT_S = 300

@@ -15,7 +15,7 @@ from tests.slurm_cluster import (
     start_slurm_cluster,
 )
 
-pytestmark = pytest.mark.slow  # real daemons and jobs: about 10 s for the module
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # real daemons and jobs: about 10 s for the module
 
 # Each array task records its id, then when it started and when it ended, in a file of its own.
 TIMED_TASK = """#!/bin/bash

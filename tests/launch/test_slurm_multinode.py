@@ -42,7 +42,7 @@ from tests.slurm_cluster import missing_requirement as missing_slurm
 from tests.train.runs import DEMO_CONFIG, REPO, WARM_CLIENT, read_metrics, run_scaletrain, wait_for_checkpoint
 from tests.warm import warm_bin, warm_environment
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TWO_NODES = ["--nodes=2", "--ntasks-per-node=2"]
 TENSOR_PARALLEL = ["parallel.tensor=2"]

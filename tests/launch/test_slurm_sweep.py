@@ -17,7 +17,7 @@ from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F40
 from tests.train.runs import REPO, launcher, read_metrics, run_scaletrain
 from tests.warm import SOCKET_VARIABLE, warm_socket
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def warm(cluster: SlurmCluster) -> dict[str, str]:

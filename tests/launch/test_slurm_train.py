@@ -28,7 +28,7 @@ from tests.slurm_cluster import (  # noqa: F401 (slurm_cluster_fixture registers
 )
 from tests.train.runs import DEMO_CONFIG, read_metrics, run_scaletrain
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

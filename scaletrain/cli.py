@@ -194,7 +194,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="validation metrics of a run's checkpoint, without training; with "
                                    "--tasks, lm-evaluation-harness tasks (in one process, or under torchrun in the "
-                                   "run's tensor-parallel layout)")
+                                   "run's tensor-parallel layout and, where the world size allows, its pipeline "
+                                   "stages)")
     evaluate.add_argument("run_dir", type=Path, help="the run directory (run.dir); its newest loadable checkpoint")
     _add_checkpoint_argument(evaluate)
     evaluate.add_argument("--samples", default=None,

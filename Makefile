@@ -63,7 +63,7 @@ test: install
 # The edit-run loop: every test not marked slow (no multi-process layouts, kill campaigns, sweeps or
 # SLURM jobs); every package is touched. At most 5 minutes on 2 cores.
 test-fast: install
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile -m "not slow"
 
 # The five-minute GPU check (benchmarks/gpu_check.py): throughput, peak memory, the planner's tables,
 # pytest -m gpu. Needs a CUDA GPU; never part of `make test`.

@@ -116,9 +116,19 @@ def missing_requirement() -> str | None:
     return None
 
 
+def refuse_parallel_worker(what: str) -> None:
+    """A real cluster asserts on its timeouts, which the tests of another pytest-xdist worker would stretch:
+    `make test` runs the tests marked serial alone, after the rest; this refuses one that is not marked."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        raise RuntimeError(f"{what} in pytest-xdist worker {os.environ['PYTEST_XDIST_WORKER']}: its timeouts need "
+                           "the machine to itself; mark the test module `pytestmark = pytest.mark.serial`, which make "
+                           "test runs alone, without -n")
+
+
 @contextlib.contextmanager
 def make_hosts(count: int, directory: Path) -> Iterator[Hosts]:
     """`count` hosts joined by a bridge, their files in `directory`; all of it removed on exit."""
+    refuse_parallel_worker("namespace hosts started")
     if not 1 <= count <= 250:
         raise ValueError(f"count={count}: make 1 to 250 hosts")
     prefix = f"st{os.getpid()}-{next(_names)}"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hosts import Host, Hosts
+from tests.hosts import Host, Hosts, refuse_parallel_worker
 
 SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 ENABLE_HINT = "install Debian's slurm-wlm: apt-get install slurm-wlm (CI's .ci/run does this as root)"
@@ -239,6 +239,7 @@ def write_conf(directory: Path, nodes: Sequence[tuple[str, str]], ports: tuple[i
 def start_slurm_cluster(directory: Path) -> Iterator[SlurmCluster]:
     """Start slurmctld and slurmd on this host with a fresh config in `directory`; on exit, stop
     everything they started."""
+    refuse_parallel_worker("a SLURM cluster started")
     node = socket.gethostname().split(".")[0]  # slurmd names itself by the short host name
     conf = write_conf(directory, [(node, "127.0.0.1")], tuple(free_ports(2)))
     cluster = SlurmCluster(directory, conf, [node], {**os.environ, "SLURM_CONF": str(conf)})

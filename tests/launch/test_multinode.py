@@ -14,11 +14,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.hosts import Host, Hosts, make_hosts, missing_requirement
+from tests.slurm_cluster import start_slurm_cluster
 from tests.train.runs import (
     DEMO_CONFIG,
     REPO,
@@ -241,6 +243,18 @@ def test_max_restarts_restarts_a_killed_rank_in_the_job_and_resumes_from_the_che
     assert "its connection was closed: a process there exited or was killed" in lost[0]
     assert time.monotonic() - killed_at < RUN_TIMEOUT_S
     assert_resumed_like_single_rank(run_dir, single_rank_fault_run, n1_output)
+
+
+def test_hosts_and_slurm_clusters_refuse_to_start_in_a_parallel_worker(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The harness keeps a real cluster out of make test's parallel phase: one not marked serial fails there,
+    naming the mend, before it makes a namespace or starts a daemon."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    for start in (partial(make_hosts, 2, tmp_path / "hosts"), partial(start_slurm_cluster, tmp_path / "slurm")):
+        with pytest.raises(RuntimeError, match=r"in pytest-xdist worker gw1: .* mark the test module "
+                                               r"`pytestmark = pytest.mark.serial`"), start():
+            pass
+    assert not list(tmp_path.iterdir())
 
 
 def test_each_host_has_its_own_name_and_reaches_only_the_others(tmp_path: Path) -> None:

@@ -52,19 +52,18 @@ eval-tasks: corpus
 	$(BIN)/scaletrain eval-tasks build configs/gpt_tiny.yaml --out data/eval_tasks/shakespeare
 
 # Two phases, both always run, failing when either fails: the suite in two pytest-xdist workers, each
-# test file whole on one worker (its module fixtures train once), files with slow tests handed out
-# first (tests/conftest.py); then the real SLURM clusters and
+# test file whole on one worker (its module fixtures train once); then the real SLURM clusters and
 # multi-host jobs (marked serial) alone, where no other test's load stretches their timeouts.
 test: install
 	status=0; \
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" || status=1; \
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile -m "not serial" || status=1; \
 	$(BIN)/python -m pytest tests -m serial || status=1; \
 	exit $$status
 
 # The edit-run loop: every test not marked slow (no multi-process layouts, kill campaigns, sweeps or
 # SLURM jobs); every package is touched. At most 5 minutes on 2 cores.
 test-fast: install
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile -m "not slow"
 
 # The five-minute GPU check (benchmarks/gpu_check.py): throughput, peak memory, the planner's tables,
 # pytest -m gpu. Needs a CUDA GPU; never part of `make test`.

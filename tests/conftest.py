@@ -88,18 +88,6 @@ _long_jobs: set[str] = set()
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     _long_jobs.update(item.nodeid for item in items if item.get_closest_marker("long_job"))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        _slow_files_first(items)
-
-
-def _slow_files_first(items: list[pytest.Item]) -> None:
-    """In a pytest-xdist worker: the files with a test marked slow first, each group in collection order. The
-    workers' collection order is the order in which `make test` (--dist loadfile --no-loadscope-reorder) hands
-    out whole files, so the last handed out are files of quick tests that fill in while the other worker ends
-    its file; by test count (xdist's default) a one-test file of a minute could come last and leave a worker
-    idle for that minute."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -108,6 +108,7 @@ def test_tokenize_throughput_times_the_plain_loop_and_prepare(small_dataset_raw:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # two namespace hosts, and a measurement: the machine to itself
 def test_cross_host_measures_all_reduce_on_one_and_on_two_hosts():
     """Only the all-reduce part (the DP2 step needs a prepared demo dataset and ~1 minute); root only."""
     from tests.hosts import missing_requirement

@@ -77,6 +77,7 @@ def _run_and_lose(results: Path, lose: int, how: signal.Signals) -> dict[int, di
             if rank != lose}
 
 
+@pytest.mark.serial  # a 4-second timeout: a survivor starved of CPU by other tests would miss the roll call too
 @pytest.mark.parametrize("lose, how, noticed", [
     (0, signal.SIGKILL, "its connection was closed"),
     (1, signal.SIGSTOP, f"no answer within parallel.timeout_s={TIMEOUT_S:g} s"),

@@ -55,7 +55,8 @@ eval-tasks: corpus
 # test file whole on one worker (its module fixtures train once); then the real SLURM clusters,
 # multi-host jobs and short timeouts (marked serial) alone, where no other test's load stretches them.
 # Three workers on two cores: much of a test's time is waiting (processes starting, ranks meeting,
-# files written), which the third fills: 18.2 min against 19.7 with two on a fresh clone (2026-11-29).
+# files written), which the third fills: 18.2 and 19.0 min against 19.7 and 19.8 with two on fresh
+# clones (2026-11-29).
 test: install
 	status=0; \
 	$(BIN)/python -m pytest tests -n 3 --dist loadfile -m "not serial" || status=1; \

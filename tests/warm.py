@@ -98,7 +98,7 @@ def warm_socket() -> Path:
             # starts ignoring it, and the forks would keep that (a client's own ignored signals still reach them)
             _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(_socket_path)], cwd=repo,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=_default_sigint)
+                                       preexec_fn=default_sigint)
             deadline = time.monotonic() + 300
             while not _socket_path.exists():
                 if _server.poll() is not None or time.monotonic() > deadline:
@@ -131,7 +131,8 @@ def warm_environment(environment: dict[str, str]) -> dict[str, str]:
             SOCKET_VARIABLE: str(warm_socket()), PYTHON_VARIABLE: sys.executable}
 
 
-def _default_sigint() -> None:
+def default_sigint() -> None:
+    """SIGINT at its default action, for a child's preexec_fn: a shell's background job starts ignoring it."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

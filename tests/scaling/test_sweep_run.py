@@ -31,7 +31,7 @@ from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
 from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
-from tests.warm import fork_of, process_tree
+from tests.warm import default_sigint, fork_of, process_tree
 
 NUM_RUNS = len(TINY_BUDGETS) * len(TINY_SHAPES)
 COMPARED = ("name", "status", "params", "non_embedding_params", "tokens", "flops", "val_loss", "train_loss", "steps")
@@ -290,7 +290,7 @@ def test_a_sweep_stopped_with_ctrl_c_leaves_its_run_interrupted_not_failed(small
     # SIGINT at its default, as in a terminal (a shell's background job, CI as `nohup bash .ci/run &`, ignores it)
     sweep = subprocess.Popen([*launcher(1), "sweep", "run", str(spec_path)], cwd=REPO, env=scaletrain_environment(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             preexec_fn=default_sigint)
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "latest").exists() and sweep.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -190,6 +190,7 @@ def test_a_shard_that_never_arrives_whole_is_one_error_naming_its_url(small_data
     assert not [path for path in cached_files(tmp_path / "cache") if path.name.startswith(shard)]
 
 
+@pytest.mark.serial  # a wall-clock bound (< 5 s for two 0.3 s timeouts), which load stretched to 7.9 s
 @pytest.mark.parametrize("stall", ["stall", "stall_body"])
 def test_a_server_that_stops_sending_is_given_up_after_the_read_timeout(small_dataset: Path, tmp_path: Path,
                                                                        stall: str) -> None:
@@ -207,6 +208,7 @@ def test_a_server_that_stops_sending_is_given_up_after_the_read_timeout(small_da
     assert not [path for path in cached_files(tmp_path / "cache") if path.name.startswith(shard)]
 
 
+@pytest.mark.serial  # a wall-clock bound, as above
 def test_a_pipe_command_that_stops_writing_is_killed_after_the_read_timeout(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     location = f"pipe:echo $$ > {pid_file}; exec sleep 60 # {{file}}"

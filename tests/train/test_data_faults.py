@@ -19,6 +19,7 @@ from tests.train.runs import start_training, wait_for_step
 from tests.train.test_signals import endless, killed_if_left
 
 
+@pytest.mark.serial  # a wall-clock window (0.4-5 s), which load stretches
 def test_a_stop_signal_ends_a_wait_for_data_only_once_it_has_stalled(monkeypatch: pytest.MonkeyPatch) -> None:
     """A wait that ends within STALLED_WAIT_S of the signal ends by itself (the run then stops at the step
     boundary); one still blocked then is ended, even inside a blocking system call."""

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
 from scaletrain.config import ConfigError
 from scaletrain.scaling.sweep.lr_check import judge_point, summary
 from scaletrain.scaling.sweep.tune_fit import GridResult, fit_tuning, seed_means, seed_sigma
+from scaletrain.scaling.sweep.tune_plot import draw_tuning
 
 A, B = -0.35, -0.2  # the true exponents of eta*(N, D) = 0.01 (N/1e7)^A (D/1e9)^B
 
@@ -150,6 +152,36 @@ def test_a_best_point_whose_upper_neighbour_diverged_is_refused_or_taken_as_the_
                     r.lr < 0.01 * (1e6 / 1e7) ** A and r.lr > 0.5 * 0.01 * (1e6 / 1e7) ** A else r for r in results]
     with pytest.raises(ConfigError, match="a neighbour of the best grid point failed or diverged"):
         fit_tuning(lower_failed, tune_batch=False, unstable_neighbour="best_point")
+
+
+
+def test_the_tuning_plot_marks_the_failed_lrs_and_the_stability_limited_optimum() -> None:
+    """lr_tuning.png shows every finite seed mean as a point (the legend beside the axes hides none), each LR
+    where a seed failed as an x on the top edge, and names the optimum that is a stability edge."""
+    sizes, multipliers = [1e6, 8e6, 6.4e7], [0.25, 0.5, 1.0, 2.0, 4.0]
+    results = synthetic_grid(sizes, multipliers, 0.05, 0.0, seeds=(1, 2))
+    largest = [r for r in results if r.params == int(6.4e7)]
+    unstable = diverged_above(largest, 1.2, seed=2) + [r for r in results if r.params != int(6.4e7)]
+    fit = fit_tuning(unstable, tune_batch=False, unstable_neighbour="best_point")
+    figure = draw_tuning(unstable, fit)
+    try:
+        (axes,) = figure.axes
+        means = seed_means(unstable)
+        failed = sorted(r.lr for r in means if not math.isfinite(r.loss))
+        assert failed and all(r.params == int(6.4e7) for r in means if not math.isfinite(r.loss))
+        crosses = [line for line in axes.get_lines() if line.get_marker() == "x"]
+        assert sorted(x for line in crosses for x in line.get_xdata()) == pytest.approx(failed)
+        dots = [line for line in axes.get_lines() if line.get_marker() == "o"]
+        assert sorted(x for line in dots for x in line.get_xdata()) == pytest.approx(
+            sorted(r.lr for r in means if math.isfinite(r.loss)))
+        labels = [text.get_text() for text in axes.get_legend().get_texts()]
+        edges = [label for label in labels if label.endswith("(stability edge)")]
+        assert len(edges) == 1 and edges[0].startswith(f"N={6.4e7:.3g}")
+        assert labels[-1] == "a seed failed at this LR"
+        legend_box = axes.get_legend().get_window_extent()
+        assert legend_box.x0 >= axes.get_window_extent().x1  # beside the axes, over no point
+    finally:
+        plt.close(figure)
 
 
 def test_the_lr_check_says_whether_the_rule_holds_and_by_how_much() -> None:

@@ -154,7 +154,6 @@ def test_a_best_point_whose_upper_neighbour_diverged_is_refused_or_taken_as_the_
         fit_tuning(lower_failed, tune_batch=False, unstable_neighbour="best_point")
 
 
-
 def test_the_tuning_plot_marks_the_failed_lrs_and_the_stability_limited_optimum() -> None:
     """lr_tuning.png shows every finite seed mean as a point (the legend beside the axes hides none), each LR
     where a seed failed as an x on the top edge, and names the optimum that is a stability edge."""

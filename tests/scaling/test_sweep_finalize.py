@@ -1,5 +1,6 @@
 """The spec's `fit:` section reaches `sweep finalize`: its forms, objective, Huber delta and exclusions are the
-ones fit.json records, on a sweep whose runs' summaries follow a known law (no training)."""
+ones fit.json records, on a sweep whose runs' summaries follow a known law (no training); and the W&B summary
+run's results table holds a failed run beside runs that scored downstream tasks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from scaletrain.scaling.sweep.commands import finalize_sweep
 from scaletrain.scaling.sweep.executors import materialize
 from scaletrain.scaling.sweep.plan import plan_sweep
+from scaletrain.scaling.sweep.results import write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 
@@ -50,3 +52,29 @@ def test_the_spec_fit_section_reaches_finalize(tmp_path: Path, fit: dict, record
     assert document["num_points"] == len(plan.runs) - sum(removed[rule] for rule in fit["exclude"])
     assert set(document["laws"]) | set(document.get("law_skipped") or {}) == set(fit["forms"])
     assert document["laws"], output  # at least one of the spec's forms was fitted
+
+
+def test_the_summary_table_holds_a_failed_run_beside_task_scores(tmp_path: Path) -> None:
+    """Every run but one scored a task; that one failed, so it has no task column. The W&B summary run's
+    results table (W&B offline) has the task's column with the failed run's cell empty, as results.csv
+    has: a table built from one row's keys stopped the second English ladder's finalize with a KeyError."""
+    spec = tiny_spec(tmp_path / "unprepared", tmp_path / "sweep", wandb="offline", budgets=BUDGETS,
+                     models={"shapes": SHAPES}, fit={"bootstrap": 0})
+    plan = plan_sweep(load_sweep_spec(write_spec(tmp_path / "spec.yaml", spec)))
+    materialize(plan)
+    failed, *trained = plan.runs
+    write_status_file(plan.run_dir(failed), {"state": "failed", "returncode": 3})
+    bits_per_byte = {}
+    for index, run in enumerate(trained):
+        bits_per_byte[run.name] = 2.0 + index / 100
+        (plan.run_dir(run) / "summary.json").write_text(json.dumps({
+            "step": run.steps, "tokens": run.tokens, "flops": run.flops,
+            "val_loss": chinchilla_loss(run.counts.active_params, run.tokens),
+            "eval/downstream/passages/bits_per_byte": bits_per_byte[run.name]}))
+    output = finalize_sweep(plan.directory)
+    assert "logged W&B summary run" in output
+    (table_file,) = (plan.directory / "wandb").glob("offline-run-*/files/media/table/results_*.table.json")
+    table = json.loads(table_file.read_text())
+    name, task = table["columns"].index("name"), table["columns"].index("downstream/passages/bits_per_byte")
+    logged = {row[name]: row[task] for row in table["data"]}
+    assert logged == {failed.name: None, **bits_per_byte}

@@ -14,6 +14,7 @@ from typing import Any
 from scaletrain.config_loader import load_config
 from scaletrain.scaling.sweep.ladder_plot import write_ladder_plot
 from scaletrain.scaling.sweep.layout import FIT_DIR, RESULTS_FILE
+from scaletrain.scaling.sweep.results import result_columns
 from scaletrain.scaling.sweep.spec import SweepSpec
 
 
@@ -78,8 +79,9 @@ def log_summary_run(
         id=hashlib.sha1(f"{sweep_dir.resolve()}/summary".encode()).hexdigest()[:16], resume="allow",
         config={"sweep": spec.to_dict()},
     )
-    columns = list(rows[0]) if rows else []
-    values: dict[str, Any] = {"results": wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])}
+    columns = result_columns(rows)
+    values: dict[str, Any] = {"results": wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
+                                                                           for row in rows])}
     values.update({f"plots/{path.stem}": wandb.Image(str(path)) for path in plots})
     run.log(values)
     if fit_json is not None:

@@ -182,12 +182,17 @@ def training_records(metrics_path: Path) -> dict[int, dict[str, Any]]:
     return records
 
 
+def result_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """RESULT_COLUMNS, then the downstream columns any row has, sorted: a run that failed, or scored no task,
+    has none of them, so no single row's keys are the table's."""
+    return [*RESULT_COLUMNS, *sorted({key for row in rows for key in row if key.startswith(DOWNSTREAM_PREFIX)})]
+
+
 def write_results_csv(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
     """SWEEP_DIR/results.csv, written to a temporary name and renamed, so readers never see half a file:
-    RESULT_COLUMNS, then the downstream columns any row has, sorted (empty where a run lacks one)."""
-    downstream = sorted({key for row in rows for key in row if key.startswith(DOWNSTREAM_PREFIX)})
+    result_columns (empty where a run lacks one)."""
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=[*RESULT_COLUMNS, *downstream], lineterminator="\n")
+    writer = csv.DictWriter(buffer, fieldnames=result_columns(rows), lineterminator="\n")
     writer.writeheader()
     for row in rows:
         writer.writerow({key: "" if value is None else value for key, value in row.items()})

@@ -99,5 +99,6 @@ def _legend_handles(any_failed: bool) -> list[Line2D]:
                Line2D([], [], color="grey", marker="o", markeredgecolor="black", ls="",
                       label="branch's final val_loss")]
     if any_failed:
-        handles.append(Line2D([], [], color="grey", lw=0.8, ls="--", label="failed run (diverged), off the top"))
+        handles.append(Line2D([], [], color="grey", lw=0.8, ls="--",
+                              label="failed run (a divergence may leave the axis)"))
     return handles

@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 import numpy as np  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
+from matplotlib.ticker import EngFormatter, FuncFormatter  # noqa: E402
 
 from scaletrain.scaling.backtest import Backtest  # noqa: E402
 from scaletrain.scaling.check import CheckedPoint, CheckResult  # noqa: E402
@@ -82,12 +83,44 @@ def plot_isoflop(result: ScalingFit, data: FitData, targets: list[float]) -> plt
             _draw_parabola(axis, minimum, [p.params for p in points], color)
     if groups:
         figure.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axis, label="IsoFLOP budget C")
-    status = ("parabolas in ln N, minima starred" if fit else
+    status = (f"parabolas in ln N at {len(minima)} of {len(groups)} budgets, minima starred" if fit else
               f"Approach 2 skipped: {result.skipped.get('approach2', 'not run')[:60]}")
     axis.set(xscale="log", xlabel="parameters N", ylabel="final loss", title=f"IsoFLOP profiles: {status}")
+    if fit is not None and fit.excluded:
+        axis.annotate(_excluded_note(fit.excluded), (0.0, -0.13), xycoords="axes fraction", fontsize=7,
+                      color="dimgrey", va="top")
+    _label_sizes(axis)
     if others or minima:
         axis.legend(fontsize=8, loc="upper right")
     return figure
+
+
+def _excluded_note(excluded: list[tuple[float, str]]) -> str:
+    """Why the profiles without a parabola have none: a paragraph per reason with its budgets, below the axis."""
+    budgets: dict[str, list[float]] = {}
+    for flops, why in excluded:
+        budgets.setdefault(why.split(";")[0], []).append(flops)
+    return "\n".join(textwrap.fill(f"no parabola at {len(c)} budget(s) ({', '.join(f'{f:.2g}' for f in sorted(c))}): "
+                                   f"{why}", width=110) for why, c in budgets.items())
+
+
+def _label_sizes(axis: plt.Axes) -> None:
+    """Label a log N axis 20k, 50k, 100k: matplotlib's default writes its minor ticks as 2x10^4, 3x10^4, ...
+    which overlap on the one or two decades a CPU ladder spans. Within 2.5 decades the 2s and 5s are
+    labelled too, beyond that the powers of ten only."""
+    low, high = axis.get_xlim()
+    label_minor = math.log10(high / low) <= 2.5
+    short = EngFormatter(sep="")
+
+    def label(value: float, position: int | None) -> str:
+        if value <= 0:
+            return ""
+        mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+        shown = math.isclose(mantissa, 1) or (label_minor and any(math.isclose(mantissa, m) for m in (2, 5)))
+        return short(value, position) if shown else ""
+
+    axis.xaxis.set_major_formatter(FuncFormatter(label))
+    axis.xaxis.set_minor_formatter(FuncFormatter(label))
 
 
 def _draw_parabola(axis: plt.Axes, minimum: IsoFlopMinimum, sizes: list[float], color: Any) -> None:
@@ -269,6 +302,7 @@ def plot_check(check: CheckResult, form: str | None) -> plt.Figure:
     left.set(xlabel="measured loss", ylabel="predicted loss", title=f"held-out runs ({form or 'chosen law'}): "
              f"mean |error| {check.mean_abs_error_pct:.2f}%, {inside}/{judged} inside 90%")
     right.set(xscale="log", xlabel="parameters N", ylabel="loss", title="held-out budgets: loss against N")
+    _label_sizes(right)
     left.legend(fontsize=7, loc="upper left")
     right.legend(fontsize=7, loc="upper right")
     return figure

@@ -62,8 +62,10 @@ otherwise):
     published: {name: {a, b}}, the exponents the summary compares with
     check (with --check): check.check_document's {form, confidence, points: [{params, tokens, flops, budget,
            loss, predicted, lower, upper, error, error_pct, inside}], mean_abs_error_pct, mean_signed_error_pct,
-           coverage: {inside, with_interval, runs}, rankings: [{flops, budget, measured, predicted, correct}],
-           predicted_by (chosen.loss_prediction's how)} (or {skipped: reason} when no law form was fitted)
+           coverage: {inside, with_interval, runs}, rankings: [{flops, budget, measured, predicted (distinct
+           sizes best first, seed means), correct, tie_margin_log, pairs, judged, agreeing}], optima: [{flops,
+           budget, sizes, predicted_n, measured_n, ratio, bracketed, reason}], predicted_by (chosen.loss_prediction's
+           how)} (or {skipped: reason} when no law form was fitted)
     downstream (only where --task-metric names metrics or the runs record any; downstream.py): {citation,
            task_loss_formula, sigmoid_formula, confidence, interval (how it is built), tasks: {TASK/METRIC:
            {skipped: reason} | {task_loss_metric, runs, bootstrap_fits, bootstrap_failures,
@@ -331,14 +333,18 @@ def _read_held_out(path: Path, params_column: str, runs: Runs) -> Runs:
 
 def _check(result: ScalingFit, held_out: Runs) -> CheckResult | str:
     """The chosen form's predictions for the held-out runs (check.check_predictions), or why there are
-    none. A held-out run's own unique_tokens is used where every run records one, else the corpus's."""
+    none. A held-out run's own unique_tokens is used where every run records one, else the corpus's. Sizes
+    are ranked with the fitted runs' seed-to-seed sd of ln L as the tie scale, and each held-out budget's
+    measured optimum is set against the chosen form's N* there (the N* its predictions report)."""
     if result.chosen is None:
         return f"no law form was fitted ({'; '.join(result.law_skipped.values())}), so nothing predicts the runs"
     points = held_out.data.points
     unique = None
     if all(point.unique_tokens is not None for point in points):
         unique = np.array([point.unique_tokens for point in points], dtype=float)
-    return check_held_out(points, lambda params, tokens: result.predict(params, tokens, unique, CHECK_CONFIDENCE))
+    chosen = result.laws[result.chosen]
+    return check_held_out(points, lambda params, tokens: result.predict(params, tokens, unique, CHECK_CONFIDENCE),
+                          result.noise.sigma, lambda flops: chosen.allocation(flops)[0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,3 +69,56 @@ def test_csv_document_and_lines() -> None:
 def test_no_runs_is_refused() -> None:
     with pytest.raises(ValueError, match="got no runs"):
         check_predictions([], law)
+
+
+def parabola(vertex: float):
+    """L = 2 + 0.05 (ln N - ln vertex)^2."""
+    return lambda params: 2.0 + 0.05 * np.log(np.asarray(params) / vertex) ** 2
+
+
+# Seed-mean losses on a parabola with its vertex at 3e6: 1e6 2.06035, 2e6 2.00822, 4e6 2.00414, 8e6 2.04810
+MEASURED = parabola(3e6)
+PREDICTED = parabola(1.5e6)  # 1e6 2.00822, 2e6 2.00414, 4e6 2.04810, 8e6 2.14013
+SEEDED = [held_out(n, 1e18, float(MEASURED(n)) + offset) for n in (1e6, 2e6, 4e6, 8e6) for offset in (0.01, -0.01)]
+CONCAVE = [held_out(n, 1e19, loss) for n, loss in ((1e6, 2.0), (4e6, 2.1), (1.6e7, 2.05))]
+
+
+def predict_parabola(params: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    loss = PREDICTED(params)
+    return loss, loss - 0.1, loss + 0.1
+
+
+def test_seed_repeats_rank_once_close_pairs_tie_and_the_optimum_is_the_seed_means_parabola() -> None:
+    """Two seeds per size count once, at their mean. Tie margin 2√2 x 0.005 = 0.0141 in ln L: 2e6 vs 4e6
+    (0.0020) and 1e6 vs 8e6 (0.0060) tie; of the 4 other pairs the prediction orders 3 as measured (it puts
+    1e6 before 4e6). The parabola through the seed means has its vertex at 3e6, 2x the predicted 1.5e6; the
+    concave profile has none."""
+    result = check_predictions(SEEDED + CONCAVE, predict_parabola, noise_sd=0.005, optimal_size=lambda flops: 1.5e6)
+    seeded, concave = result.rankings
+    assert (seeded.measured, seeded.predicted) == ([4e6, 2e6, 8e6, 1e6], [2e6, 1e6, 4e6, 8e6])
+    assert seeded.margin == pytest.approx(2 * np.sqrt(2) * 0.005)
+    assert (seeded.pairs, seeded.judged, seeded.agreeing, seeded.correct, seeded.judged_correct) == (
+        6, 4, 3, False, False)
+    optimum, no_optimum = result.optima
+    assert (optimum.budget, optimum.sizes, optimum.predicted_n, optimum.bracketed) == (1e18, 4, 1.5e6, True)
+    assert optimum.measured_n == pytest.approx(3e6, rel=1e-9) and optimum.ratio == pytest.approx(2.0, rel=1e-9)
+    assert (no_optimum.budget, no_optimum.measured_n, no_optimum.ratio) == (1e19, None, None)
+    assert no_optimum.reason.startswith("the losses do not curve upward in log N")
+    assert concave.measured == [1e6, 1.6e7, 4e6] and concave.judged == 3  # 0.024 and more apart in ln L
+    text = "\n".join(check_lines(result, "chinchilla"))
+    assert ("predicted 2e+06, 1e+06, 4e+06, 8e+06, measured 4e+06, 2e+06, 8e+06, 1e+06: ranking differs; "
+            "3 of 4 pairs beyond the tie margin (2.83 sigma = 0.0141 in ln L) in the predicted order, 2 tied") in text
+    assert ("optimum at C 1e+18 (4 sizes): predicted N* 1.5e+06, measured 3e+06 (parabola in ln N through the "
+            "seed-mean losses): 2.00x apart") in text
+    assert "optimum at C 1e+19 (3 sizes): predicted N* 1.5e+06, no measured optimum: the losses do not curve" in text
+    document = check_document(result, "chinchilla")
+    assert document["rankings"][0] | {"flops": None} == {
+        "flops": None, "budget": 1e18, "measured": [4e6, 2e6, 8e6, 1e6], "predicted": [2e6, 1e6, 4e6, 8e6],
+        "correct": False, "tie_margin_log": pytest.approx(0.0141421, rel=1e-5), "pairs": 6, "judged": 4, "agreeing": 3}
+    assert document["optima"][0]["ratio"] == pytest.approx(2.0) and document["optima"][1]["reason"] is not None
+
+
+def test_without_a_noise_estimate_every_pair_is_ranked() -> None:
+    seeded = check_predictions(SEEDED, predict_parabola).rankings[0]
+    assert (seeded.margin, seeded.pairs, seeded.judged, seeded.agreeing) == (None, 6, 6, 3)
+    assert check_predictions(SEEDED, predict_parabola).optima == []  # no predicted N* to set against

@@ -464,7 +464,16 @@ def test_held_out_check_writes_check_csv_and_the_numbers(tmp_path: Path) -> None
     assert check["mean_abs_error_pct"] == pytest.approx(np.mean([abs(p["error_pct"]) for p in check["points"]]))
     assert check["mean_abs_error_pct"] < 5  # 0.5% noise on the true law, one budget beyond the fitted ones
     assert len(check["rankings"]) == 1 and check["rankings"][0]["budget"] is None
+    assert check["rankings"][0]["tie_margin_log"] is None  # no seed repeats, no noise estimate: no ties
+    (optimum,) = check["optima"]  # the five held-out sizes' parabola against the chosen law's N* at 1e22
+    true_n = float(CHINCHILLA.allocation(1e22)[0])
+    assert optimum["sizes"] == 5 and optimum["bracketed"] and optimum["flops"] == pytest.approx(1e22)
+    assert optimum["measured_n"] == pytest.approx(true_n, rel=0.25) and optimum["predicted_n"] == pytest.approx(
+        true_n, rel=0.25)
+    ratio = optimum["measured_n"] / optimum["predicted_n"]
+    assert optimum["ratio"] == pytest.approx(max(ratio, 1 / ratio))
     assert f"{inside} of 5 inside their interval" in report and "sizes at C 1e+22, best first" in report
+    assert f"optimum at C 1e+22 (5 sizes): predicted N* {optimum['predicted_n']:.3g}, measured " in report
     assert f"{out / 'check.csv'}" in report
     for name in (*PLOT_FILES, "check.png"):
         assert_valid_png(out / name)

@@ -28,6 +28,7 @@ from scaletrain.scaling.sweep.executors import materialize
 from scaletrain.scaling.sweep.plan import plan_sweep
 from scaletrain.scaling.sweep.results import RESULT_COLUMNS, run_status, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
+from scaletrain.tracking.durations import format_duration
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
 from tests.tracking.wandb_records import read_records, run_record
 from tests.train.runs import REPO, TrainedAhead, launcher, run_scaletrain, scaletrain_environment
@@ -398,13 +399,15 @@ def test_a_started_run_resumes_after_an_upgrade_that_added_a_key_but_not_after_a
 
 def test_status_shows_a_running_runs_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A running run shows the latest step its metrics.jsonl logged, of its total, not the total alone;
-    a finished run its steps; a run not started 0 of its total."""
+    a finished run its steps; a run not started 0 of its total. Every run shows the plan's time, and the
+    last line the finished run's time against it and the rest of the plan at that rate."""
     spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(tmp_path / "unprepared", tmp_path / "sweep"))
     plan = plan_sweep(load_sweep_spec(spec_path))
     materialize(plan)
     done, running, pending = plan.runs[:3]
     (plan.run_dir(done) / "summary.json").write_text(json.dumps(
         {"step": done.steps, "tokens": done.tokens, "flops": done.flops, "val_loss": 4.1}))
+    write_status_file(plan.run_dir(done), {"state": "done", "wall_s": 2.5 * done.predicted_s})
     # this test's process stands for the trainer: alive, on this host
     write_status_file(plan.run_dir(running), {"state": "running", "pid": os.getpid(), "host": socket.gethostname()})
     logged = running.steps // 3
@@ -412,7 +415,15 @@ def test_status_shows_a_running_runs_progress(tmp_path: Path, capsys: pytest.Cap
     lines = [json.dumps(record) for record in records] + ['{"step": ']  # the trainer is writing its next line
     (plan.run_dir(running) / "metrics.jsonl").write_text("\n".join(lines))
     assert main(["sweep", "status", str(plan.directory)]) == 0
-    printed = {line.split()[0]: line.split()[1:4] for line in capsys.readouterr().out.splitlines()[1:-1]}
-    assert printed[running.name] == ["running", f"{logged}/{running.steps}", f"{100 * logged // running.steps}%"]
+    output = capsys.readouterr().out.splitlines()
+    printed = {line.split()[0]: line.split()[1:] for line in output[1:-2]}
+    assert printed[running.name][:3] == ["running", f"{logged}/{running.steps}", f"{100 * logged // running.steps}%"]
     assert printed[done.name][:2] == ["done", str(done.steps)]
-    assert printed[pending.name] == ["pending", f"0/{pending.steps}", "0%"]
+    assert printed[pending.name][:3] == ["pending", f"0/{pending.steps}", "0%"]
+    assert printed[done.name][-2:] == [format_duration(2.5 * done.predicted_s), format_duration(done.predicted_s)]
+    assert printed[pending.name][-2:] == ["-", format_duration(pending.predicted_s)]
+    rest = sum(run.predicted_s for run in plan.runs[1:])
+    assert output[-1] == (f"time: 1 finished run took {format_duration(2.5 * done.predicted_s)} against the "
+                          f"plan's {format_duration(done.predicted_s)} (2.50x); the unfinished runs are planned at "
+                          f"{format_duration(rest)}, about {format_duration(2.5 * rest)} at that rate, one run at a "
+                          "time (divide by `--jobs`)")

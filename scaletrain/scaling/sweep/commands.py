@@ -150,7 +150,8 @@ def _status(args: argparse.Namespace) -> str:
     sweep_dir = _sweep_dir(args.source)
     rows = _result_rows(sweep_dir)
     write_results_csv(sweep_dir, rows)
-    return format_status(sweep_dir, rows)
+    planned = json.loads((sweep_dir / PLAN_FILE).read_text())["runs"]
+    return format_status(sweep_dir, rows, {row["name"]: row.get("predicted_s") for row in planned})
 
 
 def _finalize(args: argparse.Namespace) -> str:
@@ -290,21 +291,46 @@ def _lr_check_lines(plan: SweepPlan, spec_path: str) -> list[str]:
     return [] if line is None else [line]
 
 
-def format_status(sweep_dir: Path, rows: list[dict]) -> str:
-    """One line per run: a finished run's steps, any other's progress (latest logged step / total)."""
-    lines = [f"{'run':<34} {'status':<8} {'steps':>16} {'val_loss':>9} {'train_loss':>10} {'wall':>8}"]
+def format_status(sweep_dir: Path, rows: list[dict], planned_s: dict[str, float | None] | None = None) -> str:
+    """One line per run: a finished run's steps, any other's progress (latest logged step / total), its wall
+    time and the plan's (`planned_s`, by name: the throughput model's predicted_s); then the counts and
+    how the finished runs' time compares with the plan (time_line)."""
+    planned_s = planned_s or {}
+    lines = [f"{'run':<34} {'status':<8} {'steps':>16} {'val_loss':>9} {'train_loss':>10} {'wall':>8} {'planned':>8}"]
     for row in rows:
         val = f"{row['val_loss']:.4f}" if row["val_loss"] is not None else "-"
         train = f"{row['train_loss']:.4f}" if row["train_loss"] is not None else "-"
         wall = format_duration(row["wall_s"]) if row["wall_s"] else "-"
+        planned = format_duration(planned_s[row["name"]]) if planned_s.get(row["name"]) else "-"
         steps = row["steps"] if row["status"] == "done" else _progress(sweep_dir / RUNS_DIR / row["name"], row["steps"])
-        lines.append(f"{row['name']:<34} {row['status']:<8} {steps:>16} {val:>9} {train:>10} {wall:>8}")
+        lines.append(f"{row['name']:<34} {row['status']:<8} {steps:>16} {val:>9} {train:>10} {wall:>8} {planned:>8}")
     counts = {}
     for row in rows:
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     lines.append(", ".join(f"{count} {state}" for state, count in sorted(counts.items())) +
                  f"; table in {sweep_dir / RESULTS_FILE}")
-    return "\n".join(lines) + "\n"
+    timing = time_line(rows, planned_s)
+    return "\n".join(lines + ([timing] if timing else [])) + "\n"
+
+
+def time_line(rows: list[dict], planned_s: dict[str, float | None]) -> str | None:
+    """How long the finished runs took against the plan's throughput model, and the unfinished runs' planned
+    time scaled by that ratio: the sweep's remaining time, one run at a time (None before a run finishes
+    with both times known). A run's wall time sums its recorded attempts (an attempt whose `sweep run` was
+    killed records none)."""
+    finished = [row for row in rows if row["status"] == "done" and row["wall_s"] and planned_s.get(row["name"])]
+    if not finished:
+        return None
+    wall, planned = sum(row["wall_s"] for row in finished), sum(planned_s[row["name"]] for row in finished)
+    ratio = wall / planned
+    rest = sum(planned_s.get(row["name"]) or 0.0 for row in rows if row["status"] != "done")
+    line = (f"time: {len(finished)} finished run{'s' if len(finished) > 1 else ''} took {format_duration(wall)} "
+            f"against the plan's "
+            f"{format_duration(planned)} ({ratio:.2f}x)")
+    if rest:
+        line += (f"; the unfinished runs are planned at {format_duration(rest)}, about {format_duration(rest * ratio)} "
+                 "at that rate, one run at a time (divide by `--jobs`)")
+    return line
 
 
 def _progress(run_dir: Path, total_steps: int) -> str:

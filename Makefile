@@ -16,7 +16,7 @@ ENGLISH_CORPUS := data/raw/english
 
 .PHONY: bench-gpu install demo corpus corpus-english corpus-fineweb-edu eval-tasks test test-fast lint wheelhouse clean
 
-# install ends by building DeepSpeed's CPU comm op (~90 s, once per venv) that the first run would build.
+# install ends by building DeepSpeed's CPU comm op (~30 s on 2 cores, once per venv) that the first run would build.
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml

@@ -1,7 +1,8 @@
 """Reading the runs that `scaletrain fit` fits or checks: a sweep directory or a CSV, their data
 fingerprints (runs on other data are refused), seeds and the corpus's unique tokens.
 
-A sweep directory gives its results.csv's `done` rows that are points of the law (not a ladder's
+A sweep directory gives its results.csv's `done` rows (rewritten from its run directories first:
+refresh_results) that are points of the law (not a ladder's
 stable runs, which are never cooled down: their branches are the points), with val_loss as the loss,
 each run's training curve (metrics.jsonl, for the plots) and plan.json's train_tokens as the unique
 tokens. A CSV gives its rows (a sweep's results.csv: its done points), columns params,tokens,loss or
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from scaletrain.scaling.fit import Curve, FitData, Point, smooth_training_curve
 from scaletrain.scaling.fit_arguments import DEFAULT_PARAMS_COLUMN, Exclusion, parse_exclusion
-from scaletrain.scaling.sweep.layout import DOWNSTREAM_PREFIX, PLAN_FILE, RESULTS_FILE
+from scaletrain.scaling.sweep.layout import DOWNSTREAM_PREFIX, PLAN_FILE, RESULTS_FILE, RUNS_DIR
 
 SWEEP_COLUMNS = ("name", "status", "budget", "tokens", "flops", "flops_per_token", "val_loss")
 CSV_HINT = ("a CSV of runs needs columns params,tokens,loss (or val_loss; optional flops, budget, seed, "
@@ -94,6 +95,7 @@ def _read_csv(path: Path, params_column: str, rules: list[Exclusion]) -> Runs:
 
 
 def _read_sweep(sweep_dir: Path, params_column: str, rules: list[Exclusion]) -> Runs:
+    refresh_results(sweep_dir)
     results = sweep_dir / RESULTS_FILE
     if not results.is_file():
         raise ValueError(f"{sweep_dir} has no results.csv; pass a sweep directory (`scaletrain sweep status` "
@@ -110,6 +112,22 @@ def _read_sweep(sweep_dir: Path, params_column: str, rules: list[Exclusion]) -> 
                                       _positive(row, "flops_per_token", results, line)))
     return Runs(FitData(points, curves), _labels(done), _fingerprints(done), results, removed,
                 _task_values(done, results))
+
+
+def refresh_results(sweep_dir: Path) -> None:
+    """Rewrite SWEEP/results.csv from the run directories, as `sweep status` does, where every planned run has
+    one (a sweep started here; an archive put back by `sweep restore` has only its finished runs' and is read
+    as its results.csv says): a results.csv written before runs finished since would leave them out of the fit
+    or the check without a word."""
+    plan = sweep_dir / PLAN_FILE
+    if not plan.is_file():
+        return
+    names = [run["name"] for run in json.loads(plan.read_text())["runs"]]
+    if not names or not all((sweep_dir / RUNS_DIR / name).is_dir() for name in names):
+        return
+    from scaletrain.scaling.sweep.results import planned_rows, write_results_csv  # imports the training loop
+
+    write_results_csv(sweep_dir, planned_rows(sweep_dir))
 
 
 def apply_exclusions(rows: Rows, header: list[str], rules: list[Exclusion],

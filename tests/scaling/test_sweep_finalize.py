@@ -5,14 +5,16 @@ run's results table holds a failed run beside runs that scored downstream tasks.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from scaletrain.scaling.fit_inputs import read_runs
 from scaletrain.scaling.sweep.commands import finalize_sweep
 from scaletrain.scaling.sweep.executors import materialize
-from scaletrain.scaling.sweep.plan import plan_sweep
-from scaletrain.scaling.sweep.results import write_status_file
+from scaletrain.scaling.sweep.plan import PlannedRun, plan_sweep
+from scaletrain.scaling.sweep.results import planned_rows, write_results_csv, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from tests.scaling.sweeps import TINY_SHAPES, tiny_spec, write_spec
 
@@ -78,3 +80,33 @@ def test_the_summary_table_holds_a_failed_run_beside_task_scores(tmp_path: Path)
     name, task = table["columns"].index("name"), table["columns"].index("downstream/passages/bits_per_byte")
     logged = {row[name]: row[task] for row in table["data"]}
     assert logged == {failed.name: None, **bits_per_byte}
+
+
+def test_fit_reads_the_runs_finished_since_results_csv_was_written(tmp_path: Path) -> None:
+    """`fit SWEEP` (and `--check SWEEP`) rewrites results.csv from the run directories first, as `sweep status`
+    does: a results.csv written while the last runs trained left them out without a word (the second English
+    ladder's 3x check read "no finished run"). A sweep put back from an archive, where the unfinished runs have
+    no directory, is read as its results.csv says."""
+    spec = tiny_spec(tmp_path / "unprepared", tmp_path / "sweep", budgets=BUDGETS, models={"shapes": SHAPES})
+    plan = plan_sweep(load_sweep_spec(write_spec(tmp_path / "spec.yaml", spec)))
+    materialize(plan)
+    earlier, later = plan.runs[:-3], plan.runs[-3:]
+    for run in earlier:
+        write_summary(plan.run_dir(run), run)
+    write_results_csv(plan.directory, planned_rows(plan.directory))  # `sweep status` while the last three train
+    for run in later:
+        write_summary(plan.run_dir(run), run)
+    runs = read_runs(plan.directory)
+    assert sorted(point.params for point in runs.data.points) == sorted(run.counts.active_params for run in plan.runs)
+    assert [row["status"] for row in planned_rows(plan.directory)] == ["done"] * len(plan.runs)
+
+    write_results_csv(plan.directory, [{**row, "status": "pending"} if row["name"] == later[0].name else row
+                                       for row in planned_rows(plan.directory)])
+    shutil.rmtree(plan.run_dir(later[0]))  # as `sweep restore` leaves a run that had not finished
+    assert len(read_runs(plan.directory).data.points) == len(plan.runs) - 1
+
+
+def write_summary(run_dir: Path, run: PlannedRun) -> None:
+    (run_dir / "summary.json").write_text(json.dumps({
+        "step": run.steps, "tokens": run.tokens, "flops": run.flops,
+        "val_loss": chinchilla_loss(run.counts.active_params, run.tokens)}))

@@ -145,10 +145,10 @@ def _tune_plan(spec_path: Path) -> str:
 
 
 def _status(args: argparse.Namespace) -> str:
-    from scaletrain.scaling.sweep.results import write_results_csv
+    from scaletrain.scaling.sweep.results import planned_rows, write_results_csv
 
     sweep_dir = _sweep_dir(args.source)
-    rows = _result_rows(sweep_dir)
+    rows = planned_rows(sweep_dir)
     write_results_csv(sweep_dir, rows)
     planned = json.loads((sweep_dir / PLAN_FILE).read_text())["runs"]
     return format_status(sweep_dir, rows, {row["name"]: row.get("predicted_s") for row in planned})
@@ -204,9 +204,9 @@ def finalize_sweep(sweep_dir: Path, preamble: str = "") -> str:
     """results.csv, then the fit and the W&B summary run; returns preamble + what was done. A fit that
     failed entirely exits with code 1 after printing that (finalize.fail_on_fit): training results stay."""
     from scaletrain.scaling.sweep.finalize import fail_on_fit, fit_and_log
-    from scaletrain.scaling.sweep.results import write_results_csv
+    from scaletrain.scaling.sweep.results import planned_rows, write_results_csv
 
-    rows = _result_rows(sweep_dir)
+    rows = planned_rows(sweep_dir)
     path = write_results_csv(sweep_dir, rows)
     finalized = fit_and_log(sweep_dir, stored_spec(sweep_dir), rows)
     return fail_on_fit(f"{preamble}wrote {path}\n{finalized.report}", finalized)
@@ -228,13 +228,6 @@ def _sweep_dir(source: Path) -> Path:
 
 def plan_directory(spec_path: Path) -> Path:
     return Path(load_sweep_spec(spec_path).dir)
-
-
-def _result_rows(sweep_dir: Path) -> list[dict]:
-    from scaletrain.scaling.sweep.results import result_row
-
-    planned = json.loads((sweep_dir / PLAN_FILE).read_text())["runs"]
-    return [result_row(row, sweep_dir / RUNS_DIR / row["name"]) for row in planned]
 
 
 def format_plan(plan: SweepPlan, spec_path: str = "SPEC") -> str:

@@ -31,9 +31,11 @@ from scaletrain.data.storage import dataset_location
 from scaletrain.scaling.sweep.layout import (
     DOWNSTREAM_PREFIX,
     METRIC_PREFIX,
+    PLAN_FILE,
     RESULT_COLUMNS,
     RESULTS_FILE,
     RUN_CONFIG_FILE,
+    RUNS_DIR,
     STATUS_FILE,
     TRAIN_LOG,
 )
@@ -186,6 +188,12 @@ def result_columns(rows: list[dict[str, Any]]) -> list[str]:
     """RESULT_COLUMNS, then the downstream columns any row has, sorted: a run that failed, or scored no task,
     has none of them, so no single row's keys are the table's."""
     return [*RESULT_COLUMNS, *sorted({key for row in rows for key in row if key.startswith(DOWNSTREAM_PREFIX)})]
+
+
+def planned_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """A results.csv row (result_row) for every run of SWEEP/plan.json, read from its run directory now."""
+    planned = json.loads((sweep_dir / PLAN_FILE).read_text())["runs"]
+    return [result_row(row, sweep_dir / RUNS_DIR / row["name"]) for row in planned]
 
 
 def write_results_csv(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:

@@ -336,8 +336,12 @@ def check_task(task: TaskFit, held_out: Runs, seed: int) -> dict[str, Any]:
     if not points:
         return {"skipped": f"no held-out run records {task.name}"}
     judged = [p["inside"] for p in points if p["inside"] is not None]
+    percents = [p["error_pct"] for p in points if p["error_pct"] is not None]  # none where the measurement is 0
     return {"points": points, "mean_abs_error": float(np.mean([abs(p["error"]) for p in points])),
             "mean_signed_error": float(np.mean([p["error"] for p in points])),
+            "mean_abs_error_pct": float(np.mean(np.abs(percents))) if percents else None,
+            "mean_signed_error_pct": float(np.mean(percents)) if percents else None,
+            "max_abs_error_pct": float(np.max(np.abs(percents))) if percents else None,
             "coverage": {"inside": sum(judged), "with_interval": len(judged), "runs": len(points)}}
 
 
@@ -376,8 +380,11 @@ def _check_lines(check: dict[str, Any] | None) -> list[str]:
     if "skipped" in check:
         return [f"    held-out check skipped: {check['skipped']}"]
     coverage = check["coverage"]
+    percent = ("" if check.get("mean_abs_error_pct") is None else
+               f" ({check['mean_abs_error_pct']:.2f}%, signed {check['mean_signed_error_pct']:+.2f}%, largest "
+               f"|error| {check['max_abs_error_pct']:.2f}%)")
     return [f"    held-out check of {coverage['runs']} runs: mean |error| {check['mean_abs_error']:.4g}, mean signed "
-            f"error {check['mean_signed_error']:+.4g} (predicted - measured); {coverage['inside']} of "
+            f"error {check['mean_signed_error']:+.4g} (predicted - measured){percent}; {coverage['inside']} of "
             f"{coverage['with_interval']} inside their interval"]
 
 

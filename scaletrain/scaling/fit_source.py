@@ -73,8 +73,9 @@ otherwise):
            p_value} | null, sigmoid_skipped (why no sigmoid: the metric is the loss, or does not move with it)
            | null, predictions: [{flops, n_opt, d_opt (the chosen law's), task_loss, task_loss_interval, value,
            interval}], check (with --check): {points: [{params, tokens, flops, measured, predicted, lower, upper,
-           error, error_pct, inside}], mean_abs_error, mean_signed_error, coverage: {inside, with_interval,
-           runs}} | {skipped: reason}}}}
+           error, error_pct, inside}], mean_abs_error, mean_signed_error, mean_abs_error_pct,
+           mean_signed_error_pct, max_abs_error_pct (null where every measurement is 0), coverage: {inside,
+           with_interval, runs}} | {skipped: reason}}}}
 N_opt ∝ C^a = n_coefficient C^a and D_opt ∝ C^b = d_coefficient C^b.
 """
 

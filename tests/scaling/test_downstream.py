@@ -114,7 +114,15 @@ def test_fit_predicts_the_task_metrics_and_checks_them_on_held_out_runs(tmp_path
     assert accuracy["check"]["coverage"] == {"inside": 3, "with_interval": 3, "runs": 3}
     assert accuracy["check"]["mean_abs_error"] < 0.03
     assert gold["check"]["coverage"]["runs"] == 3
+    percents = [point["error_pct"] for point in gold["check"]["points"]]
+    assert [point["error_pct"] for point in gold["check"]["points"]] == pytest.approx(
+        [100 * (point["predicted"] - point["measured"]) / point["measured"] for point in gold["check"]["points"]])
+    assert gold["check"]["mean_abs_error_pct"] == pytest.approx(np.mean(np.abs(percents)))
+    assert gold["check"]["mean_signed_error_pct"] == pytest.approx(np.mean(percents))
+    assert gold["check"]["max_abs_error_pct"] == pytest.approx(np.max(np.abs(percents)))
     assert "next/acc: step 1 on 20 runs" in report and "held-out check of 3 runs" in report
+    assert (f"({gold['check']['mean_abs_error_pct']:.2f}%, signed {gold['check']['mean_signed_error_pct']:+.2f}%, "
+            f"largest |error| {gold['check']['max_abs_error_pct']:.2f}%)") in report
 
 
 def test_the_local_tasks_accuracies_are_fitted_on_their_gold_loss(tmp_path: Path) -> None:

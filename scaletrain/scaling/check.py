@@ -20,12 +20,11 @@ each profile's minimum: fit.isoflop_minimum).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -118,7 +117,7 @@ class MeasuredOptimum:
 class CheckResult:
     points: list[CheckedPoint]
     rankings: list[Ranking]
-    optima: list[MeasuredOptimum] = dataclasses.field(default_factory=list)
+    optima: list[MeasuredOptimum] = field(default_factory=list)
 
     @property
     def mean_abs_error_pct(self) -> float:

@@ -2,8 +2,8 @@
 fingerprints (runs on other data are refused), seeds and the corpus's unique tokens.
 
 A sweep directory gives its results.csv's `done` rows (rewritten from its run directories first:
-refresh_results) that are points of the law (not a ladder's
-stable runs, which are never cooled down: their branches are the points), with val_loss as the loss,
+refresh_results) that are points of the law (not a ladder's stable runs, which are never cooled down:
+their branches are the points), with val_loss as the loss,
 each run's training curve (metrics.jsonl, for the plots) and plan.json's train_tokens as the unique
 tokens. A CSV gives its rows (a sweep's results.csv: its done points), columns params,tokens,loss or
 val_loss, optional flops (default 6ND), budget, seed, unique_tokens, data_fingerprint, and any downstream

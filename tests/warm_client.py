@@ -40,6 +40,11 @@ def main() -> None:
         if not line:
             sys.exit(f"warm test server ended before process {pid} did")
     ended = json.loads(line)
+    # As a rank that has its exit code does (train/stopping.py ignore_while_exiting): torchrun sends SIGTERM to
+    # the ranks still running once one has exited, and Python puts a handler set in Python back to the default
+    # as the interpreter ends, so a SIGTERM then killed this client after its fork had exited 75.
+    for signum in FORWARDED:
+        signal.signal(signum, signal.SIG_IGN)
     if "signal" in ended:
         if ended["signal"] not in (signal.SIGKILL, signal.SIGSTOP):  # these two take no handler to undo
             signal.signal(ended["signal"], signal.SIG_DFL)

@@ -318,8 +318,7 @@ def time_line(rows: list[dict], planned_s: dict[str, float | None]) -> str | Non
     ratio = wall / planned
     rest = sum(planned_s.get(row["name"]) or 0.0 for row in rows if row["status"] != "done")
     line = (f"time: {len(finished)} finished run{'s' if len(finished) > 1 else ''} took {format_duration(wall)} "
-            f"against the plan's "
-            f"{format_duration(planned)} ({ratio:.2f}x)")
+            f"against the plan's {format_duration(planned)} ({ratio:.2f}x)")
     if rest:
         line += (f"; the unfinished runs are planned at {format_duration(rest)}, about {format_duration(rest * ratio)} "
                  "at that rate, one run at a time (divide by `--jobs`)")

@@ -51,17 +51,11 @@ eval-tasks: corpus
 	$(BIN)/scaletrain prepare configs/gpt_tiny.yaml
 	$(BIN)/scaletrain eval-tasks build configs/gpt_tiny.yaml --out data/eval_tasks/shakespeare
 
-# Two phases, both always run, failing when either fails: the suite in three pytest-xdist workers, each
-# test file whole on one worker (its module fixtures train once); then the real SLURM clusters,
-# multi-host jobs and short timeouts (marked serial) alone, where no other test's load stretches them.
-# Three workers on two cores: much of a test's time is waiting (processes starting, ranks meeting,
-# files written), which the third fills: 18.2 and 19.0 min against 19.7 and 19.8 with two on fresh
-# clones (2026-11-29).
+# The suite's two phases at once (tests/run_suite.py): every test not marked serial in three pytest-xdist
+# workers at nice 19, and beside them the serial ones (real SLURM clusters, multi-host jobs, short
+# timeouts) one at a time at normal priority, printed at the end; fails when either fails.
 test: install
-	status=0; \
-	$(BIN)/python -m pytest tests -n 3 --dist loadfile -m "not serial" || status=1; \
-	$(BIN)/python -m pytest tests -m serial || status=1; \
-	exit $$status
+	$(BIN)/python tests/run_suite.py
 
 # The edit-run loop: every test not marked slow (no multi-process layouts, kill campaigns, sweeps or
 # SLURM jobs); every package is touched. At most 5 minutes on 2 cores.

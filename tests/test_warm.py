@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
 from tests.warm import SCRIPT, fork_of
 
@@ -31,3 +33,21 @@ def test_fork_of_names_a_clients_running_fork_and_forgets_it_when_it_ends(tmp_pa
     finally:
         client.kill()
         client.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroup scheduling in this kernel")
+def test_a_server_started_niced_nices_its_sessions_autogroup(tmp_path: Path):
+    """`make test` runs its parallel phase at nice 19 beside the serial tests (tests/run_suite.py); a warm server
+    is a session of its own (start_new_session), whose autogroup starts at nice 0 and would outrank them."""
+    niceness = min(os.nice(0) + 7, 19)  # under run_suite.py's parallel phase this process is at 19 already
+    server = subprocess.Popen(["nice", "-n", "7", sys.executable, "-m", "tests.warm", str(tmp_path / "server.sock")],
+                              cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while (autogroup := Path(f"/proc/{server.pid}/autogroup").read_text().split())[-1] != str(niceness):
+            assert server.poll() is None and time.monotonic() < deadline, f"autogroup stays {' '.join(autogroup)}"
+            time.sleep(0.02)
+        assert os.getsid(server.pid) == server.pid  # a session, and so an autogroup, of its own
+    finally:
+        server.kill()
+        server.wait(timeout=30)

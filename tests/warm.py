@@ -348,7 +348,20 @@ def _end_with_client(connection: socket.socket) -> None:
     threading.Thread(target=watch, daemon=True, name="warm-client-watch").start()
 
 
+def keep_niceness_in_new_session() -> None:
+    """Give this process's autogroup the niceness the process runs at. With Linux's autogroup scheduling
+    (/proc/sys/kernel/sched_autogroup_enabled) the CPU is shared between sessions first and nice counts only
+    inside one, and a new session starts at nice 0: the server, a session of its own, would otherwise take as
+    much CPU for the tests of `make test`'s niced phase as for those of its serial phase, which the niceness is
+    there to put first (Makefile). Where there is no autogroup this is nice alone."""
+    niceness = os.nice(0)
+    if niceness > 0:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/autogroup").write_text(f"{niceness}\n")
+
+
 def main(socket_path: str) -> None:
+    keep_niceness_in_new_session()
     for name in PRELOADED:
         importlib.import_module(name)
     # The imports start no Python thread, and native ones only in the OpenBLAS builds of numpy and scipy

@@ -7,9 +7,9 @@
 - The serial phase, at normal priority beside it: the real SLURM clusters, multi-host jobs and short timeouts
   (marked serial), one at a time, which another test's load would stretch. Run last and alone they took 5.5 min
   of a 27.7-minute CI run (2026-11-29), using about one core of two: much of it they wait for daemons, ranks and
-  timeouts. Beside the niced phase they keep the CPU they need and it takes the rest: a CI run with the phases at once took
-  22.8 min, the serial tests 6.7 of them inside the niced phase's 20.5 (2026-11-29). Their output goes to
-  .pytest-serial.log and is printed when both phases have ended.
+  timeouts. Beside the niced phase they keep the CPU they need and it takes the rest: a CI run with the phases
+  at once took 22.8 min, the serial tests 6.7 of them inside the niced phase's 20.5 (2026-11-29). Their output
+  goes to .pytest-serial.log and is printed when both phases have ended.
 
 nice alone does not order the two on Linux with autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled,
 the default of most distributions' kernels): the CPU is shared between sessions first and nice counts only

@@ -107,17 +107,18 @@ def _excluded_note(excluded: list[tuple[float, str]]) -> str:
 def _label_sizes(axis: plt.Axes) -> None:
     """Label a log N axis 20k, 50k, 100k: matplotlib's default writes its minor ticks as 2x10^4, 3x10^4, ...
     which overlap on the one or two decades a CPU ladder spans. Within 2.5 decades the 2s and 5s are
-    labelled too, beyond that the powers of ten only."""
+    labelled too, within one decade (a check budget's sizes, 144k-341k) the 3s as well, so that at least
+    two ticks say where the points are; beyond 2.5 decades the powers of ten only."""
     low, high = axis.get_xlim()
-    label_minor = math.log10(high / low) <= 2.5
+    decades = math.log10(high / low)
+    mantissas = (1, 2, 3, 5) if decades <= 1 else (1, 2, 5) if decades <= 2.5 else (1,)
     short = EngFormatter(sep="")
 
     def label(value: float, position: int | None) -> str:
         if value <= 0:
             return ""
         mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
-        shown = math.isclose(mantissa, 1) or (label_minor and any(math.isclose(mantissa, m) for m in (2, 5)))
-        return short(value, position) if shown else ""
+        return short(value, position) if any(math.isclose(mantissa, m) for m in mantissas) else ""
 
     axis.xaxis.set_major_formatter(FuncFormatter(label))
     axis.xaxis.set_minor_formatter(FuncFormatter(label))

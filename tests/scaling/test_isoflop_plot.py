@@ -1,7 +1,7 @@
 """The IsoFLOP figure on a CPU ladder's span of sizes (one and a half decades): its N axis is labelled
 20k, 50k, 100k without overlapping labels (matplotlib's default wrote 2x10^4, 3x10^4, ... on top of one
 another in the second English ladder's figure), and the title and a note say which profiles have no
-parabola and why (that ladder fitted 4 of its 12)."""
+parabola and why (that ladder fitted 4 of its 12); a check budget's sizes, within a decade, get two labels."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from scaletrain.scaling.fit import FitData, ScalingFit, fit_isoflop
-from scaletrain.scaling.fit_plots import plot_isoflop
+from scaletrain.scaling.fit_plots import _label_sizes, plot_isoflop
 from scaletrain.scaling.laws import Point
 
 SIZES = np.geomspace(1.5e4, 5.0e5, 6)
@@ -50,5 +50,21 @@ def test_isoflop_axis_labels_are_short_and_apart_and_flat_profiles_are_explained
         boxes = [label.get_window_extent(renderer) for _, label in shown]
         for first, second in itertools.combinations(boxes, 2):
             assert not first.overlaps(second), (first, second)
+    finally:
+        plt.close(figure)
+
+
+def test_a_check_budgets_sizes_within_a_decade_get_two_labels() -> None:
+    """The second ladder's 3x check trained 144K-341K: the 2s and 5s alone labelled one tick (200k)."""
+    figure, axis = plt.subplots()
+    try:
+        axis.set_xscale("log")
+        axis.plot([1.44e5, 2.0e5, 2.66e5, 3.41e5], [3.1, 2.9, 2.88, 2.87])
+        _label_sizes(axis)
+        figure.canvas.draw()
+        low, high = axis.get_xlim()
+        texts = [tick.label1.get_text() for tick in axis.xaxis.get_major_ticks() + axis.xaxis.get_minor_ticks()
+                 if low <= tick.get_loc() <= high and tick.label1.get_text()]
+        assert sorted(texts) == ["200k", "300k"]
     finally:
         plt.close(figure)

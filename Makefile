@@ -55,7 +55,7 @@ eval-tasks: corpus
 # workers at nice 19, and beside them the serial ones (real SLURM clusters, multi-host jobs, short
 # timeouts) one at a time at normal priority, printed at the end; fails when either fails.
 test: install
-	$(BIN)/python tests/run_suite.py
+	$(BIN)/python -m tests.run_suite
 
 # The edit-run loop: every test not marked slow (no multi-process layouts, kill campaigns, sweeps or
 # SLURM jobs); every package is touched. At most 5 minutes on 2 cores.

@@ -1,4 +1,4 @@
-"""`make test`: the suite in two phases at once; exits 1 when either fails.
+"""`make test` (`python -m tests.run_suite`): the suite in two phases at once; exits 1 when either fails.
 
 - The parallel phase, at nice 19: every test not marked serial, in three pytest-xdist workers, each test file
   whole on one worker (its module fixtures train once). Three workers on two cores: much of a test's time is
@@ -26,16 +26,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.warm import keep_niceness_in_new_session
+
 REPO = Path(__file__).resolve().parents[1]
 SERIAL_LOG = REPO / ".pytest-serial.log"
 NICENESS = 19
 
 
 def _nice_this_session() -> None:
-    """In the parallel phase's process, after start_new_session's setsid: its autogroup and itself niced."""
-    with contextlib.suppress(OSError):  # no autogroup scheduling in this kernel: nice alone orders the phases
-        Path("/proc/self/autogroup").write_text(f"{NICENESS}\n")
+    """In the parallel phase's process, after start_new_session's setsid: itself niced, then its autogroup."""
     os.nice(NICENESS)
+    keep_niceness_in_new_session()
 
 
 def main(pytest_args: list[str]) -> int:

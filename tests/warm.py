@@ -353,7 +353,8 @@ def keep_niceness_in_new_session() -> None:
     (/proc/sys/kernel/sched_autogroup_enabled) the CPU is shared between sessions first and nice counts only
     inside one, and a new session starts at nice 0: the server, a session of its own, would otherwise take as
     much CPU for the tests of `make test`'s niced phase as for those of its serial phase, which the niceness is
-    there to put first (Makefile). Where there is no autogroup this is nice alone."""
+    there to put first (tests/run_suite.py, which calls this for that phase too). Where there is no
+    autogroup this is nice alone."""
     niceness = os.nice(0)
     if niceness > 0:
         with contextlib.suppress(OSError):

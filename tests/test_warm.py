@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
-from tests.warm import SCRIPT, fork_of
+from tests.warm import SCRIPT, WARM_SERVER, fork_of
 
 
 def test_fork_of_names_a_clients_running_fork_and_forgets_it_when_it_ends(tmp_path: Path):
@@ -40,7 +40,7 @@ def test_a_server_started_niced_nices_its_sessions_autogroup(tmp_path: Path):
     """`make test` runs its parallel phase at nice 19 beside the serial tests (tests/run_suite.py); a warm server
     is a session of its own (start_new_session), whose autogroup starts at nice 0 and would outrank them."""
     niceness = min(os.nice(0) + 7, 19)  # under run_suite.py's parallel phase this process is at 19 already
-    server = subprocess.Popen(["nice", "-n", "7", sys.executable, "-m", "tests.warm", str(tmp_path / "server.sock")],
+    server = subprocess.Popen(["nice", "-n", "7", sys.executable, str(WARM_SERVER), str(tmp_path / "server.sock")],
                               cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30

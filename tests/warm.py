@@ -7,7 +7,7 @@ runs the tests train take a second: start-up was most of the suite's time. Two w
 
 - `fork_server()`: multiprocessing's fork server with PRELOADED imported; tests/distributed/harness.py
   forks its ranks from it.
-- `WarmServer` (this module run as `python -m tests.warm SOCKET`): forks one `scaletrain` process per
+- `WarmServer` (run as `python tests/warm_server.py SOCKET`): forks one `scaletrain` process per
   request from tests/warm_client.py, which stands where `python -m scaletrain` stood: under torchrun
   (each rank a client), or alone. The fork takes the client's argv, environment, working directory
   and stdin/stdout/stderr; the client passes signals on to it and exits as it did (code or signal), so
@@ -67,6 +67,7 @@ PROGRAMS = {TORCHRUN: ("torchrun", "torch.distributed.run"),
             SCRIPT: ("python", "tests.warm_script")}
 NAMESPACES = (("uts", 0x04000000), ("net", 0x40000000), ("mnt", 0x00020000))  # CLONE_NEWUTS, NEWNET, NEWNS
 WARM_PYTHON = Path(__file__).resolve().parent / "warm_python"
+WARM_SERVER = Path(__file__).resolve().parent / "warm_server.py"  # main() below, started by path
 HEADER = struct.Struct("!I")  # the length of the JSON request that follows it
 CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED's struct ucred: pid, uid, gid
 
@@ -96,7 +97,7 @@ def warm_socket() -> Path:
             repo = Path(__file__).resolve().parents[1]
             # SIGINT at its default, as in a terminal: a shell's background job (CI as `nohup bash .ci/run &`)
             # starts ignoring it, and the forks would keep that (a client's own ignored signals still reach them)
-            _server = subprocess.Popen([sys.executable, "-m", "tests.warm", str(_socket_path)], cwd=repo,
+            _server = subprocess.Popen([sys.executable, str(WARM_SERVER), str(_socket_path)], cwd=repo,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        preexec_fn=default_sigint)
             deadline = time.monotonic() + 300
@@ -373,6 +374,3 @@ def main(socket_path: str) -> None:
     print(f"warm server: {len(PRELOADED)} modules imported, {threads} native thread(s)", flush=True)
     WarmServer(Path(socket_path)).serve()
 
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -1,0 +1,18 @@
+"""`python tests/warm_server.py SOCKET`: tests/warm.py's WarmServer, as warm_socket() starts it.
+
+Started by path, not as `python -m tests.warm`, so that no frame of the frozen runpy module sits at the
+bottom of every fork's stack. inspect.getmodule() scans every loaded module (about 5,000 in a fork) for
+each frame whose file is no module's, such as `<frozen runpy>`, and torchrun's rendezvous calls
+inspect.stack() twice for each event it records (get_method_name in
+torch/distributed/elastic/rendezvous/dynamic_rendezvous.py): 45 ms a call with the two runpy frames, 2.6 ms
+without, which was about 1.4 s of CPU in each torchrun launched as a warm fork.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, as `python -m` from it would have
+
+from tests.warm import main  # noqa: E402
+
+main(sys.argv[1])

@@ -3,8 +3,10 @@ test that SIGKILLs a rank uses to kill the rank itself (tests/hosts.py Hosts.kil
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
-from tests.warm import SCRIPT, WARM_SERVER, fork_of
+from tests.warm import HEADER, SCRIPT, SOCKET_VARIABLE, WARM_SERVER, fork_of
 
 
 def test_fork_of_names_a_clients_running_fork_and_forgets_it_when_it_ends(tmp_path: Path):
@@ -48,6 +50,40 @@ def test_a_server_started_niced_nices_its_sessions_autogroup(tmp_path: Path):
             assert server.poll() is None and time.monotonic() < deadline, f"autogroup stays {' '.join(autogroup)}"
             time.sleep(0.02)
         assert os.getsid(server.pid) == server.pid  # a session, and so an autogroup, of its own
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def test_a_client_gone_mid_request_leaves_the_server_serving(tmp_path: Path):
+    """A kill campaign's SIGKILL can end a client between its request and the server's reply. The server died of
+    the broken pipe (BrokenPipeError in _fork_for, in a fresh-clone run of 2026-11-29), and every later test of
+    that pytest worker found no server ("Connection refused"). Here a client leaves before its request is whole
+    and another before the reply (both close before the server reads them); then a third is served."""
+    socket_path = tmp_path / "server.sock"
+    server = subprocess.Popen([sys.executable, str(WARM_SERVER), str(socket_path)], cwd=REPO,
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not socket_path.exists():
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        sleeper, printer = tmp_path / "sleep.py", tmp_path / "print.py"
+        sleeper.write_text("import time\ntime.sleep(60)\n")
+        printer.write_text("print('served')\n")
+        request = json.dumps({"args": [SCRIPT, str(sleeper)], "env": {}, "cwd": str(tmp_path),
+                              "ignored": []}).encode()
+        with open(os.devnull, "r+b") as null:
+            for sent in (request[:10], request):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+                    gone.connect(str(socket_path))
+                    socket.send_fds(gone, [HEADER.pack(len(request))], [null.fileno()] * 3)
+                    gone.sendall(sent)
+        served = subprocess.run([sys.executable, str(WARM_CLIENT), SCRIPT, str(printer)], cwd=tmp_path,
+                                env={**scaletrain_environment(), SOCKET_VARIABLE: str(socket_path)},
+                                capture_output=True, text=True, timeout=60)
+        assert (served.returncode, served.stdout) == (0, "served\n"), served.stderr
+        assert server.poll() is None
     finally:
         server.kill()
         server.wait(timeout=30)

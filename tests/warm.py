@@ -207,8 +207,18 @@ class WarmServer:
                 self._fork_for(self.listener.accept()[0])
 
     def _fork_for(self, connection: socket.socket) -> None:
-        header, fds, _, _ = socket.recv_fds(connection, HEADER.size, 3)
-        request = json.loads(_receive_exactly(connection, HEADER.unpack(header)[0]))
+        """A client killed while it connects (a kill campaign's SIGKILL, say) is no error of the server's: one
+        gone before its request is whole gets no fork, one gone after it a fork that ends itself
+        (_end_with_client); the server, which every later test needs, serves on either way."""
+        fds: list[int] = []
+        try:
+            header, fds, _, _ = socket.recv_fds(connection, HEADER.size, 3)
+            request = json.loads(_receive_exactly(connection, HEADER.unpack(header)[0]))
+        except (OSError, struct.error, ValueError):  # a short header, a cut request, a reset connection
+            for fd in fds:
+                os.close(fd)
+            connection.close()
+            return
         client_pid = CREDENTIALS.unpack(connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                               CREDENTIALS.size))[0]
         pid = os.fork()
@@ -222,7 +232,8 @@ class WarmServer:
         self.clients[pid] = connection
         self.fork_clients[pid] = client_pid
         (self.forks / str(client_pid)).write_text(str(pid))
-        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        with contextlib.suppress(OSError):  # the client is gone: its fork sees the connection closed and ends
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
     def _report_exits(self) -> None:
         while self.clients:

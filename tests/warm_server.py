@@ -11,8 +11,8 @@ without, which was about 1.4 s of CPU in each torchrun launched as a warm fork.
 import sys
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, as `python -m` from it would have
+if __name__ == "__main__":  # not where multiprocessing's spawn re-imports a fork's main module as __mp_main__
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, as `python -m` from it would have
+    from tests.warm import main
 
-from tests.warm import main  # noqa: E402
-
-main(sys.argv[1])
+    main(sys.argv[1])

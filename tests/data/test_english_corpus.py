@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from data_pipelines.english import CorpusError, Source, _run_client, build, drop_duplicates, normalised
+from data_pipelines.english import (
+    SOURCES,
+    CorpusError,
+    Source,
+    SourceUnavailable,
+    _run_client,
+    apt_fetch,
+    build,
+    drop_duplicates,
+    normalised,
+)
 from data_pipelines.rst_text import rst_to_text
 
 RST = """\
@@ -108,3 +119,33 @@ def test_too_little_text_fails_without_writing(tmp_path: Path) -> None:
         build(tmp_path / "corpus", tmp_path / "cache", set(), min_words=1000, log=lambda _: None, sources=sources)
     assert not (tmp_path / "corpus").exists()
     assert not list(tmp_path.glob(".corpus.tmp-*"))
+
+
+def test_a_debian_source_takes_its_pinned_version_not_the_newest(tmp_path: Path) -> None:
+    """A machine whose cache (or apt) holds a newer .deb still builds the pinned corpus: a bare
+    `apt-get download` took 6.1.192-3 over the experiment's 6.1.176-1 on 2026-11-29."""
+    for name in ("pkg_1.0-1_all.deb", "pkg_1.2-3_all.deb"):
+        (tmp_path / name).write_bytes(name.encode())
+    assert apt_fetch("pkg", "1.0-1")(tmp_path) == tmp_path / "pkg_1.0-1_all.deb"
+    assert apt_fetch("pkg", "2:1.2-3")(tmp_path) == tmp_path / "pkg_1.2-3_all.deb"  # file names drop the epoch
+
+
+def test_a_debian_version_gone_from_apt_names_where_to_get_it(tmp_path: Path, monkeypatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    apt = bin_dir / "apt-get"  # apt 2.6's message for a version its lists do not hold, and its exit status
+    apt.write_text("#!/bin/sh\necho \"E: Version '1.0-1' for 'pkg' was not found\" >&2\nexit 100\n")
+    apt.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    with pytest.raises(SourceUnavailable) as raised:
+        apt_fetch("pkg", "1.0-1")(tmp_path / "cache")
+    message = str(raised.value)
+    assert "pkg_1.0-1_all.deb" in message and "https://snapshot.debian.org/binary/pkg/" in message
+    assert str(tmp_path / "cache") in message
+    assert not [path for path in (tmp_path / "cache").iterdir()]  # no download directory left behind
+
+
+def test_the_debian_sources_are_pinned_by_version_and_hash() -> None:
+    debian = [source for source in SOURCES if "(Debian)" in source.package]
+    assert [source.name for source in debian] == ["linux_docs", "python_docs"]
+    assert all("=" in source.package and source.sha256 for source in debian)

@@ -24,9 +24,9 @@ import yaml
 from scaletrain.cli import main
 from scaletrain.config import ConfigError
 from scaletrain.scaling.fit_plots import PLOT_FILES
-from scaletrain.scaling.sweep.executors import materialize
+from scaletrain.scaling.sweep.executors import check_one_corpus, materialize, run_local
 from scaletrain.scaling.sweep.plan import plan_sweep
-from scaletrain.scaling.sweep.results import RESULT_COLUMNS, run_status, write_status_file
+from scaletrain.scaling.sweep.results import RESULT_COLUMNS, run_data_fingerprint, run_status, write_status_file
 from scaletrain.scaling.sweep.spec import load_sweep_spec
 from scaletrain.tracking.durations import format_duration
 from tests.scaling.sweeps import TINY_BUDGETS, TINY_SHAPES, in_process_loading, tiny_spec, write_spec
@@ -427,3 +427,25 @@ def test_status_shows_a_running_runs_progress(tmp_path: Path, capsys: pytest.Cap
                           f"plan's {format_duration(done.predicted_s)} (2.50x); the unfinished runs are planned at "
                           f"{format_duration(rest)}, about {format_duration(2.5 * rest)} at that rate, one run at a "
                           "time (divide by `--jobs`)")
+
+
+def test_a_sweep_refuses_to_train_on_other_data_than_its_finished_runs(small_dataset: Path, tmp_path: Path):
+    """A sweep restored on a new machine resumes on the corpus rebuilt there, which can differ (the English
+    recipe's Debian documentation moved between two machines a day apart). `fit` refuses the mix only after
+    the new runs have trained; `sweep run` says it before the first starts, and trains nothing."""
+    spec_path = write_spec(tmp_path / "spec.yaml", tiny_spec(small_dataset, tmp_path / "sweep"))
+    plan = plan_sweep(load_sweep_spec(spec_path))
+    materialize(plan)
+    finished = plan.run_dir(plan.runs[0])
+    (finished / "summary.json").write_text("{}")
+    now = run_data_fingerprint(plan.run_dir(plan.runs[1]))
+    assert now is not None
+    write_status_file(finished, {"state": "done", "data_fingerprint": now})
+    check_one_corpus(plan)  # the same data: nothing to say
+    write_status_file(finished, {"state": "done", "data_fingerprint": "0123456789abcdef"})
+    with pytest.raises(ConfigError) as refused:
+        run_local(plan)
+    message = str(refused.value)
+    assert f"run {plan.runs[1].name} would train on data with fingerprint {now}" in message
+    assert f"0123456789abcdef (run {plan.runs[0].name})" in message and str(small_dataset) in message
+    assert not any((plan.run_dir(run) / "train.log").exists() for run in plan.runs)

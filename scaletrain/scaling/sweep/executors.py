@@ -68,6 +68,42 @@ def materialize(plan: SweepPlan) -> None:
                                         "runs": [run.to_row() for run in plan.runs]})
 
 
+def check_one_corpus(plan: SweepPlan) -> None:
+    """Refuse to train more of a sweep's runs on other data than its finished runs recorded.
+
+    A sweep restored on a new machine resumes on the corpus rebuilt there, and a rebuilt corpus can differ
+    (a package moved since: the English recipe's Debian documentation did, 2026-11-29), as can one re-prepared
+    with other settings. `fit` refuses the mix of fingerprints, but only after the new runs have trained;
+    this says it before the first one starts, naming a finished run and the data to restore.
+    """
+    recorded: dict[str, str] = {}
+    pending = []
+    for run in plan.runs:
+        run_dir = plan.run_dir(run)
+        if run_status(run_dir).state == "done":
+            fingerprint = read_status_file(run_dir).get("data_fingerprint")
+            if fingerprint:
+                recorded.setdefault(fingerprint, run.name)
+        else:
+            pending.append(run)
+    if not recorded:
+        return
+    for run in pending:
+        now = run_data_fingerprint(plan.run_dir(run))
+        if now is not None and now not in recorded:
+            finished = ", ".join(f"{fingerprint} (run {name})" for fingerprint, name in recorded.items())
+            raise ConfigError(
+                f"sweep {plan.spec.name}: run {run.name} would train on data with fingerprint {now}, but the "
+                f"sweep's finished runs recorded {finished}: the corpus at {_data_dirs(plan.run_dir(run))} is "
+                "not the one they trained on. Rebuild it as it was (the same sources and `prepare` settings), "
+                "or use a new sweep `dir`")
+
+
+def _data_dirs(run_dir: Path) -> str:
+    config = load_config(run_dir / RUN_CONFIG_FILE, [], to_train=False)
+    return ", ".join(str(source.dir) for source in config.data.sources())
+
+
 def _as_yaml(config: Config) -> dict:
     return yaml.safe_load(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
@@ -150,6 +186,7 @@ def run_local(plan: SweepPlan, nproc: int = 1, log: callable = print, jobs: int 
     Every run is the same whatever else trains beside it (data order and initial weights follow from its
     seed), so `jobs` changes the wall time, not the results."""
     materialize(plan)
+    check_one_corpus(plan)
     trained, skipped, failed = [], [], []
     order = execution_order(plan.runs)
     position = {run.name: index for index, run in enumerate(order, start=1)}
@@ -288,6 +325,7 @@ def submit_slurm(plan: SweepPlan, nproc: int, spec_path: Path) -> str:
     """Write an sbatch job array with one task per unfinished run, submit it and a dependent
     finalize job (results, fit, W&B summary), and return what was submitted."""
     materialize(plan)
+    check_one_corpus(plan)
     states = {run.name: run_status(plan.run_dir(run)).state for run in plan.runs}
     busy = [name for name, state in states.items() if state in ("running", "queued")]
     if busy:

@@ -122,10 +122,11 @@ def pip_fetch(requirement: str, pattern: str) -> Callable[[Path], Path]:
 
 def apt_fetch(package: str, version: str) -> Callable[[Path], Path]:
     """The .deb of `package` at exactly `version`. A bare `apt-get download` takes the newest version the
-    machine's package lists hold, and Debian's security updates and point releases move it: linux-doc-6.1
-    went from 6.1.176-1 to 6.1.192-3 between two machines of 2026-11-28 and -29, which changed the corpus
-    (30,308,018 to 30,300,460 training tokens) and so every loss measured on it. A version Debian has since
-    dropped from its archive is still on snapshot.debian.org, and a .deb put in the cache is used as is."""
+    machine's package lists hold, which depends on the lists (bookworm-security's are newer than bookworm's)
+    and moves with Debian's updates: linux-doc-6.1 was 6.1.176-1 on a machine of 2026-11-28 and 6.1.192-3
+    on one of 2026-11-29, and the corpus changed with it (30,308,018 and 30,300,460 training tokens), and so
+    every loss measured on it. A version Debian has since dropped from its archive is still on
+    snapshot.debian.org, and a .deb put in the cache is used as it is."""
     pattern = f"{package}_{version.split(':')[-1]}_*.deb"  # a .deb's file name leaves out the version's epoch
     command = ["apt-get", "download", f"{package}={version}"]
 
